@@ -1,0 +1,1 @@
+"""Prefect flows, the CLI and the composed pipeline config."""

@@ -1,0 +1,64 @@
+"""`posttrain` command line.
+
+  posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
+  posttrain validate CONFIG [KEY.PATH=VALUE ...]  check a config and print it resolved
+
+No Prefect server configured (PREFECT_API_URL unset): an ephemeral one, with
+PREFECT_HOME under the artifacts folder unless you set PREFECT_HOME. MLflow: the
+sqlite file artifacts/mlflow.db unless MLFLOW_TRACKING_URI is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def embedded_defaults(artifacts_dir: str) -> None:
+    """Point Prefect at a home under artifacts/ when no server or home is configured.
+
+    Must run before `prefect` is imported: Prefect reads its settings at import time.
+    """
+    if not os.environ.get("PREFECT_API_URL"):
+        os.environ.setdefault("PREFECT_HOME", str(Path(artifacts_dir).resolve() / "prefect"))
+        Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-training pipeline (Prefect + MLflow).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("run", "run the pipeline"), ("validate", "validate a config and print it resolved")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
+        if name == "run":
+            p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
+    args = parser.parse_args(argv)
+
+    from flows.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error:\n{e}", file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+
+    embedded_defaults(cfg.artifacts_dir)
+    from flows.pipeline import posttrain_pipeline
+
+    posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

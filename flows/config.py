@@ -1,0 +1,112 @@
+"""The composed pipeline config: one pydantic model per stage section, loaded from YAML
+with dotted command-line overrides (`grpo.rounds=2 rollout.temperature=0.8`).
+
+Errors name the file, the key's full path, and for an unknown key the closest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stages.base_model import BaseModelConfig
+from stages.demo_data import DemoDataConfig
+from stages.evaluate import EvalConfig
+from stages.export import ExportConfig
+from stages.grpo import GRPOConfig
+from stages.rollout import RolloutConfig
+from stages.score import ScoreConfig
+from stages.sft import SFTConfig
+from stages.transform import TransformConfig
+
+
+class PipelineConfig(BaseModel):
+    """A whole GRPO pipeline run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "posttrain"
+    """Run group: the MLflow experiment and the Prefect flow-run name prefix."""
+    artifacts_dir: str = "artifacts"
+    """Root of every stage folder, the MLflow sqlite store and Prefect's home."""
+    demo_data: DemoDataConfig = Field(default_factory=DemoDataConfig)
+    transform: TransformConfig = Field(default_factory=TransformConfig)
+    model: BaseModelConfig = Field(default_factory=BaseModelConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message is for people."""
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Set `a.b.c=value` in nested dicts; the value is parsed as YAML (2 -> int, [a, b] -> list)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected KEY.PATH=VALUE, e.g. grpo.rounds=2")
+    path, raw = override.split("=", 1)
+    keys = path.strip().split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Valid key names of the section at `loc` (for suggestions)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _describe(error: dict, source: str) -> str:
+    loc = tuple(error["loc"])
+    path = ".".join(str(p) for p in loc)
+    if error["type"] == "extra_forbidden":
+        valid = _fields_at(PipelineConfig, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+        return f"{source}: unknown key {path!r}{hint} (valid here: {', '.join(valid)})"
+    value = error.get("input")
+    shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, dict) else "a mapping"
+    return f"{source}: {path or '<top level>'}: got {shown}; expected {error['msg'].lower()}"
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read YAML, apply overrides, validate. Raises ConfigError naming file and key path."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides or []:
+        apply_override(data, override)
+    source = str(path) + (" (with overrides)" if overrides else "")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("\n".join(_describe(err, source) for err in e.errors())) from None

@@ -1,0 +1,116 @@
+"""Build a small causal LM offline: a BPE tokenizer trained locally and a randomly
+initialised Qwen2 model from a transformers config. No hub download.
+
+head_dim = hidden_size / num_attention_heads is kept >= 64 so vLLM can load the model.
+Run: `python -m stages.base_model OUT_DIR` builds one from a few lines of text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# ChatML, as Qwen2 uses. `{% generation %}` marks let TRL compute assistant-only masks.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+    "{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+class BaseModelConfig(BaseModel):
+    """Where the base policy comes from: built from a config here, or a local HF folder."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None
+    """A local transformers model folder (with tokenizer) to start from instead of building one."""
+    vocab_size: int = Field(512, ge=64)
+    """BPE vocabulary trained on the task text. Digits are always single tokens."""
+    hidden_size: int = Field(256, ge=64)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=16)
+    max_position_embeddings: int = Field(256, ge=32)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _head_dim_fits_vllm(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.hidden_size // self.num_attention_heads < 64:
+            raise ValueError(
+                f"head_dim = hidden_size / num_attention_heads = "
+                f"{self.hidden_size // self.num_attention_heads}; vLLM needs >= 64"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer with single-digit tokens and the ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path) -> dict:
+    """Train the tokenizer on `texts`, build the model, save both to out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    if cfg.path:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.path)
+    else:
+        # chat-formatted text so the template's markers get merged like the real data
+        tokenizer = train_tokenizer(texts, cfg.vocab_size)
+        torch.manual_seed(cfg.seed)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {"num_parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}

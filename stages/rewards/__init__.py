@@ -1,0 +1,13 @@
+"""Built-in reward functions with TRL's signature: fn(prompts, completions, **columns) -> list[float].
+
+`completions` are chat message lists for chat prompts (as in TRL) or plain strings.
+Config names them by key (`accuracy`, `format`); user functions are `module.fn`.
+"""
+
+from stages.rewards.common import completion_text
+from stages.rewards.math import accuracy_reward, format_reward
+
+BUILTIN_REWARDS = {"accuracy": accuracy_reward, "format": format_reward}
+
+__all__ = ["BUILTIN_REWARDS", "accuracy_reward", "format_reward", "completion_text"]
+

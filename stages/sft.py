@@ -1,0 +1,94 @@
+"""Supervised warm start with TRL's SFTTrainer on prompt/completion chat rows.
+
+Loss on completion tokens only (TRL's default for prompt-completion data). Full
+fine-tuning of the small base model; the result is the policy GRPO starts from.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SFTConfig(BaseModel):
+    """Warm-start settings (names as in TRL's SFTConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    """false: the base model is the policy as it is."""
+    split: str = "sft"
+    """Which prompts split holds the demonstrations."""
+    completion_field: str = "teacher_completion"
+    """Column of the prompts table with the assistant's target text."""
+    num_train_epochs: float = Field(3.0, gt=0)
+    learning_rate: float = Field(3e-3, gt=0)
+    micro_batch_size: int = Field(32, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = 0.0
+    seed: int = 0
+
+
+def run(
+    cfg: SFTConfig,
+    model_dir: Path,
+    prompts_path: Path,
+    out_dir: Path,
+    on_metrics: Callable[[dict, int], None] | None = None,
+) -> dict:
+    """Fine-tune the model in model_dir on the split's prompt/completion pairs; save to out_dir."""
+    import datasets
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig as TRLSFTConfig
+    from trl import SFTTrainer
+
+    table = pq.read_table(prompts_path)
+    if cfg.completion_field not in table.column_names:
+        raise ValueError(
+            f"sft.completion_field: column {cfg.completion_field!r} is not in {prompts_path} "
+            f"(columns: {table.column_names})"
+        )
+    rows = table.select(["prompt", cfg.completion_field]).to_pylist()
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[cfg.completion_field]}]} for r in rows]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+
+    class ReportMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if on_metrics and logs:
+                on_metrics({f"sft/{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
+
+    args = TRLSFTConfig(
+        output_dir=str(out_dir / "_trainer"),
+        num_train_epochs=cfg.num_train_epochs,
+        learning_rate=cfg.learning_rate,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        warmup_steps=math.ceil(cfg.warmup_ratio * len(rows) * cfg.num_train_epochs / cfg.micro_batch_size),
+        lr_scheduler_type="cosine",
+        weight_decay=cfg.weight_decay,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[ReportMetrics()]
+    )
+    result = trainer.train()
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    import shutil
+
+    shutil.rmtree(out_dir / "_trainer", ignore_errors=True)
+    return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows)}

@@ -1,0 +1,1 @@
+"""Prefect tasks over the stages, the artifact store and MLflow lineage helpers."""

@@ -1,0 +1,183 @@
+"""One Prefect task per stage. Each is thin: compute the content key, return the finished
+artifact if its manifest is there, otherwise run the stage into the store, log the
+nested MLflow run, and report progress. No ML logic here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from stages import base_model, demo_data, evaluate, export, grpo, rollout, schemas, score, sft, transform
+from tasks.lineage import Lineage
+from tasks.reporting import Reporter
+from tasks.store import Artifact, ArtifactStore, code_version, sha256_file
+
+
+class RunContext:
+    """What every task of one pipeline run shares (a plain class: Prefect does not walk into it)."""
+
+    def __init__(self, config, store: ArtifactStore, lineage: Lineage, reporter: Reporter):
+        self.config = config
+        self.store = store
+        self.lineage = lineage
+        self.reporter = reporter
+
+
+def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
+                produce: Callable[[Path, Callable], dict], label: str | None = None) -> Artifact:
+    """Return the stage's artifact for these inputs, computing it only if no manifest exists."""
+    present = {name: a for name, a in inputs.items() if a is not None}
+    version = code_version(module, schemas)
+    key = ctx.store.key(stage, version, section, [f"{n}={a.stage}/{a.key}" for n, a in sorted(present.items())])
+    label = label or stage
+    found = ctx.store.get(stage, key)
+    if found is not None:
+        ctx.reporter.done(label, stage, found.path, cached=True)
+        return found
+    started = ctx.reporter.start(label)
+    input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}
+    run_id = ctx.lineage.stage_run(label, key, section, input_keys)
+
+    def on_metrics(metrics: dict, step: int = 0) -> None:
+        ctx.lineage.log_metrics(run_id, metrics, step)
+
+    try:
+        artifact = ctx.store.write(stage, key, lambda out: produce(out, on_metrics), inputs=input_keys,
+                                   config=section)
+    except BaseException:
+        ctx.lineage.client.set_terminated(run_id, status="FAILED")
+        raise
+    ctx.lineage.log_metrics(run_id, {k: v for k, v in artifact.manifest["summary"].items()
+                                     if isinstance(v, (int, float))})
+    ctx.lineage.log_metrics(run_id, {"wall_time_s": artifact.manifest["wall_time_s"]})
+    ctx.lineage.client.set_terminated(run_id)
+    ctx.reporter.done(label, stage, artifact.path, cached=False, started=started)
+    return artifact
+
+
+def _files_digest(paths: dict[str, str] | None) -> dict[str, str] | None:
+    """Content digests of user data files, so editing a file changes the transform's key."""
+    return {split: sha256_file(Path(p)) for split, p in paths.items()} if paths else None
+
+
+@task(name="demo_data", cache_policy=NO_CACHE)
+def demo_data_task(ctx: RunContext) -> Artifact:
+    cfg = ctx.config.demo_data
+    return materialize(ctx, "demo_data", demo_data, cfg.model_dump(mode="json"), {},
+                       lambda out, _: demo_data.run(cfg, out))
+
+
+@task(name="transform", cache_policy=NO_CACHE)
+def transform_task(ctx: RunContext, raw: Artifact | None) -> Artifact:
+    cfg = ctx.config.transform
+    if cfg.paths:
+        files = {split: Path(p) for split, p in cfg.paths.items()}
+    else:
+        files = {split: raw.file(f"{split}.parquet") for split in demo_data.SPLITS}
+    section = {**cfg.model_dump(mode="json"), "file_digests": _files_digest(cfg.paths)}
+    return materialize(ctx, "transform", transform, section, {"raw": raw},
+                       lambda out, _: transform.run(cfg, files, out))
+
+
+@task(name="base_model", cache_policy=NO_CACHE)
+def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
+    cfg = ctx.config.model
+    split = ctx.config.sft.split if ctx.config.sft.enabled else "train"
+
+    def produce(out, _):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(prompts.file(f"{split}.parquet")).to_pylist()
+        completion_field = ctx.config.sft.completion_field
+        texts = [
+            "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["prompt"])
+            + f"<|im_start|>assistant\n{row.get(completion_field) or row['answer']}<|im_end|>\n"
+            for row in table
+        ]
+        return base_model.run(cfg, texts, out)
+
+    return materialize(ctx, "base_model", base_model, cfg.model_dump(mode="json"), {"prompts": prompts}, produce)
+
+
+@task(name="sft", cache_policy=NO_CACHE)
+def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
+    cfg = ctx.config.sft
+    return materialize(
+        ctx, "sft", sft, cfg.model_dump(mode="json"), {"model": model, "prompts": prompts},
+        lambda out, log: sft.run(cfg, model.path, prompts.file(f"{cfg.split}.parquet"), out, on_metrics=log),
+    )
+
+
+@task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
+def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str) -> Artifact:
+    cfg = ctx.config.eval
+    bar = ctx.reporter.progress(f"eval {label}", "prompt")
+    return materialize(
+        ctx, "eval", evaluate, cfg.model_dump(mode="json"), {"model": model, "prompts": prompts},
+        lambda out, _: evaluate.run(cfg, model.path, None, prompts.file(f"{cfg.split}.parquet"), out,
+                                    on_progress=bar),
+        label=f"eval {label}",
+    )
+
+
+def _round_section(section: dict, round_index: int) -> dict:
+    """A round's key depends on its index, never on how many rounds the run has."""
+    return {**{k: v for k, v in section.items() if k != "rounds"}, "round": round_index}
+
+
+@task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
+def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
+                 round_index: int) -> Artifact:
+    cfg = ctx.config.rollout
+    bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
+    return materialize(
+        ctx, "rollout", rollout, _round_section(cfg.model_dump(mode="json"), round_index),
+        {"policy": policy, "adapter": adapter, "prompts": prompts},
+        lambda out, _: rollout.run(cfg, policy.path, adapter.path if adapter else None,
+                                   prompts.file("train.parquet"), round_index, round_index, out, on_progress=bar),
+        label=f"rollout r{round_index}",
+    )
+
+
+@task(name="score", task_run_name="score-r{round_index}", cache_policy=NO_CACHE)
+def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifact:
+    cfg = ctx.config.score
+    n = ctx.config.rollout.num_generations
+    return materialize(
+        ctx, "score", score, {**cfg.model_dump(mode="json"), "num_generations": n}, {"rollouts": rollouts},
+        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out), label=f"score r{round_index}",
+    )
+
+
+@task(name="optimize", task_run_name="optimize-r{round_index}", cache_policy=NO_CACHE)
+def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, scored: Artifact,
+                  round_index: int) -> Artifact:
+    cfg = ctx.config.grpo
+    temperature = ctx.config.rollout.temperature
+    max_len = ctx.config.rollout.max_completion_length
+    section = {**_round_section(cfg.model_dump(mode="json"), round_index), "temperature": temperature,
+               "max_completion_length": max_len}
+    bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
+    return materialize(
+        ctx, "optimize", grpo, section, {"policy": policy, "adapter": adapter, "scored": scored},
+        lambda out, _: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
+                                round_index, temperature, max_len, out, on_step=bar),
+        label=f"optimize r{round_index}",
+    )
+
+
+@task(name="export", cache_policy=NO_CACHE)
+def export_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, lineage_keys: dict,
+                train_metrics: dict) -> Artifact:
+    cfg = ctx.config.export
+    config = ctx.config.model_dump(mode="json")
+    return materialize(
+        ctx, "export", export, cfg.model_dump(mode="json"), {"policy": policy, "adapter": adapter},
+        lambda out, _: export.run(cfg, policy.path, adapter.path if adapter else None, out, metrics=train_metrics,
+                                  lineage=lineage_keys, config=config),
+    )
+
