@@ -1,16 +1,17 @@
-"""Offline demo task: two-number addition, made procedurally (no download).
+"""Offline demo task: "Which is the largest of 47, 12, 83, 29?", made procedurally (no download).
 
 Three disjoint splits of raw rows {question, answer, teacher_completion}:
 
-- `sft`: demonstrations from a *noisy teacher* that forgets the carry from the units
-  column `1 - teacher_carry_accuracy` of the time (it writes a + b - 10). The SFT warm
-  start imitates it, so the base policy answers the no-carry problems and usually gets
-  carry problems wrong, while still sampling the right answer sometimes: the signal
-  GRPO with a verifier reward can amplify.
+- `sft`: demonstrations from a *noisy teacher* that answers correctly only
+  `teacher_accuracy` of the time and otherwise just repeats the first number listed.
+  The SFT warm start imitates it, so the base policy is right on some prompts (those
+  whose first number is the largest, and a few more) while still sampling the right
+  answer now and then: the signal GRPO with a verifier reward amplifies.
 - `train`: prompts for RL rollouts.
 - `eval`: held-out prompts for accuracy.
 
-Run: `python -m stages.demo_data` prints a few rows.
+The numbers of one question have distinct tens digits (10..99), so "largest" never
+hinges on a tie. Run `python -m stages.demo_data` to print a few rows.
 """
 
 from __future__ import annotations
@@ -18,32 +19,30 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.schemas import write_table
-import pyarrow as pa
 
 RAW = pa.schema([("question", pa.string()), ("answer", pa.string()), ("teacher_completion", pa.string())])
 SPLITS = ("sft", "train", "eval")
 
 
 class DemoDataConfig(BaseModel):
-    """The built-in arithmetic task."""
+    """The built-in "largest number" task."""
 
     model_config = ConfigDict(extra="forbid")
 
-    min_operand: int = Field(10, ge=0)
-    max_operand: int = Field(99, ge=1)
-    """Operands are drawn from min_operand..max_operand. 10..99: two-digit numbers (fixed
-    digit positions, which a tiny model learns quickly), 45% of sums with a units carry."""
-    num_sft: int = Field(3000, ge=1)
+    numbers_per_question: int = Field(4, ge=2, le=9)
+    """How many two-digit numbers each question lists. More: harder, lower base accuracy."""
+    num_sft: int = Field(4000, ge=1)
     """Teacher demonstrations for the SFT warm start."""
-    num_train: int = Field(3000, ge=1)
+    num_train: int = Field(4000, ge=1)
     """RL prompts. Rounds draw `rollout.prompts_per_round` of them."""
     num_eval: int = Field(256, ge=1)
-    """Held-out prompts for eval/accuracy. The issue's acceptance asks for at least 200."""
-    teacher_carry_accuracy: float = Field(0.3, ge=0.0, le=1.0)
-    """How often the noisy teacher carries correctly. Lower: weaker base policy, more for RL to fix."""
+    """Held-out prompts for eval/accuracy (at least 200 for a meaningful number)."""
+    teacher_accuracy: float = Field(0.3, ge=0.0, le=1.0)
+    """How often the noisy teacher picks the largest number. Lower: weaker base policy."""
     seed: int = 1234
 
 
@@ -52,31 +51,36 @@ def format_answer(value: int | str) -> str:
     return f"<answer>{value}</answer>"
 
 
+def _question(rng: random.Random, k: int) -> tuple[int, ...]:
+    tens = rng.sample(range(1, 10), k)
+    return tuple(10 * t + rng.randrange(10) for t in tens)
+
+
 def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
     """Write sft/train/eval raw-row Parquet files into out_dir; return row counts."""
-    total = cfg.num_sft + cfg.num_train + cfg.num_eval
-    operands = range(cfg.min_operand, cfg.max_operand + 1)
-    pairs = [(a, b) for a in operands for b in operands]
-    if total > len(pairs):
-        raise ValueError(
-            f"demo_data: asked for {total} distinct problems but operands {cfg.min_operand}..{cfg.max_operand} "
-            f"gives only {len(pairs)}; lower num_sft/num_train/num_eval or raise max_operand"
-        )
     rng = random.Random(cfg.seed)
-    rng.shuffle(pairs)
-    # eval first, so changing num_sft/num_train never changes the held-out set
-    bounds = {"eval": (0, cfg.num_eval), "sft": (cfg.num_eval, cfg.num_eval + cfg.num_sft)}
-    bounds["train"] = (bounds["sft"][1], total)
+    sizes = {"eval": cfg.num_eval, "sft": cfg.num_sft, "train": cfg.num_train}  # eval first: stable held-out set
+    seen: set[tuple[int, ...]] = set()
     counts = {}
-    for split in SPLITS:
-        lo, hi = bounds[split]
+    for split, size in sizes.items():
         rows = []
-        for a, b in pairs[lo:hi]:
-            answer = a + b
-            carries = (a % 10) + (b % 10) >= 10
-            teacher = answer if (not carries or rng.random() < cfg.teacher_carry_accuracy) else answer - 10
+        attempts = 0
+        while len(rows) < size:
+            attempts += 1
+            if attempts > 50 * (size + 10):
+                raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions; lower the counts")
+            numbers = _question(rng, cfg.numbers_per_question)
+            if numbers in seen:
+                continue
+            seen.add(numbers)
+            answer = max(numbers)
+            teacher = answer if rng.random() < cfg.teacher_accuracy else numbers[0]
             rows.append(
-                {"question": f"What is {a} + {b}?", "answer": str(answer), "teacher_completion": format_answer(teacher)}
+                {
+                    "question": f"Which is the largest of {', '.join(map(str, numbers))}?",
+                    "answer": str(answer),
+                    "teacher_completion": format_answer(teacher),
+                }
             )
         write_table(rows, out_dir / f"{split}.parquet", RAW)
         counts[split] = len(rows)
@@ -90,4 +94,5 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as d:
         print(run(DemoDataConfig(num_sft=5, num_train=5, num_eval=5), Path(d)))
-        print(pq.read_table(Path(d) / "sft.parquet").to_pylist())
+        for row in pq.read_table(Path(d) / "sft.parquet").to_pylist():
+            print(row)

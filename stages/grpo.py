@@ -3,7 +3,8 @@
 Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping):
   ratio_t   = exp(logp_t - old_logp_t)      old = the recorded sampling log-probs
   loss_t    = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
-            + beta * KL_t,  KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3 estimator)
+            + beta * KL_t,  KL_t = ratio_t * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
+              (k3 estimator, importance-corrected: TRL's use_bias_correction_kl)
 aggregated per `loss_type`: grpo (per-sequence mean, then batch mean), bnpo (token mean
 over the micro-batch), dr_grpo (sum / (batch * max_completion_length)), dapo (sum /
 completion tokens of the whole optimizer step). The reference policy is the base
@@ -55,6 +56,8 @@ class GRPOConfig(BaseModel):
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    use_bias_correction_kl: bool = True
+    """Multiply the k3 KL term by the importance ratio (TRL's default, DeepSeek-V3.2)."""
     seed: int = 0
 
 
@@ -91,6 +94,7 @@ def grpo_loss(
     max_completion_length: int,
     num_items_in_batch: float,
     gradient_accumulation_steps: int,
+    use_bias_correction_kl: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one micro-batch, scaled for accumulation exactly as TRL scales it.
 
@@ -111,6 +115,8 @@ def grpo_loss(
     per_token_kl = None
     if ref_logps is not None:
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1  # not detached, as in TRL
         if beta != 0.0:
             per_token_loss = per_token_loss + beta * per_token_kl
 
@@ -221,7 +227,7 @@ def run(
                 logps, batch["old_per_token_logps"], ref_logps, batch["advantages"], batch["completion_mask"],
                 loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
                 max_completion_length=max_completion_length, num_items_in_batch=num_items,
-                gradient_accumulation_steps=len(micro_batches),
+                gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
             )
             loss.backward()
             mask = batch["completion_mask"].float()

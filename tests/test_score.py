@@ -1,0 +1,415 @@
+"""Tests for stages/score.py and the reward worker pool it uses (stages/reward_workers.py)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import multiprocessing as mp
+import os
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from stages import reward_workers, score
+from stages.reward_workers import RewardFunctionError, shared_pool
+from stages.schemas import ROLLOUTS, SCORED
+from stages.score import ScoreConfig, group_advantages
+
+EPS = 1e-4
+
+# Two prompts x num_generations=2, laid out group by group as the rollout stage writes them.
+PROMPT_TEXT = {"p0": "What is 2+3?", "p1": "Write 1/2 as a decimal."}
+ANSWERS = {"p0": "5", "p1": "0.5"}
+COMPLETIONS = [
+    ("p0", "<answer>5</answer>"),  # accuracy 1, format 1
+    ("p0", "I think 6"),  # accuracy 0, format 0
+    ("p1", "<answer>0.5</answer>"),  # accuracy 1, format 1
+    ("p1", "<answer>\\frac{1}{2}</answer> done"),  # accuracy 1 (math-verify), format 0
+]
+IDS = [f"r0-{pid}-g{i % 2}" for i, (pid, _) in enumerate(COMPLETIONS)]
+
+
+@pytest.fixture(autouse=True)
+def close_pools():
+    """No test leaves reward workers behind: cached pools are closed after each test."""
+    yield
+    reward_workers._close_pools()
+    assert mp.active_children() == []
+
+
+@pytest.fixture
+def rollouts_path(tmp_path: Path) -> Path:
+    rows = []
+    for i, (pid, completion) in enumerate(COMPLETIONS):
+        rows.append({
+            "rollout_id": IDS[i],
+            "prompt_id": pid,
+            "group_index": i % 2,
+            "prompt": [{"role": "user", "content": PROMPT_TEXT[pid]}],
+            "completion": completion,
+            "prompt_token_ids": [1, 2, 3],
+            "completion_token_ids": list(range(len(completion))),
+            "sampling_logprobs": [-0.5] * len(completion),
+            "policy_version": 0,
+            "engine": "hf",
+            "finish_reason": "stop",
+            "answer": ANSWERS[pid],
+        })
+    schema = pa.schema(list(ROLLOUTS) + [pa.field("answer", pa.string())])
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
+USER_REWARDS = '''
+import asyncio
+import os
+import signal
+import threading
+import time
+
+from stages.rewards import completion_text
+
+CALLS = []
+
+
+def length(completions, **kwargs):
+    return [float(len(completion_text(c))) for c in completions]
+
+
+def sees_columns(prompts, completions, completion_ids, prompt_id, answer, **kwargs):
+    # TRL's keyword signature: prompts, completions, completion_ids and every passthrough column.
+    assert prompts[0][0]["role"] == "user"
+    return [float(len(ids)) + (100.0 if a == "5" else 0.0) + (1000.0 if p == "p1" else 0.0)
+            for ids, a, p in zip(completion_ids, answer, prompt_id)]
+
+
+def raises_on_done(completions, **kwargs):
+    out = []
+    for c in completions:
+        if completion_text(c).endswith("done"):
+            raise ValueError("cannot grade trailing text")
+        out.append(1.0)
+    return out
+
+
+def hangs(completions, **kwargs):
+    time.sleep(3600)
+    return [0.0] * len(completions)
+
+
+def one_too_many(completions, **kwargs):
+    return [1.0] * (len(completions) + 1)
+
+
+def exits(completions, **kwargs):
+    os._exit(3)
+
+
+def returns_text(completions, **kwargs):
+    return ["high" if completion_text(c).startswith("I") else 1.0 for c in completions]
+
+
+async def async_length(completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [float(len(completion_text(c))) for c in completions]
+
+
+def tagged_only(completions, **kwargs):
+    # Applies only to completions that start with an <answer> tag.
+    return [1.0 if completion_text(c).startswith("<answer>") else None for c in completions]
+
+
+def uses_alarm(completions, **kwargs):
+    # math-verify style: signal.alarm only works in the main thread of the process.
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        signal.alarm(1)
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    main = threading.current_thread() is threading.main_thread()
+    return [2.0 if fired and main else -1.0 for _ in completions]
+'''
+
+
+@pytest.fixture
+def user_rewards(tmp_path: Path, monkeypatch) -> str:
+    """A module of user reward functions in tmp_path, importable here and in spawned workers."""
+    name = f"user_rewards_{uuid.uuid4().hex[:10]}"
+    module_dir = tmp_path / "user_code"
+    module_dir.mkdir()
+    (module_dir / f"{name}.py").write_text(textwrap.dedent(USER_REWARDS))
+    monkeypatch.syspath_prepend(str(module_dir))
+    existing = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", str(module_dir) + (os.pathsep + existing if existing else ""))
+    return name
+
+
+def _scored(out_dir: Path) -> list[dict]:
+    return pq.read_table(out_dir / "scored.parquet").to_pylist()
+
+
+# --- group_advantages ---------------------------------------------------------------------------
+
+REWARDS_3 = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0], dtype=torch.float64)  # two groups of 3
+
+
+def test_group_advantages_none():
+    # group means 3 and 1
+    expected = [-2.0, -1.0, 3.0, -1.0, -1.0, 2.0]
+    assert group_advantages(REWARDS_3, 3, "none").tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_group_advantages_group():
+    # unbiased stds: sqrt((4+1+9)/2) = sqrt(7) and sqrt((1+1+4)/2) = sqrt(3)
+    s1, s2 = math.sqrt(7) + EPS, math.sqrt(3) + EPS
+    expected = [-2 / s1, -1 / s1, 3 / s1, -1 / s2, -1 / s2, 2 / s2]
+    assert group_advantages(REWARDS_3, 3, "group").tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_group_advantages_batch():
+    # batch mean 2; squared deviations 1+0+16+4+4+1 = 26; unbiased var 26/5; still centred per group
+    s = math.sqrt(26 / 5) + EPS
+    expected = [-2 / s, -1 / s, 3 / s, -1 / s, -1 / s, 2 / s]
+    assert group_advantages(REWARDS_3, 3, "batch").tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_group_advantages_zero_std_group_is_zero():
+    rewards = torch.tensor([2.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    s = math.sqrt(0.5) + EPS
+    assert group_advantages(rewards, 2, "group").tolist() == pytest.approx([0.0, 0.0, 0.5 / s, -0.5 / s], abs=1e-12)
+
+
+def test_group_advantages_groups_are_contiguous():
+    # num_generations=2 groups are [1, 0] and [3, 3], not [1, 3] and [0, 3]
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0], dtype=torch.float64)
+    assert group_advantages(rewards, 2, "none").tolist() == [0.5, -0.5, 0.0, 0.0]
+
+
+# --- score.run with built-in rewards ------------------------------------------------------------
+
+
+def test_run_builtin_rewards_weighted(rollouts_path, out_dir):
+    cfg = ScoreConfig(reward_funcs=["accuracy", "format"], reward_weights=[2.0, 0.5], reward_batch_size=3)
+
+    metrics = score.run(cfg, rollouts_path, num_generations=2, out_dir=out_dir)
+
+    rows = _scored(out_dir)
+    table = pq.read_table(out_dir / "scored.parquet")
+    assert table.column_names == SCORED.names + ["answer"]
+    assert table.schema.field("rewards").type == SCORED.field("rewards").type
+    assert [r["rollout_id"] for r in rows] == IDS
+    assert [dict(r["rewards"]) for r in rows] == [
+        {"accuracy": 1.0, "format": 1.0},
+        {"accuracy": 0.0, "format": 0.0},
+        {"accuracy": 1.0, "format": 1.0},
+        {"accuracy": 1.0, "format": 0.0},
+    ]
+    totals = [2.5, 0.0, 2.5, 2.0]
+    assert [r["reward"] for r in rows] == pytest.approx(totals)
+    s0 = math.sqrt(2 * 1.25**2) + EPS  # group [2.5, 0]: mean 1.25
+    s1 = math.sqrt(2 * 0.25**2) + EPS  # group [2.5, 2]: mean 2.25
+    assert [r["advantage"] for r in rows] == pytest.approx([1.25 / s0, -1.25 / s0, 0.25 / s1, -0.25 / s1])
+    assert [r["errors"] for r in rows] == [[], [], [], []]
+    assert [r["answer"] for r in rows] == ["5", "5", "0.5", "0.5"]
+
+    assert metrics["reward_mean"] == pytest.approx(1.75)
+    assert metrics["reward_std"] == pytest.approx(torch.tensor(totals).std().item())
+    assert metrics["frac_reward_zero_std"] == 0.0
+    assert metrics["rewards/accuracy/mean"] == pytest.approx(0.75)
+    assert metrics["rewards/format/mean"] == pytest.approx(0.5)
+
+    # The pool is cached: a second run with the same config reuses the same workers.
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
+    pids = [p.pid for p, _ in pool.workers]
+    metrics_again = score.run(cfg.model_copy(update={"scale_rewards": "none"}), rollouts_path, 2, out_dir)
+    assert shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s) is pool
+    assert [p.pid for p, _ in pool.workers] == pids
+    assert metrics_again["reward_mean"] == pytest.approx(1.75)
+    assert [r["advantage"] for r in _scored(out_dir)] == pytest.approx([1.25, -1.25, 0.25, -0.25])
+
+
+def test_run_default_weights_and_batch_scaling(rollouts_path, out_dir):
+    cfg = ScoreConfig(scale_rewards="batch", reward_batch_size=1)
+
+    metrics = score.run(cfg, rollouts_path, num_generations=2, out_dir=out_dir)
+
+    rows = _scored(out_dir)
+    totals = [2.0, 0.0, 2.0, 1.0]
+    assert [r["reward"] for r in rows] == pytest.approx(totals)
+    s = torch.tensor(totals, dtype=torch.float64).std().item() + EPS
+    assert [r["advantage"] for r in rows] == pytest.approx([1.0 / s, -1.0 / s, 0.5 / s, -0.5 / s])
+    assert metrics["reward_mean"] == pytest.approx(1.25)
+
+
+def test_run_rejects_partial_group(rollouts_path, out_dir):
+    with pytest.raises(ValueError, match="4 rows is not a multiple of num_generations=3"):
+        score.run(ScoreConfig(), rollouts_path, num_generations=3, out_dir=out_dir)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="reward_weights has 1 values for 2 reward_funcs"):
+        ScoreConfig(reward_funcs=["accuracy", "format"], reward_weights=[1.0])
+    with pytest.raises(ValueError):
+        ScoreConfig(scale_rewards="std")
+
+
+def test_unknown_reward_fails_fast_in_parent(rollouts_path, out_dir):
+    with pytest.raises(ValueError, match=r"reward_funcs: cannot import module 'nosuchmodule' for 'nosuchmodule\.fn'"):
+        score.run(ScoreConfig(reward_funcs=["nosuchmodule.fn"]), rollouts_path, 2, out_dir)
+    with pytest.raises(ValueError, match=r"reward_funcs: 'acc' is neither a built-in"):
+        score.run(ScoreConfig(reward_funcs=["acc"]), rollouts_path, 2, out_dir)
+    assert mp.active_children() == []
+
+
+# --- user reward functions in spawned workers ---------------------------------------------------
+
+
+def test_user_reward_receives_trl_keywords(rollouts_path, out_dir, user_rewards):
+    cfg = ScoreConfig(reward_funcs=[f"{user_rewards}.sees_columns", f"{user_rewards}.length"],
+                      reward_weights=[1.0, 0.0], reward_batch_size=2, scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    lengths = [float(len(c)) for _, c in COMPLETIONS]
+    expected = [lengths[0] + 100, lengths[1] + 100, lengths[2] + 1000, lengths[3] + 1000]
+    rows = _scored(out_dir)
+    assert [dict(r["rewards"])[f"{user_rewards}.sees_columns"] for r in rows] == expected
+    assert [dict(r["rewards"])[f"{user_rewards}.length"] for r in rows] == lengths
+    assert [r["reward"] for r in rows] == expected  # weight 0 for `length`
+    assert metrics[f"rewards/length/mean"] == pytest.approx(sum(lengths) / 4)
+
+
+def test_raising_reward_names_function_and_sample(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.raises_on_done"
+    cfg = ScoreConfig(reward_funcs=[name], reward_batch_size=2)
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(cfg, rollouts_path, 2, out_dir)
+
+    message = str(info.value)
+    # The failing sample is the second one of the second batch.
+    assert f"reward function {name!r} raised on sample {IDS[3]}" in message
+    assert "ValueError: cannot grade trailing text" in message
+    assert IDS[2] not in message
+    assert not (out_dir / "scored.parquet").exists()
+    # The failed pool killed its workers and is replaced on the next call.
+    assert mp.active_children() == []
+    broken = reward_workers._POOLS[((name,), cfg.reward_num_workers, cfg.reward_timeout_s)]
+    assert not broken.alive()
+    fresh = shared_pool([name], cfg.reward_num_workers, cfg.reward_timeout_s)
+    assert fresh is not broken and fresh.alive()
+
+
+@pytest.mark.timeout(30)
+def test_hanging_reward_times_out(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.hangs"
+    cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=3, reward_batch_size=2)
+
+    start = time.monotonic()
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(cfg, rollouts_path, 2, out_dir)
+    elapsed = time.monotonic() - start
+
+    message = str(info.value)
+    assert f"reward function {name!r} did not return within reward_timeout_s=3s" in message
+    assert f"samples {IDS[0]}..{IDS[1]}" in message or f"samples {IDS[2]}..{IDS[3]}" in message
+    assert 3 <= elapsed < 15
+    assert mp.active_children() == []  # hung workers were killed
+
+
+def test_wrong_number_of_values_names_function(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.one_too_many"
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[name], reward_num_workers=1), rollouts_path, 2, out_dir)
+
+    assert f"reward function {name!r} returned 5 values for 4 completions (samples {IDS[0]}..{IDS[3]})" in str(
+        info.value)
+    assert mp.active_children() == []
+
+
+def test_worker_death_is_reported(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.exits"
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[name], reward_num_workers=1), rollouts_path, 2, out_dir)
+
+    assert f"reward function {name!r}: its worker process died (exit code 3) while scoring samples " \
+           f"{IDS[0]}..{IDS[3]}" in str(info.value)
+    assert mp.active_children() == []
+
+
+def test_non_numeric_value_names_function_and_sample(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.returns_text"
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[name]), rollouts_path, 2, out_dir)
+
+    assert f"reward function {name!r} returned 'high' (str) for sample {IDS[1]}" in str(info.value)
+
+
+def test_async_reward(rollouts_path, out_dir, user_rewards):
+    cfg = ScoreConfig(reward_funcs=[f"{user_rewards}.async_length"], reward_batch_size=3, scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    lengths = [float(len(c)) for _, c in COMPLETIONS]
+    rows = _scored(out_dir)
+    assert [r["reward"] for r in rows] == lengths
+    assert [r["advantage"] for r in rows] == pytest.approx(
+        [(lengths[0] - lengths[1]) / 2, (lengths[1] - lengths[0]) / 2,
+         (lengths[2] - lengths[3]) / 2, (lengths[3] - lengths[2]) / 2])
+    assert metrics["rewards/async_length/mean"] == pytest.approx(sum(lengths) / 4)
+
+
+def test_none_reward_is_excluded(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.tagged_only"
+    cfg = ScoreConfig(reward_funcs=["format", name], reward_weights=[1.0, 2.0], scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    rows = _scored(out_dir)
+    # "I think 6" gets None from tagged_only: stored as null, counted as 0 in the weighted total.
+    assert [dict(r["rewards"]) for r in rows] == [
+        {"format": 1.0, name: 1.0},
+        {"format": 0.0, name: None},
+        {"format": 1.0, name: 1.0},
+        {"format": 0.0, name: 1.0},
+    ]
+    assert [r["reward"] for r in rows] == [3.0, 0.0, 3.0, 2.0]
+    assert [r["advantage"] for r in rows] == [1.5, -1.5, 0.5, -0.5]
+    assert metrics["rewards/tagged_only/mean"] == 1.0  # nanmean over the 3 samples it applies to
+    assert metrics["reward_mean"] == pytest.approx(2.0)
+
+
+def test_reward_using_signal_alarm(rollouts_path, out_dir, user_rewards):
+    cfg = ScoreConfig(reward_funcs=[f"{user_rewards}.uses_alarm"], reward_num_workers=1)
+
+    score.run(cfg, rollouts_path, 2, out_dir)
+
+    assert [r["reward"] for r in _scored(out_dir)] == [2.0, 2.0, 2.0, 2.0]
+
+
+def test_user_module_is_importable_here(user_rewards):
+    # Sanity check of the fixture itself: the parent process imports it from tmp_path too.
+    module = importlib.import_module(user_rewards)
+    assert module.length(completions=["abc", [{"role": "assistant", "content": "de"}]]) == [3.0, 2.0]
