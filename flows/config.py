@@ -87,6 +87,8 @@ def _describe(error: dict, source: str) -> str:
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
         return f"{source}: unknown key {path!r}{hint} (valid here: {', '.join(valid)})"
+    if error["type"] == "value_error":
+        return f"{source}: {path or '<top level>'}: {error['msg'].removeprefix('Value error, ')}"
     value = error.get("input")
     shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, dict) else "a mapping"
     return f"{source}: {path or '<top level>'}: got {shown}; expected {error['msg'].lower()}"

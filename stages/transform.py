@@ -96,7 +96,10 @@ def read_rows(path: Path) -> list[dict]:
     if suffix == ".csv":
         import pyarrow.csv as pcsv
 
-        return pcsv.read_csv(path).to_pylist()
+        # Every column as text: type inference would turn an answer "5" into "5.0" and "007" into "7.0".
+        names = pcsv.open_csv(path).schema.names
+        as_text = pcsv.ConvertOptions(column_types={name: pa.string() for name in names})
+        return pcsv.read_csv(path, convert_options=as_text).to_pylist()
     if suffix == ".jsonl":
         rows = []
         for line_no, line in enumerate(path.read_text().splitlines(), start=1):
@@ -162,7 +165,10 @@ def run(cfg: TransformConfig, raw_files: dict[str, Path], out_dir: Path) -> dict
         if not rows:
             raise BadRowError(f"{path}: no rows")
         try:
-            write_table(pa.Table.from_pylist(rows), out_dir / f"{split}.parquet", PROMPTS, extra_ok=True)
+            # columns from every row, not only the first (Table.from_pylist keeps only the first row's keys)
+            names = list(dict.fromkeys(k for row in rows for k in row))
+            table = pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in names})
+            write_table(table, out_dir / f"{split}.parquet", PROMPTS, extra_ok=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise BadRowError(f"{path}: rows do not share one column type: {e}") from e
         counts[split] = len(rows)

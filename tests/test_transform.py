@@ -124,7 +124,6 @@ def test_question_answer_each_format(tmp_path, out_dir, fmt):
     assert rows == EXPECTED
 
 
-@pytest.mark.xfail(strict=True, reason="bug: read_rows infers CSV column types, so answer '5' becomes '5.0'")
 def test_csv_numeric_answers_are_kept_verbatim(tmp_path, out_dir):
     path = tmp_path / "train.csv"
     path.write_text('question,answer\n"What is 2+3?","5"\n"Pad 7 to three digits.","007"\n')
@@ -134,7 +133,6 @@ def test_csv_numeric_answers_are_kept_verbatim(tmp_path, out_dir):
     assert pq.read_table(out_dir / "train.parquet").column("answer").to_pylist() == ["5", "007"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: pa.Table.from_pylist takes its columns from the first row only")
 def test_passthrough_column_missing_from_first_row_is_kept(tmp_path, out_dir):
     rows = [{"question": "a?", "answer": "1"}, {"question": "b?", "answer": "2", "hint": "think"}]
 

@@ -1,0 +1,75 @@
+"""Every YAML in configs/ validates; typos and wrong types fail with the path and a hint."""
+
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.config import ConfigError, PipelineConfig, load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    assert isinstance(load_config(path), PipelineConfig)
+
+
+def test_quickstart_exists():
+    assert any(p.name == "quickstart.yaml" for p in CONFIGS)
+
+
+def test_typo_names_full_path_and_suggestion(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  learning_rte: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    message = str(e.value)
+    assert "bad.yaml" in message
+    assert "'grpo.learning_rte'" in message
+    assert "did you mean 'grpo.learning_rate'" in message
+
+
+def test_unknown_section_suggests_closest(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollot:\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout'"):
+        load_config(bad)
+
+
+def test_wrong_type_names_path_value_and_expected(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  num_generations: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    message = str(e.value)
+    assert "rollout.num_generations" in message and "'many'" in message and "integer" in message
+
+
+def test_dotted_overrides_parse_values():
+    cfg = load_config(CONFIGS[0], ["grpo.rounds=2", "rollout.temperature=0.8", "score.reward_funcs=[accuracy]",
+                                      "score.reward_weights=[1.0]"])
+    assert cfg.grpo.rounds == 2
+    assert cfg.rollout.temperature == 0.8
+    assert cfg.score.reward_funcs == ["accuracy"]
+
+
+def test_override_typo_fails():
+    with pytest.raises(ConfigError, match="did you mean 'grpo.rounds'"):
+        load_config(CONFIGS[0], ["grpo.round=2"])
+
+
+def test_reward_weights_must_match_functions(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("score:\n  reward_funcs: [accuracy, format]\n  reward_weights: [1.0]\n")
+    with pytest.raises(ConfigError, match="reward_weights has 1 values for 2 reward_funcs"):
+        load_config(bad)
+
+
+def test_cli_validate_reports_error_and_exit_code(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  betta: 0.1\n")
+    assert main(["validate", str(bad)]) == 2
+    assert "did you mean 'grpo.beta'" in capsys.readouterr().err
+    assert main(["validate", str(CONFIGS[0]), "grpo.rounds=3"]) == 0
+    assert "rounds: 3" in capsys.readouterr().out

@@ -1,0 +1,90 @@
+"""The whole pipeline under the Prefect test harness: every stage runs, artifacts,
+MLflow runs and the exported model are left behind, a second run computes nothing, and
+a stage folder that lost its manifest is recomputed."""
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow import MlflowClient
+
+from tasks.store import MANIFEST
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_config_text, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(tiny_config_text)
+    return path
+
+
+def computed(results):
+    return [row["stage"] for row in results["stages"] if row["status"] == "computed"]
+
+
+def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config, tmp_path):
+    from flows.pipeline import posttrain_pipeline
+
+    root = tmp_path / "artifacts"
+    first = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    stages = [row["stage"] for row in first["stages"]]
+    assert stages == ["demo_data", "transform", "base_model", "sft", "eval base", "rollout r0", "score r0",
+                      "optimize r0", "rollout r1", "score r1", "optimize r1", "export", "eval final"]
+    assert computed(first) == stages
+
+    # Parquet artifacts with the shared schemas
+    rollouts = pq.read_table(next((root / "rollout").glob("*/rollouts.parquet")))
+    assert {"prompt_token_ids", "completion_token_ids", "sampling_logprobs", "policy_version", "finish_reason",
+            "engine"} <= set(rollouts.column_names)
+    scored = pq.read_table(next((root / "score").glob("*/scored.parquet")))
+    assert {"rewards", "reward", "advantage", "errors"} <= set(scored.column_names)
+    for folder in (root / "optimize").iterdir():
+        manifest = json.loads((folder / MANIFEST).read_text())
+        assert "adapter_model.safetensors" in manifest["files"] and manifest["inputs"]["scored"].startswith("score/")
+
+    # exported model loads with plain transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export_dir = Path(first["exported_model"])
+    assert (export_dir / "model.safetensors").exists() and (export_dir / "README.md").exists()
+    AutoModelForCausalLM.from_pretrained(export_dir)
+    assert AutoTokenizer.from_pretrained(export_dir).chat_template
+
+    # MLflow: parent with tags, params, per-round metrics, eval at step 0 and last, nested stage runs, registry
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    parent = client.get_run(first["mlflow_run_id"])
+    for tag in ("prefect.flow_run_id", "git_commit", "config_hash", "artifact_root"):
+        assert parent.data.tags.get(tag), tag
+    assert parent.data.params["grpo.rounds"] == "2"
+    history = client.get_metric_history(parent.info.run_id, "train/reward_mean")
+    assert [m.step for m in history] == [1, 2]
+    for name in ("train/reward_std", "train/kl", "train/loss", "train/clip_ratio", "train/completion_length",
+                 "train/grad_norm"):
+        assert len(client.get_metric_history(parent.info.run_id, name)) == 2, name
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "eval/accuracy")) == [0, 2]
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert {c.data.tags["posttrain.stage"] for c in children} >= {"sft", "rollout r0", "optimize r1", "export"}
+    assert [d.dataset.name for d in parent.inputs.dataset_inputs] == ["prompts-train", "prompts-eval"]
+    versions = client.search_model_versions("name='test-tiny'")
+    assert len(versions) == 1 and versions[0].run_id == parent.info.run_id
+
+    # the same command again computes nothing
+    second = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    assert computed(second) == []
+    assert second["final_accuracy"] == first["final_accuracy"]
+
+    # a stage folder whose manifest is gone does not exist: only it is recomputed
+    victim = next((root / "score").iterdir())
+    (victim / MANIFEST).unlink()
+    third = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    assert len(computed(third)) == 1 and computed(third)[0].startswith("score")
+    assert (victim / MANIFEST).exists()
+
+    # one more round reuses rounds 0 and 1
+    fourth = posttrain_pipeline(str(tiny_config), ["grpo.rounds=3"], quiet=True)
+    assert computed(fourth) == ["rollout r2", "score r2", "optimize r2", "export", "eval final"]
