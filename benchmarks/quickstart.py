@@ -1,0 +1,66 @@
+"""Time the quickstart as a new user runs it, and check its learning target.
+
+  .venv/bin/python benchmarks/quickstart.py [--artifacts DIR] [OVERRIDE ...]
+
+Runs `posttrain run configs/quickstart.yaml` twice in a fresh artifacts folder (each a
+separate process, as `make run` does) and prints: wall time of the first run, of the
+cached second run, stages computed by the second run, base and final eval accuracy.
+Targets (issue 2): first run <= 600 s, second run <= 60 s with nothing computed,
+final accuracy >= base + 0.15 on >= 200 held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_once(artifacts: Path, overrides: list[str]) -> tuple[float, dict]:
+    code = (
+        "import json, sys; from flows.cli import embedded_defaults; "
+        f"embedded_defaults({str(artifacts)!r}); from flows.pipeline import posttrain_pipeline; "
+        f"r = posttrain_pipeline('configs/quickstart.yaml', {overrides!r} + ['artifacts_dir={artifacts}'], quiet=True); "
+        "print('RESULT ' + json.dumps(r))"
+    )
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    seconds = time.time() - start
+    if out.returncode != 0:
+        sys.exit(f"run failed:\n{out.stderr[-4000:]}")
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    return seconds, json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--artifacts", type=Path, default=None)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
+    first_s, first = run_once(artifacts, args.overrides)
+    second_s, second = run_once(artifacts, args.overrides)
+    report = {
+        "first_run_s": round(first_s, 1),
+        "second_run_s": round(second_s, 1),
+        "second_run_stages_computed": [r["stage"] for r in second["stages"] if r["status"] == "computed"],
+        "stage_seconds": {r["stage"]: round(r["seconds"], 1) for r in first["stages"]},
+        "eval_prompts": first["eval_prompts"],
+        "base_accuracy": first["base_accuracy"],
+        "final_accuracy": first["final_accuracy"],
+        "gain": round(first["final_accuracy"] - first["base_accuracy"], 4),
+    }
+    print(json.dumps(report, indent=2))
+    if args.artifacts is None:
+        shutil.rmtree(artifacts, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
