@@ -231,7 +231,7 @@ def run(
             )
             loss.backward()
             mask = batch["completion_mask"].float()
-            step_stats["loss"] += float(loss)
+            step_stats["loss"] += float(loss.detach())
             for key in ("kl", "clip_ratio"):
                 step_stats[key] += stats[key] * stats["tokens"]
             step_stats["entropy"] += float((entropy * mask).sum())
