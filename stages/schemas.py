@@ -48,9 +48,6 @@ SCORED_EXTRA = [
 ]
 SCORED = pa.schema(list(ROLLOUTS) + [pa.field(n, t) for n, t in SCORED_EXTRA])
 
-SCHEMAS = {"prompts": PROMPTS, "rollouts": ROLLOUTS, "scored": SCORED}
-
-
 def write_table(rows_or_table, path: Path, schema: pa.Schema, extra_ok: bool = False) -> pa.Table:
     """Write rows (list of dicts) or a table as Parquet, cast to `schema`.
 
@@ -69,6 +66,3 @@ def write_table(rows_or_table, path: Path, schema: pa.Schema, extra_ok: bool = F
     pq.write_table(table, path)
     return table
 
-
-def read_table(path: Path) -> pa.Table:
-    return pq.read_table(path)
