@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib
 import inspect
 import multiprocessing as mp
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Callable
+
+from stages.imports import load_function
 
 
 class RewardFunctionError(RuntimeError):
@@ -28,19 +29,7 @@ def resolve_reward(name: str) -> Callable:
     """A built-in reward by name, or `module.fn`."""
     from stages.rewards import BUILTIN_REWARDS
 
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
-    module_name, _, fn_name = name.rpartition(".")
-    if not module_name:
-        raise ValueError(f"reward_funcs: {name!r} is neither a built-in ({sorted(BUILTIN_REWARDS)}) nor `module.fn`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward_funcs: cannot import module {module_name!r} for {name!r} ({e})") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward_funcs: module {module_name!r} has no function {fn_name!r}")
-    return fn
+    return load_function(name, "reward_funcs", BUILTIN_REWARDS)
 
 
 def call_reward(fn: Callable, batch: dict) -> list:

@@ -9,7 +9,6 @@ and `answer`. Columns not removed pass through (reward functions receive them).
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +16,7 @@ from typing import Any, Callable
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from stages.imports import load_function
 from stages.schemas import PROMPTS, write_table
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -70,20 +70,6 @@ def _messages(cfg: TransformConfig):
 BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages}
 
 
-def load_function(dotted: str, what: str) -> Callable:
-    """Import `module.fn`; errors name the config key (`what`) and the missing part."""
-    module_name, _, fn_name = dotted.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{what}: {dotted!r} is neither a built-in nor `module.fn`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what}: cannot import module {module_name!r} ({e})") from e
-    if not hasattr(module, fn_name):
-        raise ValueError(f"{what}: module {module_name!r} has no function {fn_name!r}")
-    return getattr(module, fn_name)
-
-
 def read_rows(path: Path) -> list[dict]:
     """Rows of a local jsonl/json/parquet/csv file."""
     suffix = path.suffix.lower()
@@ -125,7 +111,7 @@ def _normalize_prompt(prompt: Any) -> list[dict]:
 
 def transform_rows(cfg: TransformConfig, rows: list[dict], split: str, source: str) -> list[dict]:
     """Apply the configured transform to raw rows; a bad row raises with its index."""
-    builder = BUILTINS.get(cfg.type) or load_function(cfg.type, "transform.type")
+    builder = load_function(cfg.type, "transform.type", BUILTINS)
     transform_fn, options = builder(cfg)
     remove = set((options or {}).get("remove_columns", []))
     out = []

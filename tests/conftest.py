@@ -34,3 +34,11 @@ grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1}}
 eval: {{max_completion_length: 8}}
 export: {{model_name: test-tiny}}
 """
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    """An empty folder a stage writes into."""
+    out = tmp_path / "out"
+    out.mkdir()
+    return out

@@ -67,13 +67,6 @@ def rollouts_path(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def out_dir(tmp_path: Path) -> Path:
-    out = tmp_path / "out"
-    out.mkdir()
-    return out
-
-
 USER_REWARDS = '''
 import asyncio
 import os

@@ -86,13 +86,6 @@ def _raw_file(tmp_path: Path, fmt: str, rows: list[dict], stem: str = "train") -
 
 
 @pytest.fixture
-def out_dir(tmp_path: Path) -> Path:
-    out = tmp_path / "out"
-    out.mkdir()
-    return out
-
-
-@pytest.fixture
 def user_module(tmp_path: Path, monkeypatch):
     """Write a user module into tmp_path under a unique name; return the name."""
 

@@ -1,0 +1,24 @@
+"""Resolve user code named `module.fn` in configs (transforms, reward functions)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def load_function(dotted: str, what: str, builtins: dict[str, Callable] | None = None) -> Callable:
+    """A built-in by name, or `module.fn` imported; errors name the config key (`what`) and the missing part."""
+    if builtins and dotted in builtins:
+        return builtins[dotted]
+    module_name, _, fn_name = dotted.rpartition(".")
+    if not module_name:
+        hint = f" (built-ins: {', '.join(sorted(builtins))})" if builtins else ""
+        raise ValueError(f"{what}: {dotted!r} is neither a built-in nor `module.fn`{hint}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import module {module_name!r} for {dotted!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"{what}: module {module_name!r} has no function {fn_name!r}")
+    return fn
