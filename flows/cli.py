@@ -40,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
         if name == "run":
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
-    args = parser.parse_args(argv)
+    # Overrides may come after options too (`run CONFIG --quiet grpo.rounds=2`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
 
     from flows.config import ConfigError, load_config
 

@@ -118,24 +118,24 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
         lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
                                   "exported_model": str(exported.path)})
-        (run_dir / "stages.json").write_text(json.dumps(reporter.rows, indent=2))
-        lineage.client.log_artifact(parent, str(run_dir / "stages.json"))
+        results = {
+            "run_name": run_name,
+            "mlflow_run_id": parent,
+            "experiment": cfg.name,
+            "base_accuracy": base_acc,
+            "final_accuracy": final_acc,
+            "eval_prompts": final_eval.manifest["summary"]["num_prompts"],
+            "exported_model": str(exported.path),
+            "registered_model_version": version,
+            "stages": reporter.rows,
+            "mlflow_ui": ui_command(root),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
+        lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
     except BaseException:
         lineage.finish("FAILED")
         raise
     lineage.finish("FINISHED")
-    results = {
-        "run_name": run_name,
-        "mlflow_run_id": parent,
-        "experiment": cfg.name,
-        "base_accuracy": base_acc,
-        "final_accuracy": final_acc,
-        "eval_prompts": final_eval.manifest["summary"]["num_prompts"],
-        "exported_model": str(exported.path),
-        "registered_model_version": version,
-        "stages": reporter.rows,
-        "mlflow_ui": ui_command(root),
-    }
     if not quiet:
         reporter.summary(results)
     return results

@@ -1,4 +1,4 @@
-"""Offline demo task: "Which is the largest of 47, 12, 83, 29?", made procedurally (no download).
+"""Offline demo task: "Which is the largest of 3, 8, 1, 6, 4?", made procedurally (no download).
 
 Three disjoint splits of raw rows {question, answer, teacher_completion}:
 
@@ -10,14 +10,15 @@ Three disjoint splits of raw rows {question, answer, teacher_completion}:
 - `train`: prompts for RL rollouts.
 - `eval`: held-out prompts for accuracy.
 
-The numbers of one question have distinct tens digits (10..99), so "largest" never
-hinges on a tie. Run `python -m stages.demo_data` to print a few rows.
+The numbers of one question are distinct (with `number_digits: 2`, their tens digits
+are), so "largest" never hinges on a tie. Run `python -m stages.demo_data` to print a few rows.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,15 +34,18 @@ class DemoDataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    numbers_per_question: int = Field(4, ge=2, le=9)
-    """How many two-digit numbers each question lists. More: harder, lower base accuracy."""
+    numbers_per_question: int = Field(5, ge=2, le=9)
+    """How many numbers each question lists. More: harder, lower base accuracy."""
+    number_digits: Literal[1, 2] = 1
+    """1: distinct numbers 1..9 (learned in a few hundred SFT steps); 2: 10..99 with
+    distinct tens digits (the model must also learn to copy the units digit)."""
     num_sft: int = Field(4000, ge=1)
     """Teacher demonstrations for the SFT warm start."""
     num_train: int = Field(4000, ge=1)
     """RL prompts. Rounds draw `rollout.prompts_per_round` of them."""
     num_eval: int = Field(256, ge=1)
     """Held-out prompts for eval/accuracy (at least 200 for a meaningful number)."""
-    teacher_accuracy: float = Field(0.3, ge=0.0, le=1.0)
+    teacher_accuracy: float = Field(0.4, ge=0.0, le=1.0)
     """How often the noisy teacher picks the largest number. Lower: weaker base policy."""
     seed: int = 1234
 
@@ -51,9 +55,11 @@ def format_answer(value: int | str) -> str:
     return f"<answer>{value}</answer>"
 
 
-def _question(rng: random.Random, k: int) -> tuple[int, ...]:
-    tens = rng.sample(range(1, 10), k)
-    return tuple(10 * t + rng.randrange(10) for t in tens)
+def _question(rng: random.Random, k: int, digits: int) -> tuple[int, ...]:
+    leading = rng.sample(range(1, 10), k)
+    if digits == 1:
+        return tuple(leading)
+    return tuple(10 * t + rng.randrange(10) for t in leading)
 
 
 def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
@@ -69,7 +75,7 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
             attempts += 1
             if attempts > 50 * (size + 10):
                 raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions; lower the counts")
-            numbers = _question(rng, cfg.numbers_per_question)
+            numbers = _question(rng, cfg.numbers_per_question, cfg.number_digits)
             if numbers in seen:
                 continue
             seen.add(numbers)

@@ -73,3 +73,11 @@ def test_cli_validate_reports_error_and_exit_code(tmp_path, capsys):
     assert "did you mean 'grpo.beta'" in capsys.readouterr().err
     assert main(["validate", str(CONFIGS[0]), "grpo.rounds=3"]) == 0
     assert "rounds: 3" in capsys.readouterr().out
+
+
+def test_cli_overrides_may_follow_options(capsys):
+    # grpo.rounds=0 is invalid: the error proves the override after --quiet was read.
+    assert main(["run", str(CONFIGS[0]), "--quiet", "grpo.rounds=0"]) == 2
+    assert "grpo.rounds: got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", str(CONFIGS[0]), "--no-such-flag"])
