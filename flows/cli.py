@@ -2,6 +2,7 @@
 
   posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
   posttrain validate CONFIG [KEY.PATH=VALUE ...]  check a config and print it resolved
+  posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
 
 No Prefect server configured (PREFECT_API_URL unset): an ephemeral one, with
 PREFECT_HOME under the artifacts folder unless you set PREFECT_HOME. MLflow: the
@@ -34,12 +35,18 @@ def embedded_defaults(artifacts_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training pipeline (Prefect + MLflow).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("run", "run the pipeline"), ("validate", "validate a config and print it resolved")):
+    for name, help_text in (("run", "run the pipeline"), ("validate", "validate a config and print it resolved"),
+                            ("serve-vllm", "build (or find cached) the config's starting policy and serve it with "
+                                           "`vllm serve --enable-lora`, for rollout.engine=vllm_server")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
-        if name == "run":
+        if name in ("run", "serve-vllm"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
+        if name == "serve-vllm":
+            p.add_argument("--port", type=int, default=None, help="default: the port of rollout.vllm.server_url")
+            p.add_argument("--print", dest="print_only", action="store_true",
+                           help="print the command and environment instead of starting the server")
     # Overrides may come after options too (`run CONFIG --quiet grpo.rounds=2`).
     args, extra = parser.parse_known_args(argv)
     unknown = [a for a in extra if a.startswith("-")]
@@ -59,10 +66,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     embedded_defaults(cfg.artifacts_dir)
+    if args.command == "serve-vllm":
+        return serve_vllm(cfg, args)
     from flows.pipeline import posttrain_pipeline
 
     posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
     return 0
+
+
+def serve_vllm(cfg, args) -> int:
+    """Materialize the starting policy, then replace this process with `vllm serve` for it."""
+    import shlex
+    from urllib.parse import urlparse
+
+    from flows.pipeline import prepare_policy_flow
+    from stages.engines.vllm_server import serve_command
+    from stages.rollout import engine_options
+
+    model_dir = prepare_policy_flow(args.config, args.overrides, quiet=args.quiet)
+    port = args.port or urlparse(cfg.rollout.vllm.server_url).port or 8000
+    options = {**cfg.rollout.vllm.model_dump(), **engine_options(cfg.rollout, cfg.grpo.lora_r)}
+    argv, env = serve_command(model_dir, port, cfg.grpo.lora_r, options)
+    print(" ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items()), shlex.join(argv), flush=True)
+    if args.print_only:
+        return 0
+    os.execvpe(argv[0], argv, {**os.environ, **{k: str(v) for k, v in env.items()}})
+    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import PipelineConfig, load_config
+from stages.engines import close_engines
 from tasks.lineage import Lineage, git_commit, ui_command
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
@@ -55,20 +56,66 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "train/completion_length": ("optimize", "completion_length"),
     "train/grad_norm": ("optimize", "grad_norm"),
     "train/entropy": ("optimize", "entropy"),
+    "train/is_ratio_mean": ("optimize", "is_ratio_mean"),
+    "train/is_ratio_max": ("optimize", "is_ratio_max"),
+    "train/off_policy_masked_frac": ("optimize", "off_policy_masked_frac"),
+    "rollout/staleness": ("rollout", "staleness"),
+    "rollout/tokens_per_s": ("rollout", "tokens_per_s"),
+    "rollout/tokens": ("rollout", "tokens"),
 }
 
 
-@flow(name="posttrain", flow_run_name="{config_path}")
-def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> dict:
-    """Run the GRPO pipeline for a YAML config (plus dotted overrides); return the results."""
+def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
+    """rollout -> score -> optimize, grpo.rounds times; returns (last adapter, lineage keys, last metrics).
+
+    Synchronous (lag 0): round r samples from the policy after r optimize rounds. With
+    rollout.async_prefetch, lag L = min(prefetch_depth, max_staleness): round r samples
+    from the policy after max(0, r - L) rounds, and its rollout + score run as concurrent
+    Prefect tasks submitted as soon as that policy exists -- while rounds r-L..r-1
+    optimize. The schedule is deterministic, so reruns hit the same cached artifacts.
+    """
+    cfg = ctx.config
+    lag = cfg.rollout.lag()
+    in_flight: dict[int, tuple] = {}
+
+    def submit(r: int, adapter, version: int) -> None:
+        rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version)
+        in_flight[r] = (rollouts, score_task.submit(ctx, rollouts, r))
+
+    for r in range(min(lag + 1, cfg.grpo.rounds)):
+        submit(r, None, 0)
+    adapter, lineage_keys, metrics = None, {}, {}
+    for r in range(cfg.grpo.rounds):
+        waited = time.perf_counter()
+        rollouts_future, scored_future = in_flight.pop(r)
+        rollouts, scored = rollouts_future.result(), scored_future.result()
+        waited = time.perf_counter() - waited
+        started = time.perf_counter()
+        adapter = optimize_task(ctx, policy, adapter, scored, r)
+        optimize_s = time.perf_counter() - started
+        if r + lag + 1 < cfg.grpo.rounds:
+            submit(r + lag + 1, adapter, r + 1)
+        summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
+                     "optimize": adapter.manifest["summary"]}
+        metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
+                   if key in summaries[stage]}
+        metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
+                        "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
+                        "time/waiting_s": waited})
+        log_round(metrics, r)
+        lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
+                                      "policy_version": summaries["rollout"].get("policy_version", r)}
+    return adapter, lineage_keys, metrics
+
+
+def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, purpose: str = "train"):
+    """Load the config, open the MLflow parent run, save the resolved config: (ctx, parent run id, run dir)."""
     override_list = normalize_overrides(overrides)
     cfg: PipelineConfig = load_config(config_path, override_list)
     root = Path(cfg.artifacts_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    store = ArtifactStore(root)
     lineage = Lineage(root, cfg.name)
-    reporter = Reporter(root, quiet=quiet)
-    run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
     run_dir = root / "runs" / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "config.yaml"
@@ -80,33 +127,61 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         "config_path": str(config_path),
         "overrides": " ".join(override_list),
         "artifact_root": str(root),
+        "posttrain.purpose": purpose,
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
-    ctx = RunContext(cfg, store, lineage, reporter)
-    try:
-        raw = None if cfg.transform.paths else demo_data_task(ctx)
-        prompts = transform_task(ctx, raw)
-        for split in ("train", "eval"):
-            meta = prompts.manifest["files"][f"{split}.parquet"]
-            lineage.log_dataset(parent, f"prompts-{split}", prompts.file(f"{split}.parquet"), meta["sha256"],
+    return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
+
+
+def prepare_policy(ctx: RunContext, parent: str) -> tuple:
+    """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts."""
+    cfg = ctx.config
+    raw = None if cfg.transform.paths else demo_data_task(ctx)
+    prompts = transform_task(ctx, raw)
+    for split in ("train", "eval"):
+        meta = prompts.manifest["files"][f"{split}.parquet"]
+        ctx.lineage.log_dataset(parent, f"prompts-{split}", prompts.file(f"{split}.parquet"), meta["sha256"],
                                 context="training" if split == "train" else "evaluation", rows=meta["rows"])
-        base = base_model_task(ctx, prompts)
-        policy = sft_task(ctx, base, prompts) if cfg.sft.enabled else base
+    base = base_model_task(ctx, prompts)
+    policy = sft_task(ctx, base, prompts) if cfg.sft.enabled else base
+    return prompts, base, policy
+
+
+@flow(name="posttrain-prepare-policy", flow_run_name="prepare {config_path}")
+def prepare_policy_flow(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> str:
+    """Materialize (or find cached) the policy a run starts from; return its folder (what serve-vllm serves)."""
+    ctx, parent, _ = open_run(config_path, overrides, quiet, purpose="prepare")
+    try:
+        _, _, policy = prepare_policy(ctx, parent)
+    except BaseException:
+        ctx.lineage.finish("FAILED")
+        raise
+    ctx.lineage.finish("FINISHED")
+    return str(policy.path)
+
+
+@flow(name="posttrain", flow_run_name="{config_path}")
+def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> dict:
+    """Run the GRPO pipeline for a YAML config (plus dotted overrides); return the results."""
+    ctx, parent, run_dir = open_run(config_path, overrides, quiet)
+    cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
+    root = Path(cfg.artifacts_dir).resolve()
+    run_name = run_dir.name
+    try:
+        prompts, base, policy = prepare_policy(ctx, parent)
         base_eval = eval_task(ctx, policy, prompts, label="base")
         lineage.log_metrics(parent, {"eval/accuracy": base_eval.manifest["summary"]["accuracy"]}, step=0)
 
-        adapter = None
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}"}
-        round_metrics: dict = {}
-        for r in range(cfg.grpo.rounds):
-            rollouts = rollout_task(ctx, policy, adapter, prompts, r)
-            scored = score_task(ctx, rollouts, r)
-            adapter = optimize_task(ctx, policy, adapter, scored, r)
-            summaries = {"score": scored.manifest["summary"], "optimize": adapter.manifest["summary"]}
-            round_metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()}
-            round_metrics["rollout/tokens"] = rollouts.manifest["summary"]["tokens"]
-            lineage.log_metrics(parent, round_metrics, step=r + 1)
-            lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key}
+        rounds_started = time.perf_counter()
+        try:
+            adapter, round_keys, round_metrics = run_rounds(
+                ctx, policy, prompts, lambda metrics, r: lineage.log_metrics(parent, metrics, step=r + 1))
+        finally:
+            close_engines()
+        rounds_wall_s = time.perf_counter() - rounds_started
+        lineage.log_metrics(parent, {"time/rounds_wall_s": rounds_wall_s})
+        lineage_keys.update(round_keys)
 
         exported = export_task(ctx, policy, adapter, lineage_keys, round_metrics)
         final_eval = eval_task(ctx, exported, prompts, label="final")
@@ -127,6 +202,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "eval_prompts": final_eval.manifest["summary"]["num_prompts"],
             "exported_model": str(exported.path),
             "registered_model_version": version,
+            "rounds_wall_s": rounds_wall_s,
             "stages": reporter.rows,
             "mlflow_ui": ui_command(root),
         }

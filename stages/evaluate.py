@@ -34,7 +34,8 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
 
     from stages.policy import load_policy
     from stages.rewards import accuracy_reward, format_reward
-    from stages.rollout import generate
+    from stages.engines import Sampling
+    from stages.engines.hf import generate
 
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
     model, tokenizer = load_policy(model_dir, adapter_dir)
@@ -47,8 +48,8 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
             on_progress(done, len(rows))
 
     torch.manual_seed(0)
-    outputs = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=cfg.max_completion_length,
-                       do_sample=False, batch_size=cfg.batch_size, on_progress=progress)
+    outputs = generate(model, tokenizer, [r["prompt"] for r in rows],
+                       Sampling(max_new_tokens=cfg.max_completion_length, do_sample=False), cfg.batch_size, progress)
     completions = [o["completion"] for o in outputs]
     correct = accuracy_reward(completions=completions, answer=[r["answer"] for r in rows])
     formatted = format_reward(completions=completions)

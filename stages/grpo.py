@@ -34,6 +34,9 @@ class GRPOConfig(BaseModel):
 
     rounds: int = Field(12, ge=1)
     """rollout -> score -> optimize cycles."""
+    adapter: Literal["lora", "none"] = "lora"
+    """lora: train a PEFT LoRA adapter (reference = adapter disabled). none: full fine-tuning
+    (reference = the starting model, kept frozen in memory when beta > 0)."""
     learning_rate: float = Field(2e-4, gt=0)
     """AdamW learning rate for the LoRA weights (constant)."""
     beta: float = Field(0.0, ge=0)
@@ -58,6 +61,20 @@ class GRPOConfig(BaseModel):
     )
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL term by the importance ratio (TRL's default, DeepSeek-V3.2)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """PPO ratio per token (GRPO) or one length-normalized ratio per sequence (GSPO), as in TRL."""
+    vllm_importance_sampling_correction: bool = True
+    """Weight each token's loss by pi_old / pi_sampling: corrects for the engine's numerics and for
+    stale (prefetched) rollouts. pi_old is the trainer's policy at the start of the round."""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "token_truncate")
+    """How the correction ratio is formed (per token or per sequence) and bounded (truncated at the cap,
+    or masked to 0 above it), as in TRL."""
+    vllm_importance_sampling_cap: float = Field(3.0, gt=0)
+    """Upper bound C of the correction ratio."""
+    off_policy_mask_threshold: float | None = Field(None, gt=0)
+    """Drop sequences with negative advantage whose mean KL(pi_sampling || pi_theta) per token exceeds this
+    (DeepSeek-V3.2's off-policy sequence masking, TRL's off_policy_mask_threshold); unset: off."""
     seed: int = 0
 
 
@@ -95,11 +112,16 @@ def grpo_loss(
     num_items_in_batch: float,
     gradient_accumulation_steps: int,
     use_bias_correction_kl: bool = True,
+    importance_sampling_level: str = "token",
+    is_weights: torch.Tensor | None = None,
+    off_policy_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one micro-batch, scaled for accumulation exactly as TRL scales it.
 
     Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,).
     `num_items_in_batch`: completion tokens in the whole optimizer step (dapo's normalizer).
+    `is_weights`: sampling correction, (B, T) or (B, 1), from `sampling_correction`.
+    `off_policy_keep`: (B, 1) 1 = keep, 0 = drop, from `off_policy_mask`.
 
     >>> t = torch.zeros(1, 2); m = torch.ones(1, 2)
     >>> loss, _ = grpo_loss(t, t, None, torch.tensor([1.0]), m, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
@@ -109,9 +131,18 @@ def grpo_loss(
     """
     mask = mask.to(logps.dtype)
     advantages = advantages.unsqueeze(1)
-    coef_1 = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"grpo.importance_sampling_level: unknown {importance_sampling_level!r}; use token or sequence")
+    coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if off_policy_keep is not None:
+        per_token_loss = per_token_loss * off_policy_keep
+    if is_weights is not None:
+        per_token_loss = per_token_loss * is_weights
     per_token_kl = None
     if ref_logps is not None:
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
@@ -135,12 +166,44 @@ def grpo_loss(
     with torch.no_grad():
         tokens = mask.sum().clamp(min=1.0)
         clipped = ((coef_1 < 1 - epsilon) & (advantages < 0)) | ((coef_1 > 1 + epsilon_high) & (advantages > 0))
+        clipped = clipped.expand_as(mask)
         stats = {
             "clip_ratio": float((clipped.to(mask.dtype) * mask).sum() / tokens),
             "kl": float((per_token_kl * mask).sum() / tokens) if per_token_kl is not None else 0.0,
             "tokens": float(mask.sum()),
         }
     return loss, stats
+
+
+def sampling_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                        cap: float) -> torch.Tensor:
+    """pi_old / pi_sampling per token (B, T) or per sequence (B, 1), truncated at or masked above `cap`.
+
+    >>> old = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.9]])); m = torch.ones(2, 2)
+    >>> sampling = torch.log(torch.tensor([[0.5, 0.1], [0.9, 0.9]]))
+    >>> sampling_correction(old, sampling, m, "token_truncate", 3.0).tolist()
+    [[1.0, 3.0], [1.0, 1.0]]
+    >>> sampling_correction(old, sampling, m, "sequence_mask", 3.0).flatten().tolist()
+    [0.0, 1.0]
+    """
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    if mode.endswith("mask"):
+        return ratio.masked_fill(ratio > cap, 0.0)
+    raise ValueError(f"grpo.vllm_importance_sampling_mode: unknown {mode!r}")
+
+
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(B, 1): 0 for sequences with negative advantage whose mean per-token log(pi_sampling / pi_theta)
+    exceeds `threshold`, else 1 (TRL's get_off_policy_mask)."""
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
 def pad(rows: list[list], value, side: str, dtype) -> torch.Tensor:
@@ -173,6 +236,33 @@ def collate(rows: list[dict], pad_token_id: int) -> dict:
 # ---------------------------------------------------------------- one round
 
 
+def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None):
+    """(policy model with trainable params, frozen reference model or None for "disable the adapter")."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.adapter == "none":
+        model = AutoModelForCausalLM.from_pretrained(prev_dir or base_dir)
+        ref = None
+        if cfg.beta != 0.0:
+            ref = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+            ref.requires_grad_(False)
+        return model, ref
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    if prev_dir is not None:
+        return PeftModel.from_pretrained(base, prev_dir, is_trainable=True), None
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(base, lora), None
+
+
+def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask, batch["completion_ids"].size(1)
+
+
 def run(
     cfg: GRPOConfig,
     base_dir: Path,
@@ -184,20 +274,15 @@ def run(
     out_dir: Path,
     on_step: Callable[[int, int], None] | None = None,
 ) -> dict:
-    """Train the LoRA adapter on one round of scored rollouts; save it (and optimizer state) to out_dir."""
+    """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
+    the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
+    round's output folder (None in round 0)."""
     import pyarrow.parquet as pq
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.seed * 100_003 + round_index)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    if prev_adapter_dir is not None:
-        model = PeftModel.from_pretrained(base, prev_adapter_dir, is_trainable=True)
-    else:
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
-        model = get_peft_model(base, lora)
+    model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -210,6 +295,17 @@ def run(
     steps = [rows[i : i + step_size] for i in range(0, len(rows), step_size)]
     epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
 
+    # pi_old: the policy at the start of the round, before any update (TRL computes it when a
+    # generation batch spans several optimizer steps, and always when it corrects for vLLM).
+    old_logps: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for i in range(0, len(rows), cfg.micro_batch_size):
+            chunk = rows[i : i + cfg.micro_batch_size]
+            ids, attn, keep = _inputs(collate(chunk, tokenizer.pad_token_id))
+            logps, _ = completion_logps(model, ids, attn, keep, temperature)
+            for row, lp in zip(chunk, logps):
+                old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
+
     history = []
     for step_index, step_rows in enumerate(steps):
         micro_batches = [step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
@@ -217,40 +313,82 @@ def run(
         step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
         for rows_mb in micro_batches:
             batch = collate(rows_mb, tokenizer.pad_token_id)
-            input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-            attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-            keep = batch["completion_ids"].size(1)
+            mask = batch["completion_mask"].float()
+            sampling_logps = batch["old_per_token_logps"]
+            old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
+            input_ids, attention_mask, keep = _inputs(batch)
             logps, entropy = completion_logps(model, input_ids, attention_mask, keep, temperature)
-            with torch.no_grad(), model.disable_adapter():
-                ref_logps, _ = completion_logps(model, input_ids, attention_mask, keep, temperature)
+            with torch.no_grad():
+                if ref_model is not None:
+                    ref_logps, _ = completion_logps(ref_model, input_ids, attention_mask, keep, temperature)
+                elif cfg.adapter == "lora":
+                    with model.disable_adapter():
+                        ref_logps, _ = completion_logps(model, input_ids, attention_mask, keep, temperature)
+                else:
+                    ref_logps = None
+            is_weights = keep_mask = None
+            if cfg.vllm_importance_sampling_correction:
+                is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
+                                                 cfg.vllm_importance_sampling_cap)
+                _track_is(step_stats, is_weights, mask)
+            if cfg.off_policy_mask_threshold is not None:
+                keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
+                                            cfg.off_policy_mask_threshold)
+            dropped = torch.zeros(len(rows_mb), dtype=torch.bool)
+            if is_weights is not None:
+                dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
+            if keep_mask is not None:
+                dropped |= keep_mask.squeeze(-1) == 0
+            step_stats["dropped"] = step_stats.get("dropped", 0.0) + float(dropped.sum())
             loss, stats = grpo_loss(
-                logps, batch["old_per_token_logps"], ref_logps, batch["advantages"], batch["completion_mask"],
+                logps, old, ref_logps, batch["advantages"], batch["completion_mask"],
                 loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
                 max_completion_length=max_completion_length, num_items_in_batch=num_items,
                 gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
+                importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
+                off_policy_keep=keep_mask,
             )
             loss.backward()
-            mask = batch["completion_mask"].float()
             step_stats["loss"] += float(loss.detach())
             for key in ("kl", "clip_ratio"):
                 step_stats[key] += stats[key] * stats["tokens"]
             step_stats["entropy"] += float((entropy * mask).sum())
             step_stats["tokens"] += stats["tokens"]
+            step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"round {round_index} step {step_index}: gradient norm is {grad_norm}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens = max(step_stats.pop("tokens"), 1.0)
-        history.append({"loss": step_stats["loss"], "kl": step_stats["kl"] / tokens,
-                        "clip_ratio": step_stats["clip_ratio"] / tokens, "entropy": step_stats["entropy"] / tokens,
-                        "grad_norm": float(grad_norm)})
+        history.append(_step_metrics(step_stats, float(grad_norm)))
         if on_step:
             on_step(step_index + 1, len(steps))
 
     model.save_pretrained(out_dir)
+    if cfg.adapter == "none":
+        tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
     torch.save(optimizer.state_dict(), out_dir / "optimizer.pt")
     lengths = [len(r["completion_token_ids"]) for r in rows]
-    metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+    metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "is_ratio_max"}
+    if "is_ratio_max" in history[0]:
+        metrics["is_ratio_max"] = max(h["is_ratio_max"] for h in history)
     metrics.update(completion_length=sum(lengths) / len(lengths), optimizer_steps=len(steps))
     return metrics
+
+
+def _track_is(step_stats: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
+    """Accumulate the correction ratio's sum over tokens and its max."""
+    per_token = weights.expand_as(mask)
+    step_stats["is_sum"] = step_stats.get("is_sum", 0.0) + float((per_token * mask).sum())
+    step_stats["is_max"] = max(step_stats.get("is_max", 0.0), float((per_token * mask).max()))
+
+
+def _step_metrics(step_stats: dict, grad_norm: float) -> dict:
+    tokens = max(step_stats["tokens"], 1.0)
+    out = {"loss": step_stats["loss"], "kl": step_stats["kl"] / tokens, "clip_ratio": step_stats["clip_ratio"] / tokens,
+           "entropy": step_stats["entropy"] / tokens, "grad_norm": grad_norm}
+    if "is_sum" in step_stats:
+        out.update(is_ratio_mean=step_stats["is_sum"] / tokens, is_ratio_max=step_stats["is_max"])
+    # sequences whose loss is zeroed by the correction's mask mode or by off-policy masking
+    out["off_policy_masked_frac"] = step_stats.get("dropped", 0.0) / max(step_stats["sequences"], 1.0)
+    return out

@@ -1,10 +1,9 @@
-"""rollout: `num_generations` sampled completions per prompt from the current policy.
+"""rollout: `num_generations` sampled completions per prompt from a policy.
 
-Engine `transformers`: batched `model.generate` with KV cache, left padding. For every
-completion token it records the sampling log-prob log softmax(logits / temperature)[token]
--- the same quantity TRL's GRPOTrainer computes for the policy -- so the optimize stage
-can form the importance ratio pi_theta / pi_sampling against it. With top_p < 1 the
-sampler also truncates the tail, which this log-prob does not include (as in TRL).
+The engine (stages/engines) does the sampling; this stage picks the round's prompts,
+expands them into groups, and writes the rollouts table with, for every row, the engine
+and the policy version that produced it. A user `rollout_func` (multi-step or
+tool-using generation) gets the engine and returns the completions itself.
 """
 
 from __future__ import annotations
@@ -15,16 +14,47 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.engines import Policy, Sampling, get_engine
 from stages.schemas import ROLLOUTS, write_table
 
 
-class RolloutConfig(BaseModel):
-    """Sampling settings (names as in TRL's GRPOConfig)."""
+class VLLMOptions(BaseModel):
+    """vLLM engine settings (in-process `vllm` and `vllm_server`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["transformers"] = "transformers"
-    """transformers: in-process generate, always available."""
+    gpu_memory_utilization: float = Field(0.05, gt=0, le=1)
+    """Fraction of GPU memory for weights + KV cache (on CPU vLLM reads it as a fraction of RAM)."""
+    kv_cache_space_gib: float = Field(1.0, gt=0)
+    """CPU only: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion; unset: the model's max_position_embeddings."""
+    dtype: str = "float32"
+    """Engine dtype. float32 makes sampling log-probs match the trainer's most closely."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: slower steady state, much faster start."""
+    server_url: str = "http://127.0.0.1:8000"
+    """vllm_server: base URL of `vllm serve` (started by you or by `posttrain serve-vllm`)."""
+    server_timeout_s: float = Field(300.0, gt=0)
+    """vllm_server: per-request timeout."""
+    server_adapter_root: str | None = None
+    """vllm_server: the artifacts folder as the server sees it, when it runs on another host
+    or container (adapter paths are sent with this prefix instead of the local one)."""
+
+
+class RolloutConfig(BaseModel):
+    """Sampling settings (names as in TRL's GRPOConfig) and the engine that samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["transformers", "vllm", "vllm_server"] = "transformers"
+    """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
+    across rounds. vllm_server: an external `vllm serve --enable-lora`."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    rollout_func: str | None = None
+    """`module.fn`: your own rollout, fn(prompts, engine, policy, sampling, tokenizer) -> one dict per
+    prompt with completion_token_ids, sampling_logprobs (and optionally completion, finish_reason)."""
     num_generations: int = Field(8, ge=2)
     """Completions per prompt (the GRPO group). Higher: better baseline, more generation time."""
     prompts_per_round: int = Field(64, ge=1)
@@ -35,8 +65,31 @@ class RolloutConfig(BaseModel):
     """Sampling temperature; the optimize stage scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
     generation_batch_size: int = Field(256, ge=1)
-    """Sequences per generate call. Higher: faster, more memory."""
+    """transformers engine: sequences per generate call. Higher: faster, more memory."""
+    async_prefetch: bool = False
+    """Generate round r+1 (from the newest finished policy) while round r optimizes."""
+    prefetch_depth: int = Field(1, ge=1)
+    """How many rounds ahead rollouts may be generated."""
+    max_staleness: int = Field(1, ge=0)
+    """Most optimize rounds a rollout's policy may lag its round; 0 = synchronous."""
     seed: int = 0
+
+    def lag(self) -> int:
+        """Rounds between the policy a rollout samples from and the round it trains (0: sync)."""
+        return min(self.prefetch_depth, self.max_staleness) if self.async_prefetch else 0
+
+
+def engine_options(cfg: RolloutConfig, max_lora_rank: int) -> dict:
+    """What `get_engine` needs for this config's engine."""
+    if cfg.engine == "transformers":
+        return {"batch_size": cfg.generation_batch_size}
+    options = cfg.vllm.model_dump()
+    if cfg.engine == "vllm":
+        for key in ("server_url", "server_timeout_s", "server_adapter_root"):
+            options.pop(key)
+    else:
+        options = {k: options[k] for k in ("server_url", "server_timeout_s", "server_adapter_root")}
+    return {**options, "max_lora_rank": max_lora_rank}
 
 
 def select_prompts(rows: list[dict], round_index: int, per_round: int, seed: int) -> list[dict]:
@@ -48,68 +101,51 @@ def select_prompts(rows: list[dict], round_index: int, per_round: int, seed: int
     return [rows[i] for i in picked]
 
 
-def generate(model, tokenizer, prompts: list[list[dict]], *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, do_sample: bool = True, batch_size: int = 256,
-             on_progress: Callable[[int], None] | None = None) -> list[dict]:
-    """Generate one completion per prompt. Returns dicts with prompt_token_ids,
-    completion_token_ids, sampling_logprobs, completion text and finish_reason."""
-    import torch
+def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
+    """Call the user's rollout_func and check what it returns, naming the function and the row."""
+    from transformers import AutoTokenizer
 
-    eos = tokenizer.eos_token_id
+    from stages.imports import load_function
+
+    fn = load_function(cfg.rollout_func, "rollout.rollout_func", {})
+    tokenizer = AutoTokenizer.from_pretrained(policy.model_dir)
+    out = fn(prompts=prompts, engine=engine, policy=policy, sampling=sampling, tokenizer=tokenizer)
+    if not isinstance(out, list) or len(out) != len(prompts):
+        got = f"{len(out)} items" if isinstance(out, list) else type(out).__name__
+        raise ValueError(f"rollout.rollout_func {cfg.rollout_func}: returned {got} for {len(prompts)} prompts")
     results = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature if do_sample else None,
-                top_p=top_p if do_sample else None,
-                top_k=0 if do_sample else None,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-        new_tokens = out.sequences[:, enc["input_ids"].shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float()  # (B, T, V), raw
-        logps = torch.log_softmax(logits / temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        for i in range(len(chunk)):
-            ids = new_tokens[i].tolist()
-            finish = "length"
-            if eos in ids:
-                ids = ids[: ids.index(eos) + 1]
-                finish = "stop"
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-            results.append(
-                {
-                    "prompt_token_ids": prompt_ids,
-                    "completion_token_ids": ids,
-                    "sampling_logprobs": logps[i, : len(ids)].tolist(),
-                    "completion": tokenizer.decode(ids, skip_special_tokens=True),
-                    "finish_reason": finish,
-                }
-            )
-        if on_progress:
-            on_progress(len(chunk))
+    for i, (prompt, item) in enumerate(zip(prompts, out)):
+        where = f"rollout.rollout_func {cfg.rollout_func}: item {i}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a dict, got {type(item).__name__}")
+        for key in ("completion_token_ids", "sampling_logprobs"):
+            if key not in item:
+                raise ValueError(f"{where}: missing {key!r}")
+        ids, logps = list(item["completion_token_ids"]), list(item["sampling_logprobs"])
+        if len(ids) != len(logps):
+            raise ValueError(f"{where}: {len(ids)} completion_token_ids but {len(logps)} sampling_logprobs")
+        prompt_ids = item.get("prompt_token_ids") or tokenizer.apply_chat_template(
+            prompt, tokenize=True, add_generation_prompt=True)
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+        finish = item.get("finish_reason") or (
+            "stop" if ids and ids[-1] == tokenizer.eos_token_id else "length")
+        results.append({"prompt_token_ids": list(prompt_ids), "completion_token_ids": ids, "sampling_logprobs": logps,
+                        "completion": item.get("completion") or tokenizer.decode(ids, skip_special_tokens=True),
+                        "finish_reason": finish})
     return results
 
 
-def run(cfg: RolloutConfig, base_dir: Path, adapter_dir: Path | None, prompts_path: Path, round_index: int,
-        policy_version: int, out_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """Sample the round's completions into out_dir/rollouts.parquet."""
-    import pyarrow.parquet as pq
-    import torch
+def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
+        engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None) -> dict:
+    """Sample the round's completions into out_dir/rollouts.parquet; return a summary."""
+    import time
 
-    from stages.policy import load_policy
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     rows = pq.read_table(prompts_path).to_pylist()
     picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
-    model, tokenizer = load_policy(base_dir, adapter_dir)
-    torch.manual_seed(cfg.seed * 100_003 + round_index)
     expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
     total = len(expanded)
     done = 0
@@ -120,19 +156,29 @@ def run(cfg: RolloutConfig, base_dir: Path, adapter_dir: Path | None, prompts_pa
         if on_progress:
             on_progress(done, total)
 
-    generated = generate(model, tokenizer, [row["prompt"] for row, _ in expanded],
-                         max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                         batch_size=cfg.generation_batch_size, on_progress=progress)
+    engine = get_engine(cfg.engine, policy.base_dir,
+                        engine_settings if engine_settings is not None else engine_options(cfg, 16))
+    sampling = Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        seed=cfg.seed * 100_003 + round_index)
+    prompts = [row["prompt"] for row, _ in expanded]
+    started = time.perf_counter()
+    if cfg.rollout_func:
+        generated = _user_rollout(cfg, engine, policy, prompts, sampling)
+        progress(len(generated))
+        engine_name = f"{cfg.engine}+{cfg.rollout_func}"
+    else:
+        generated = engine.generate(policy, prompts, sampling, on_progress=progress)
+        engine_name = cfg.engine
+    seconds = time.perf_counter() - started
     passthrough = [c for c in rows[0] if c not in ROLLOUTS.names]
     records = []
     for (row, g), gen in zip(expanded, generated):
         rec = {c: row[c] for c in passthrough}
         rec.update(gen)
         rec.update(rollout_id=f"r{round_index}-{row['prompt_id']}-g{g}", prompt_id=row["prompt_id"],
-                   group_index=g, prompt=row["prompt"], policy_version=policy_version, engine=cfg.engine)
+                   group_index=g, prompt=row["prompt"], round_index=round_index, policy_version=policy.version,
+                   engine=engine_name)
         records.append(rec)
-    import pyarrow as pa
-
     write_table(pa.Table.from_pylist(records), out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
     lengths = [len(r["completion_token_ids"]) for r in records]
     return {
@@ -141,4 +187,8 @@ def run(cfg: RolloutConfig, base_dir: Path, adapter_dir: Path | None, prompts_pa
         "completion_length_mean": sum(lengths) / len(lengths),
         "truncated_frac": sum(r["finish_reason"] == "length" for r in records) / len(records),
         "tokens": sum(lengths),
+        "generate_s": seconds,
+        "tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        "policy_version": policy.version,
+        "staleness": round_index - policy.version,
     }

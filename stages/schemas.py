@@ -33,8 +33,9 @@ ROLLOUTS = pa.schema(
         ("prompt_token_ids", pa.list_(pa.int32())),
         ("completion_token_ids", pa.list_(pa.int32())),
         ("sampling_logprobs", pa.list_(pa.float32())),  # log pi(token) under logits / temperature
-        ("policy_version", pa.int32()),  # 0 = base policy, r = after r optimize rounds
-        ("engine", pa.string()),
+        ("round_index", pa.int32()),  # the round these completions train
+        ("policy_version", pa.int32()),  # 0 = base policy, v = after v optimize rounds; staleness = round - version
+        ("engine", pa.string()),  # transformers | vllm | vllm_server, or "<engine>+<rollout_func>"
         ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length"
     ]
 )

@@ -12,6 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from stages import base_model, demo_data, evaluate, export, grpo, rollout, schemas, score, sft, transform
+from stages.engines import Policy
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
 from tasks.store import Artifact, ArtifactStore, code_version, sha256_file
@@ -129,16 +130,32 @@ def _round_section(section: dict, round_index: int) -> dict:
     return {**{k: v for k, v in section.items() if k != "rounds"}, "round": round_index}
 
 
+ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness")  # when, not what: not part of a rollout's key
+
+
+def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
+    """The sampling policy after `version` optimize rounds (adapter: that round's output)."""
+    if adapter is None:
+        return Policy(policy.path, version=version)
+    if ctx.config.grpo.adapter == "none":
+        return Policy(policy.path, weights_dir=adapter.path, version=version)
+    return Policy(policy.path, adapter_dir=adapter.path, version=version)
+
+
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
-                 round_index: int) -> Artifact:
+                 round_index: int, policy_version: int) -> Artifact:
     cfg = ctx.config.rollout
+    section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
+    section["vllm"] = {k: v for k, v in section["vllm"].items() if k not in ("server_url", "server_timeout_s")}
+    section = {**_round_section(section, round_index), "policy_version": policy_version}
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
+    sampler = policy_for(ctx, policy, adapter, policy_version)
+    options = rollout.engine_options(cfg, ctx.config.grpo.lora_r)
     return materialize(
-        ctx, "rollout", rollout, _round_section(cfg.model_dump(mode="json"), round_index),
-        {"policy": policy, "adapter": adapter, "prompts": prompts},
-        lambda out, _: rollout.run(cfg, policy.path, adapter.path if adapter else None,
-                                   prompts.file("train.parquet"), round_index, round_index, out, on_progress=bar),
+        ctx, "rollout", rollout, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
+        lambda out, _: rollout.run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options,
+                                   on_progress=bar),
         label=f"rollout r{round_index}",
     )
 
@@ -175,9 +192,10 @@ def export_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, lin
                 train_metrics: dict) -> Artifact:
     cfg = ctx.config.export
     config = ctx.config.model_dump(mode="json")
+    final = policy_for(ctx, policy, adapter, version=-1)
     return materialize(
         ctx, "export", export, cfg.model_dump(mode="json"), {"policy": policy, "adapter": adapter},
-        lambda out, _: export.run(cfg, policy.path, adapter.path if adapter else None, out, metrics=train_metrics,
+        lambda out, _: export.run(cfg, final.model_dir, final.adapter_dir, out, metrics=train_metrics,
                                   lineage=lineage_keys, config=config),
     )
 

@@ -352,3 +352,58 @@ def test_unknown_loss_type_raises():
     with pytest.raises(ValueError, match="loss_type"):
         grpo_loss(t, t, None, torch.ones(1), torch.ones(1, 1), loss_type="nope", epsilon=0.2, epsilon_high=0.2,
                   beta=0.0, max_completion_length=1, num_items_in_batch=1, gradient_accumulation_steps=1)
+
+
+@pytest.mark.parametrize("variant", ["is_token_truncate", "is_sequence_mask", "sequence_level_ratio",
+                                     "off_policy_mask"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
+    """The sampling correction (TRL's vllm_importance_sampling_*), GSPO's sequence-level ratio and
+    DeepSeek-V3.2's off-policy mask give TRL's loss and gradients on the same batch."""
+    from stages.grpo import off_policy_mask, sampling_correction
+
+    inputs = dict(batch["inputs"])
+    mask = inputs["completion_mask"].float()
+    g = torch.Generator().manual_seed(7)
+    # a sampler whose log-probs differ from pi_old by up to +-1.5 per token: ratios both sides of the cap
+    sampling = torch.where(mask.bool(), inputs["old_per_token_logps"] + 3 * (torch.rand(mask.shape, generator=g) - 0.5),
+                           torch.zeros_like(mask))
+    saved = {k: getattr(trainer, k) for k in ("use_vllm", "vllm_importance_sampling_correction",
+                                              "importance_sampling_level", "off_policy_mask_threshold")}
+    ours_kwargs = {}
+    try:
+        if variant.startswith("is_"):
+            mode = "token_truncate" if variant == "is_token_truncate" else "sequence_mask"
+            weights = sampling_correction(inputs["old_per_token_logps"], sampling, mask, mode, 1.5)
+            assert (weights == 1.5).any() or (weights == 0).any()  # the cap is exercised
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+            inputs["importance_sampling_ratio"] = weights
+            ours_kwargs["is_weights"] = weights
+        elif variant == "sequence_level_ratio":
+            trainer.importance_sampling_level = "sequence"
+            ours_kwargs["importance_sampling_level"] = "sequence"
+        else:
+            trainer.off_policy_mask_threshold = 0.1
+            inputs["sampling_per_token_logps"] = sampling
+        theirs = _trl_loss(trainer, inputs, loss_type, True)
+        their_grads = _grads(trainer.model, theirs)
+
+        logps, _ = completion_logps(trainer.model, batch["input_ids"], batch["attention_mask"],
+                                    batch["logits_to_keep"], TEMPERATURE)
+        if variant == "off_policy_mask":
+            keep = off_policy_mask(inputs["advantages"], logps, sampling, mask, 0.1)
+            assert 0 < keep.sum() < len(keep)  # some sequences dropped, some kept
+            ours_kwargs["off_policy_keep"] = keep
+        ours, _ = grpo_loss(
+            logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], inputs["advantages"],
+            inputs["completion_mask"], loss_type=loss_type, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, beta=BETA,
+            max_completion_length=MAX_COMPLETION_LENGTH, num_items_in_batch=batch["num_items"],
+            gradient_accumulation_steps=GRAD_ACCUM, use_bias_correction_kl=True, **ours_kwargs,
+        )
+        our_grads = _grads(trainer.model, ours)
+    finally:
+        for k, v in saved.items():
+            setattr(trainer, k, v)
+    torch.testing.assert_close(ours.detach(), theirs.detach(), **TOL)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, **TOL)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stages import base_model, grpo, rollout, score, transform
+from stages.engines import Policy
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def test_grpo_rounds_change_weights_and_raise_reward(tiny_policy):
     for r in range(8):
         d = root / f"r{r}"
         d.mkdir()
-        rollout.run(rollout_cfg, root / "model", adapter, root / "prompts" / "train.parquet", r, r, d)
+        rollout.run(rollout_cfg, Policy(root / "model", adapter_dir=adapter, version=r),
+                    root / "prompts" / "train.parquet", r, d)
         rewards.append(score.run(score_cfg, d / "rollouts.parquet", 8, d)["reward_mean"])
         metrics = grpo.run(grpo_cfg, root / "model", adapter, d / "scored.parquet", r, 1.0, 8, d)
         adapter = d
@@ -53,14 +55,80 @@ def test_rollout_records_policy_version_and_logprobs(tiny_policy):
     d = root / "check"
     d.mkdir()
     cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6)
-    summary = rollout.run(cfg, root / "model", None, root / "prompts" / "train.parquet", 3, 3, d)
+    summary = rollout.run(cfg, Policy(root / "model", version=3), root / "prompts" / "train.parquet", 5, d)
     rows = pq.read_table(d / "rollouts.parquet").to_pylist()
-    assert summary["rows"] == len(rows) == 8
+    assert summary["rows"] == len(rows) == 8 and summary["staleness"] == 2
     for row in rows:
-        assert row["policy_version"] == 3 and row["engine"] == "transformers"
+        assert row["policy_version"] == 3 and row["round_index"] == 5 and row["engine"] == "transformers"
         assert len(row["sampling_logprobs"]) == len(row["completion_token_ids"]) >= 1
         assert all(lp <= 0 for lp in row["sampling_logprobs"])
         assert row["finish_reason"] in ("stop", "length")
         assert (row["finish_reason"] == "length") == (len(row["completion_token_ids"]) == 6 and
                                                        row["completion_token_ids"][-1] != 2)
         assert row["answer"] is not None  # passthrough column kept for reward functions
+
+
+@pytest.fixture(scope="module")
+def scored_round(tiny_policy):
+    """One scored round from the base policy (sampling log-probs = the trainer's own)."""
+    root = tiny_policy
+    d = root / "scored_round"
+    d.mkdir()
+    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=8, max_completion_length=6),
+                Policy(root / "model"), root / "prompts" / "train.parquet", 0, d)
+    score.run(score.ScoreConfig(reward_funcs=["toy_rewards.letters"], reward_num_workers=1),
+              d / "rollouts.parquet", 4, d)
+    return d / "scored.parquet"
+
+
+def _optimize(root, scored_path, out_name, **grpo_kwargs):
+    cfg = grpo.GRPOConfig(micro_batch_size=16, gradient_accumulation_steps=2, **grpo_kwargs)
+    out = root / out_name
+    out.mkdir()
+    return grpo.run(cfg, root / "model", None, scored_path, 0, 1.0, 6, out)
+
+
+def test_on_policy_rollouts_have_unit_ratios_and_nothing_masked(tiny_policy, scored_round):
+    metrics = _optimize(tiny_policy, scored_round, "on_policy", vllm_importance_sampling_mode="sequence_mask",
+                        off_policy_mask_threshold=0.5)
+    # sampling and trainer log-probs come from the same weights: only float noise separates them
+    assert metrics["is_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["is_ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["off_policy_masked_frac"] == 0.0
+
+
+def test_forced_large_ratio_is_truncated_or_masked(tiny_policy, scored_round):
+    import pyarrow as pa
+
+    table = pq.read_table(scored_round)
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        if i % 2 == 0:  # the sampler "thought" these tokens 20x less likely than the trainer does
+            row["sampling_logprobs"] = [lp - 3.0 for lp in row["sampling_logprobs"]]
+    forced = scored_round.parent / "forced.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), forced)
+
+    masked = _optimize(tiny_policy, forced, "seq_mask", vllm_importance_sampling_mode="sequence_mask",
+                       vllm_importance_sampling_cap=3.0)
+    assert masked["off_policy_masked_frac"] == pytest.approx(0.5)  # exactly the forced half
+
+    truncated = _optimize(tiny_policy, forced, "tok_trunc", vllm_importance_sampling_mode="token_truncate",
+                          vllm_importance_sampling_cap=3.0)
+    assert truncated["is_ratio_max"] == pytest.approx(3.0)  # e^3 = 20 truncated at the cap
+    assert truncated["off_policy_masked_frac"] == 0.0
+
+    uncorrected = _optimize(tiny_policy, forced, "no_is", vllm_importance_sampling_correction=False)
+    assert "is_ratio_mean" not in uncorrected and uncorrected["off_policy_masked_frac"] == 0.0
+
+
+def test_full_fine_tuning_writes_a_complete_model(tiny_policy, scored_round):
+    from transformers import AutoModelForCausalLM
+
+    metrics = _optimize(tiny_policy, scored_round, "full_ft", adapter="none", learning_rate=1e-2, beta=0.04)
+    out = tiny_policy / "full_ft"
+    assert metrics["optimizer_steps"] == 1 and metrics["kl"] >= 0
+    tuned = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_policy / "model")
+    changed = [n for (n, a), (_, b) in zip(tuned.named_parameters(), base.named_parameters()) if not torch.equal(a, b)]
+    assert changed, "full fine-tuning changed no weight"
+    assert (out / "tokenizer.json").exists() and (out / "optimizer.pt").exists()

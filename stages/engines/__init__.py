@@ -1,0 +1,108 @@
+"""Rollout engines: who turns prompts into sampled completions with their log-probs.
+
+Every engine returns, per prompt, the same dict -- prompt_token_ids, completion_token_ids,
+sampling_logprobs (log softmax(logits / temperature) of each sampled token), completion
+text, finish_reason ("stop" | "length") -- so the stages after rollout cannot tell engines
+apart.
+
+- `transformers`: in-process `model.generate`, always available (stages/engines/hf.py).
+- `vllm`: an in-process vLLM engine started once per process and kept across rounds;
+  LoRA policies through a new `LoRARequest` per round, full fine-tuning through an
+  in-place weight update (stages/engines/vllm_local.py).
+- `vllm_server`: an OpenAI-compatible `vllm serve --enable-lora` server
+  (stages/engines/vllm_server.py).
+
+`get_engine` keeps one engine per (kind, settings, base model) per process; the flow
+calls `close_engines()` when it ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The weights to sample from.
+
+    `base_dir`: the model the run starts from (engines are started from it). LoRA training:
+    `adapter_dir` is the round's adapter on top of it. Full fine-tuning: `weights_dir` is the
+    round's complete model folder, whose weights replace the base's. `version` counts the
+    optimize rounds behind these weights (0 = the base policy).
+    """
+
+    base_dir: Path
+    adapter_dir: Path | None = None
+    weights_dir: Path | None = None
+    version: int = 0
+
+    @property
+    def model_dir(self) -> Path:
+        """The complete model folder (base or fine-tuned) the adapter, if any, applies to."""
+        return self.weights_dir or self.base_dir
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample (names as in TRL)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    do_sample: bool = True
+    seed: int = 0
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+                 on_progress: Callable[[int], None] | None = None) -> list[dict]:
+        """One completion per prompt (chat message lists), in order."""
+
+    def close(self) -> None:
+        """Free the engine's memory and processes."""
+
+
+_ENGINES: dict[tuple, RolloutEngine] = {}
+_LOCK = threading.Lock()
+
+
+def get_engine(kind: str, base_dir: Path, options: dict | None = None) -> RolloutEngine:
+    """The process-wide engine of this kind and settings for this base model (made on first use)."""
+    options = options or {}
+    key = (kind, str(Path(base_dir).resolve()), tuple(sorted((k, repr(v)) for k, v in options.items())))
+    with _LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = _make(kind, Path(base_dir), options)
+            _ENGINES[key] = engine
+        return engine
+
+
+def _make(kind: str, base_dir: Path, options: dict) -> RolloutEngine:
+    if kind == "transformers":
+        from stages.engines.hf import TransformersEngine
+
+        return TransformersEngine(**options)
+    if kind == "vllm":
+        from stages.engines.vllm_local import VLLMEngine
+
+        return VLLMEngine(base_dir, **options)
+    if kind == "vllm_server":
+        from stages.engines.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(base_dir, **options)
+    raise ValueError(f"rollout.engine: unknown engine {kind!r}; use transformers, vllm or vllm_server")
+
+
+def close_engines() -> None:
+    """Close every engine this process started (the flow's last step)."""
+    with _LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,240 @@
+"""The in-process vLLM rollout engine: one `vllm.LLM` per process, kept across rounds.
+
+- Sampling log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and asks
+  for `logprobs=0`, so each sampled token comes back with log softmax(logits / temperature)
+  -- the quantity the transformers engine records and TRL uses. With top_p < 1 vLLM takes
+  the log-softmax after the top-p mask (TRL does the same with vLLM); the transformers
+  engine does not, so only then the two differ by the kept mass. Greedy decoding
+  (`do_sample=False`) returns log softmax(logits) (temperature 1).
+- LoRA policies: a new `LoRARequest(name, id, adapter_dir)` for every adapter version
+  (a new id when the folder or its weights file changes), so vLLM loads it afresh.
+- Full fine-tuning: when `policy.model_dir` differs from the weights the engine holds,
+  the folder's safetensors are copied into the running model's parameters in place (the
+  model's `load_weights`, run in the worker through `collective_rpc` and a worker
+  extension; no restart) and the prefix cache is dropped; a policy without `weights_dir`
+  brings the base weights back the same way. (vLLM's own `reload_weights` re-creates
+  parameters layer by layer and leaves a tied lm_head on the old embedding, hence this.)
+- Prompts go in as token ids (chat template as in stages/engines/hf.py), each request with
+  its own seed (sampling.seed, prompt index), so a call is reproducible.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Callable
+
+from stages.engines import Policy, Sampling
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The per-request seed of prompt `index` in a call seeded with `seed` (fits in 63 bits)."""
+    return (seed * 1_000_003 + index) % (2**63 - 1)
+
+
+def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Chat-templated prompt token ids, tokenized exactly as the transformers engine does."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def sampling_params(sampling: Sampling, count: int, eos_token_id: int | None) -> list:
+    """One `vllm.SamplingParams` per prompt: the sampled token's log-prob, a seed each."""
+    from vllm import SamplingParams
+
+    params = []
+    for i in range(count):
+        params.append(SamplingParams(
+            n=1,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature if sampling.do_sample else 0.0,
+            top_p=sampling.top_p if sampling.do_sample else 1.0,
+            top_k=0,
+            seed=request_seed(sampling.seed, i),
+            logprobs=0,
+            stop_token_ids=[eos_token_id] if eos_token_id is not None else None,
+            detokenize=False,
+        ))
+    return params
+
+
+def to_result(tokenizer, prompt_ids: list[int], output, eos_token_id: int | None) -> dict:
+    """The standard per-prompt dict (see stages.engines) from one vLLM `CompletionOutput`."""
+    ids = list(output.token_ids)
+    if output.logprobs is None or len(output.logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} "
+                           f"log-probs for {len(ids)} tokens")
+    logps = [float(step[tok].logprob) for tok, step in zip(ids, output.logprobs)]
+    stopped = output.finish_reason == "stop" or (eos_token_id is not None and eos_token_id in ids)
+    if eos_token_id is not None and eos_token_id in ids:
+        cut = ids.index(eos_token_id) + 1
+        ids, logps = ids[:cut], logps[:cut]
+    return {
+        "prompt_token_ids": list(prompt_ids),
+        "completion_token_ids": ids,
+        "sampling_logprobs": logps,
+        "completion": tokenizer.decode(ids, skip_special_tokens=True),
+        "finish_reason": "stop" if stopped else "length",
+    }
+
+
+def progress_bar(on_progress: Callable[[int], None]):
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` that prints nothing and reports
+    each finished request to `on_progress`."""
+    from tqdm import tqdm
+
+    class _Progress(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            on_progress(n)
+            return super().update(n)
+
+    return _Progress
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`), callable by name through
+    `LLM.collective_rpc`: reloads the running model's weights in place from a folder."""
+
+    def load_policy_weights(self, model_dir: str) -> None:
+        """vLLM's layerwise `reload_weights` from model_dir, then re-tie shared parameters.
+
+        The reload re-creates each parameter (CPU kernels repack weights after loading, so
+        they cannot simply be copied into); a parameter shared by two modules (a tied lm_head
+        and embedding) then exists twice, the second copy keeping the old values. Each alias
+        is pointed back at the first module's new parameter, as the model built it.
+        """
+        model = self.model_runner.get_model()
+        first: dict[int, str] = {}
+        aliases: list[tuple[str, str]] = []
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                aliases.append((name, first[id(param)]))
+            else:
+                first[id(param)] = name
+        self.reload_weights(weights_path=model_dir)
+        for alias, source in aliases:
+            module_name, _, attr = alias.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            setattr(module, attr, model.get_parameter(source))
+
+
+MAX_NUM_SEQS = 256  # sequences per engine step (vLLM's default on GPU)
+
+
+class VLLMEngine:
+    """An in-process `vllm.LLM` on `base_dir`, started on first use and kept until `close()`."""
+
+    name = "vllm"
+
+    def __init__(self, base_dir, gpu_memory_utilization: float = 0.05, kv_cache_space_gib: float = 1.0,
+                 max_model_len: int | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
+                 enforce_eager: bool = True, max_lora_rank: int = 16):
+        self.base_dir = Path(base_dir)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.tensor_parallel_size = tensor_parallel_size
+        self.enforce_eager = enforce_eager
+        self.max_lora_rank = max_lora_rank
+        self.llm = None
+        self.tokenizer = None
+        self.loaded_weights: Path = self.base_dir.resolve()
+        self._lora_ids: dict[tuple, int] = {}
+        self.weight_reloads = 0
+
+    def _start(self):
+        from transformers import AutoTokenizer
+
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        extra = {}
+        if current_platform.is_cpu():
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                # What VLLM_CPU_KVCACHE_SPACE (whole GiB only) would set; a set variable still wins.
+                extra["kv_cache_memory_bytes"] = int(self.kv_cache_space_gib * 2**30)
+            # vLLM 0.32's CPU runner fails ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split across steps. A token budget that fits every sequence whole avoids the split.
+            import json
+
+            max_len = self.max_model_len or json.loads((self.base_dir / "config.json").read_text()).get(
+                "max_position_embeddings", 2048)
+            extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * max_len)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self.llm = LLM(
+            model=str(self.base_dir),
+            tokenizer=str(self.base_dir),
+            dtype=self.dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager,
+            enable_lora=True,
+            max_lora_rank=self.max_lora_rank,
+            max_loras=1,
+            logprobs_mode="processed_logprobs",
+            seed=0,
+            worker_extension_cls=f"{__name__}.WeightUpdateExtension",
+            **extra,
+        )
+
+    def _set_weights(self, model_dir: Path) -> None:
+        """Load `model_dir`'s weights into the running model if it holds other ones."""
+        model_dir = Path(model_dir).resolve()
+        if model_dir == self.loaded_weights:
+            return
+        if not any(model_dir.glob("*.safetensors")):
+            raise FileNotFoundError(f"vllm engine: no *.safetensors in {model_dir} to load the policy's weights from")
+        self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.loaded_weights = model_dir
+        self.weight_reloads += 1
+
+    def _lora_request(self, adapter_dir: Path, version: int):
+        """A LoRARequest whose id is new for every (folder, version, weights file) seen."""
+        from vllm.lora.request import LoRARequest
+
+        adapter_dir = Path(adapter_dir).resolve()
+        weights = adapter_dir / "adapter_model.safetensors"
+        stamp = weights.stat().st_mtime_ns if weights.exists() else 0
+        key = (str(adapter_dir), version, stamp)
+        if key not in self._lora_ids:
+            self._lora_ids[key] = len(self._lora_ids) + 1
+        lora_id = self._lora_ids[key]
+        return LoRARequest(f"policy-v{version}-{lora_id}", lora_id, str(adapter_dir))
+
+    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+                 on_progress: Callable[[int], None] | None = None) -> list[dict]:
+        """One completion per prompt from `policy` (base, base + LoRA, or full weights), in order."""
+        if self.llm is None:
+            self._start()
+        self._set_weights(policy.model_dir)
+        lora = self._lora_request(policy.adapter_dir, policy.version) if policy.adapter_dir else None
+        eos = self.tokenizer.eos_token_id
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in ids],
+            sampling_params(sampling, len(ids), eos),
+            lora_request=lora,
+            use_tqdm=progress_bar(on_progress) if on_progress else False,
+        )
+        return [to_result(self.tokenizer, p, out.outputs[0], eos) for p, out in zip(ids, outputs)]
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes and memory)."""
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                del llm
+                import gc
+
+                gc.collect()

