@@ -132,3 +132,35 @@ def test_full_fine_tuning_writes_a_complete_model(tiny_policy, scored_round):
     changed = [n for (n, a), (_, b) in zip(tuned.named_parameters(), base.named_parameters()) if not torch.equal(a, b)]
     assert changed, "full fine-tuning changed no weight"
     assert (out / "tokenizer.json").exists() and (out / "optimizer.pt").exists()
+
+
+def test_user_rollout_func_goes_through_the_same_schema(tiny_policy):
+    root = tiny_policy
+    d = root / "user_rollout"
+    d.mkdir()
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6,
+                                rollout_func="toy_rollouts.retry_unformatted")
+    summary = rollout.run(cfg, Policy(root / "model"), root / "prompts" / "train.parquet", 0, d)
+    rows = pq.read_table(d / "rollouts.parquet").to_pylist()
+    assert summary["rows"] == len(rows) == 8
+    for row in rows:
+        assert row["engine"] == "transformers+toy_rollouts.retry_unformatted"
+        assert len(row["sampling_logprobs"]) == len(row["completion_token_ids"]) >= 1
+    # the retried rows carry the longer, two-turn prompt they were sampled from
+    assert any(len(r["prompt_token_ids"]) > min(len(x["prompt_token_ids"]) for x in rows) for r in rows)
+    score.run(score.ScoreConfig(reward_funcs=["toy_rewards.letters"], reward_num_workers=1),
+              d / "rollouts.parquet", 2, d)  # and they score like any rollouts
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("one_short", "returned 7 items for 8 prompts"),
+    ("mismatched_logprobs", "item 0: .* completion_token_ids but .* sampling_logprobs"),
+])
+def test_broken_rollout_func_is_named(tiny_policy, fn, message):
+    d = tiny_policy / f"broken_{fn}"
+    d.mkdir()
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6,
+                                rollout_func=f"toy_rollouts.{fn}")
+    with pytest.raises(ValueError, match=f"rollout.rollout_func toy_rollouts.{fn}: {message}"):
+        rollout.run(cfg, Policy(tiny_policy / "model"), tiny_policy / "prompts" / "train.parquet", 0, d)
+    assert not (d / "rollouts.parquet").exists()

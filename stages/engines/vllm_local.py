@@ -8,12 +8,11 @@
   (`do_sample=False`) returns log softmax(logits) (temperature 1).
 - LoRA policies: a new `LoRARequest(name, id, adapter_dir)` for every adapter version
   (a new id when the folder or its weights file changes), so vLLM loads it afresh.
-- Full fine-tuning: when `policy.model_dir` differs from the weights the engine holds,
-  the folder's safetensors are copied into the running model's parameters in place (the
-  model's `load_weights`, run in the worker through `collective_rpc` and a worker
-  extension; no restart) and the prefix cache is dropped; a policy without `weights_dir`
-  brings the base weights back the same way. (vLLM's own `reload_weights` re-creates
-  parameters layer by layer and leaves a tied lm_head on the old embedding, hence this.)
+- Full fine-tuning: when `policy.model_dir` differs from the weights the engine holds, the
+  engine takes the folder's weights: on GPU in place (vLLM's `reload_weights` through a
+  worker extension that also re-ties a tied lm_head; no restart; not yet run on a GPU here),
+  on CPU by restarting the engine on the folder, because vLLM 0.32's CPU linear layers keep
+  pre-packed copies of their start-up weights that an in-place reload leaves stale.
 - Prompts go in as token ids (chat template as in stages/engines/hf.py), each request with
   its own seed (sampling.seed, prompt index), so a call is reproducible.
 """
@@ -148,7 +147,7 @@ class VLLMEngine:
         self._lora_ids: dict[tuple, int] = {}
         self.weight_reloads = 0
 
-    def _start(self):
+    def _start(self, model_dir: Path | None = None):
         from transformers import AutoTokenizer
 
         from vllm import LLM
@@ -163,13 +162,13 @@ class VLLMEngine:
             # prefill is split across steps. A token budget that fits every sequence whole avoids the split.
             import json
 
-            max_len = self.max_model_len or json.loads((self.base_dir / "config.json").read_text()).get(
+            max_len = self.max_model_len or json.loads(((model_dir or self.base_dir) / "config.json").read_text()).get(
                 "max_position_embeddings", 2048)
             extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * max_len)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         self.llm = LLM(
-            model=str(self.base_dir),
+            model=str(model_dir or self.base_dir),
             tokenizer=str(self.base_dir),
             dtype=self.dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -186,14 +185,26 @@ class VLLMEngine:
         )
 
     def _set_weights(self, model_dir: Path) -> None:
-        """Load `model_dir`'s weights into the running model if it holds other ones."""
+        """Make the engine sample from `model_dir`'s weights if it holds other ones.
+
+        GPU: the weights are reloaded in place (worker extension, no restart). CPU: vLLM 0.32's
+        CPU linear layers keep pre-packed copies of the weights they were started with, which an
+        in-place reload does not refresh (the outputs come out wrong), so the engine is restarted
+        on the new folder instead: correct, but an engine start (~30 s) per round.
+        """
+        from vllm.platforms import current_platform
+
         model_dir = Path(model_dir).resolve()
         if model_dir == self.loaded_weights:
             return
         if not any(model_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"vllm engine: no *.safetensors in {model_dir} to load the policy's weights from")
-        self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if current_platform.is_cpu():
+            self.close()
+            self._start(model_dir)
+        else:
+            self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loaded_weights = model_dir
         self.weight_reloads += 1
 
