@@ -28,6 +28,7 @@ def build_model(root: Path) -> Path:
     from stages.base_model import train_tokenizer
     from stages.demo_data import DemoDataConfig, run as make_demo
 
+    (root / "demo").mkdir(parents=True)
     make_demo(DemoDataConfig(num_sft=2000, num_train=10, num_eval=10), root / "demo")
     import pyarrow.parquet as pq
 

@@ -126,3 +126,14 @@ def test_async_prefetch_is_stale_by_one_and_staleness_zero_equals_sync(prefect_h
         table = pq.read_table(Path(folder) / "rollouts.parquet", columns=["round_index", "policy_version"])
         versions.append(set(zip(*table.to_pydict().values())))
     assert versions == [{(0, 0)}, {(1, 0)}, {(2, 1)}]
+
+
+def test_serve_vllm_prints_a_server_command_for_the_starting_policy(prefect_harness, tiny_config, tmp_path, capsys):
+    from flows.cli import main
+
+    assert main(["serve-vllm", str(tiny_config), "--print", "--quiet", "--port", "8123"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    sft_dirs = list((tmp_path / "artifacts" / "sft").iterdir())
+    assert len(sft_dirs) == 1 and (sft_dirs[0] / MANIFEST).exists()  # the policy was built and cached
+    assert f"--model {sft_dirs[0]}" in line and "--enable-lora" in line and "--port 8123" in line
+    assert line.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")

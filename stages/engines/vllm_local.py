@@ -132,7 +132,7 @@ class VLLMEngine:
 
     def __init__(self, base_dir, gpu_memory_utilization: float = 0.05, kv_cache_space_gib: float = 1.0,
                  max_model_len: int | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, max_lora_rank: int = 16):
+                 enforce_eager: bool = True, max_lora_rank: int = 16, in_process: bool = True):
         self.base_dir = Path(base_dir)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_space_gib = kv_cache_space_gib
@@ -141,6 +141,7 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.enforce_eager = enforce_eager
         self.max_lora_rank = max_lora_rank
+        self.in_process = in_process
         self.llm = None
         self.tokenizer = None
         self.loaded_weights: Path = self.base_dir.resolve()
@@ -166,6 +167,8 @@ class VLLMEngine:
                 "max_position_embeddings", 2048)
             extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * max_len)
 
+        # Read by vLLM when the engine is built: 0 keeps the engine core and worker in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         self.llm = LLM(
             model=str(model_dir or self.base_dir),
