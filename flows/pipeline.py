@@ -19,7 +19,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import PipelineConfig, load_config
-from stages.engines import close_engines
+from stages.engines import close_engines, import_eagerly
 from tasks.lineage import Lineage, git_commit, ui_command
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
@@ -77,6 +77,7 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     cfg = ctx.config
     lag = cfg.rollout.lag()
     in_flight: dict[int, tuple] = {}
+    import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
 
     def submit(r: int, adapter, version: int) -> None:
         rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version)

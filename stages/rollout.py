@@ -14,7 +14,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.engines import Policy, Sampling, get_engine
+from stages.engines import Policy, Sampling, engine_lock, get_engine
 from stages.schemas import ROLLOUTS, write_table
 
 
@@ -165,15 +165,16 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
     sampling = Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         seed=cfg.seed * 100_003 + round_index)
     prompts = [row["prompt"] for row, _ in expanded]
-    started = time.perf_counter()
-    if cfg.rollout_func:
-        generated = _user_rollout(cfg, engine, policy, prompts, sampling)
-        progress(len(generated))
-        engine_name = f"{cfg.engine}+{cfg.rollout_func}"
-    else:
-        generated = engine.generate(policy, prompts, sampling, on_progress=progress)
-        engine_name = cfg.engine
-    seconds = time.perf_counter() - started
+    with engine_lock(engine):
+        started = time.perf_counter()
+        if cfg.rollout_func:
+            generated = _user_rollout(cfg, engine, policy, prompts, sampling)
+            progress(len(generated))
+            engine_name = f"{cfg.engine}+{cfg.rollout_func}"
+        else:
+            generated = engine.generate(policy, prompts, sampling, on_progress=progress)
+            engine_name = cfg.engine
+        seconds = time.perf_counter() - started
     passthrough = [c for c in rows[0] if c not in ROLLOUTS.names]
     records = []
     for (row, g), gen in zip(expanded, generated):

@@ -69,6 +69,14 @@ class RolloutEngine(Protocol):
 
 _ENGINES: dict[tuple, RolloutEngine] = {}
 _LOCK = threading.Lock()
+_USE_LOCKS: dict[int, threading.Lock] = {}
+
+
+def engine_lock(engine: RolloutEngine) -> threading.Lock:
+    """The lock a caller holds while using `engine`: engines are not thread-safe, and with
+    async prefetch two rounds' rollouts can reach the same engine at once."""
+    with _LOCK:
+        return _USE_LOCKS.setdefault(id(engine), threading.Lock())
 
 
 def get_engine(kind: str, base_dir: Path, options: dict | None = None) -> RolloutEngine:
@@ -97,6 +105,18 @@ def _make(kind: str, base_dir: Path, options: dict) -> RolloutEngine:
 
         return VLLMServerEngine(base_dir, **options)
     raise ValueError(f"rollout.engine: unknown engine {kind!r}; use transformers, vllm or vllm_server")
+
+
+def import_eagerly() -> None:
+    """Resolve transformers' and peft's lazy imports now, from one thread. Two threads resolving
+    the same lazy attribute at once (an async rollout beside an optimize step) can fail with
+    "cannot import name 'AutoTokenizer' from 'transformers'"."""
+    import peft  # noqa: F401
+    import transformers
+
+    for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel"):
+        getattr(transformers, name)
+    from peft import LoraConfig, PeftModel, get_peft_model  # noqa: F401
 
 
 def close_engines() -> None:
