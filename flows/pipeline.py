@@ -76,8 +76,24 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     """
     cfg = ctx.config
     lag = cfg.rollout.lag()
-    in_flight: dict[int, tuple] = {}
     import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
+    if lag:
+        import os
+
+        import torch
+
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(cfg.rollout.prefetch_torch_threads or max(1, (os.cpu_count() or 2) // 2))
+        try:
+            return _rounds(ctx, policy, prompts, log_round, lag)
+        finally:
+            torch.set_num_threads(threads_before)
+    return _rounds(ctx, policy, prompts, log_round, lag)
+
+
+def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
+    cfg = ctx.config
+    in_flight: dict[int, tuple] = {}
 
     def submit(r: int, adapter, version: int) -> None:
         rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version)

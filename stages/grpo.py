@@ -281,8 +281,11 @@ def run(
     from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.seed * 100_003 + round_index)
+    from stages.policy import MODEL_LOADING
+
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
+    with MODEL_LOADING:
+        model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)

@@ -76,6 +76,9 @@ class RolloutConfig(BaseModel):
     """How many rounds ahead rollouts may be generated."""
     max_staleness: int = Field(1, ge=0)
     """Most optimize rounds a rollout's policy may lag its round; 0 = synchronous."""
+    prefetch_torch_threads: int | None = Field(None, ge=1)
+    """While prefetching, torch threads for each side (the rollout thread, the optimizer thread);
+    unset: half the CPU cores each, so the two sides do not oversubscribe the cores."""
     seed: int = 0
 
     def lag(self) -> int:

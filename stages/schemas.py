@@ -49,6 +49,22 @@ SCORED_EXTRA = [
 ]
 SCORED = pa.schema(list(ROLLOUTS) + [pa.field(n, t) for n, t in SCORED_EXTRA])
 
+# preferences -> <split>.parquet: one schema for every kind of preference row (see stages/preferences.py).
+PREFERENCES = pa.schema(
+    [
+        ("pair_id", pa.string()),  # "<split>-<raw row index>"
+        ("kind", pa.string()),  # "pair" | "unpaired" | "stepwise"
+        ("prompt", pa.list_(MESSAGE)),
+        ("chosen", pa.list_(MESSAGE)),  # pair: the preferred assistant turn(s)
+        ("rejected", pa.list_(MESSAGE)),  # pair: the dispreferred assistant turn(s)
+        ("completion", pa.list_(MESSAGE)),  # unpaired: the assistant turn(s)
+        ("label", pa.bool_()),  # unpaired: True = desirable
+        ("completions", pa.list_(pa.string())),  # stepwise: one string per reasoning step
+        ("labels", pa.list_(pa.bool_())),  # stepwise: one label per step
+    ]
+)
+
+
 def write_table(rows_or_table, path: Path, schema: pa.Schema, extra_ok: bool = False) -> pa.Table:
     """Write rows (list of dicts) or a table as Parquet, cast to `schema`.
 

@@ -130,7 +130,7 @@ def _round_section(section: dict, round_index: int) -> dict:
     return {**{k: v for k, v in section.items() if k != "rounds"}, "round": round_index}
 
 
-ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness")  # when, not what: not part of a rollout's key
+ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness", "prefetch_torch_threads")  # when, not what: not part of a rollout's key
 
 
 def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:

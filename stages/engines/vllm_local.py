@@ -169,23 +169,26 @@ class VLLMEngine:
 
         # Read by vLLM when the engine is built: 0 keeps the engine core and worker in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        from stages.policy import MODEL_LOADING
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
-        self.llm = LLM(
-            model=str(model_dir or self.base_dir),
-            tokenizer=str(self.base_dir),
-            dtype=self.dtype,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_model_len=self.max_model_len,
-            tensor_parallel_size=self.tensor_parallel_size,
-            enforce_eager=self.enforce_eager,
-            enable_lora=True,
-            max_lora_rank=self.max_lora_rank,
-            max_loras=1,
-            logprobs_mode="processed_logprobs",
-            seed=0,
-            worker_extension_cls=f"{__name__}.WeightUpdateExtension",
-            **extra,
-        )
+        with MODEL_LOADING:  # vLLM builds the model with transformers helpers too
+            self.llm = LLM(
+                model=str(model_dir or self.base_dir),
+                tokenizer=str(self.base_dir),
+                dtype=self.dtype,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                max_model_len=self.max_model_len,
+                tensor_parallel_size=self.tensor_parallel_size,
+                enforce_eager=self.enforce_eager,
+                enable_lora=True,
+                max_lora_rank=self.max_lora_rank,
+                max_loras=1,
+                logprobs_mode="processed_logprobs",
+                seed=0,
+                worker_extension_cls=f"{__name__}.WeightUpdateExtension",
+                **extra,
+            )
 
     def _set_weights(self, model_dir: Path) -> None:
         """Make the engine sample from `model_dir`'s weights if it holds other ones.

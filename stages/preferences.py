@@ -1,0 +1,599 @@
+"""preferences: raw preference rows -> preferences table (DPO/IPO/ORPO pairs, KTO, reward models, PRMs).
+
+One Parquet schema, `PREFERENCES`, for every kind of row, told apart by `kind`:
+
+- `pair` (DPO, IPO, ORPO, Bradley-Terry reward models): `prompt`, `chosen`, `rejected`;
+- `unpaired` (KTO): `prompt`, `completion`, `label`;
+- `stepwise` (process reward models): `prompt`, `completions` (one string per step), `labels`.
+
+Columns a kind does not use are null. One schema rather than one per kind: a trainer
+reads a single table type, a user transform may mix kinds, and every row keeps its
+`pair_id` (`<split>-<raw row index>`, stable when other rows are dropped). Prompts and
+turns are chat messages ({role, content}); a plain string prompt becomes a user message,
+a plain string answer an assistant message. Rows carry no template text: the trainer
+applies the model's chat template, so axolotl's `chatml.*`/`llama3.*` prefixes, which only
+pick axolotl's rendering, read the same fields and give the same rows here.
+
+`type` names a built-in (fields exactly as axolotl's RLHF docs define them; see
+`BUILTINS`) or a user function `module.fn` in axolotl's convention: `fn(cfg)` returns
+`transform_fn` or `(transform_fn, {...})`, and `transform_fn(row)` returns a dict with
+`prompt` and `chosen`/`rejected` (or `completion`/`label`, or `completions`/`labels`),
+each a string or a list of messages.
+
+Rows with a missing field, a wrong type, an empty turn, chosen == rejected, or step labels
+not matching the steps are bad: `on_bad_rows: fail` raises `BadRowsError` naming split,
+row index, field and reason; `drop` leaves them out and `run()` reports them per split.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stages import demo_data
+from stages.demo_data import DemoDataConfig, format_answer
+from stages.imports import load_function
+from stages.schemas import MESSAGE, PREFERENCES, write_table
+from stages.transform import SUFFIXES, BadRowError, read_rows
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_LISTED = 5  # bad rows named in a BadRowsError message
+MAX_DROPPED_INDICES = 20  # dropped row indices kept per split in the summary
+
+
+class PreferenceConfig(BaseModel):
+    """How raw preference rows become the preferences table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    """A built-in (see `BUILTINS`) or a user function `module.fn` (axolotl convention)."""
+    paths: dict[str, str] = Field(validation_alias=AliasChoices("paths", "data_files"))
+    """Local files per split, e.g. {train: prefs/train.jsonl, eval: prefs/eval.jsonl}
+    (jsonl, json, parquet, csv). Alias: `data_files`; a single path means {train: path}."""
+    ds_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
+    """axolotl's file type; when set, every file's suffix must match it (json covers .jsonl)."""
+    on_bad_rows: Literal["fail", "drop"] = "fail"
+    """fail: raise, naming the first bad rows; drop: leave them out and count them."""
+    system_prompt: str | None = None
+    """Prepended to every prompt as a system message when set."""
+
+    # chat_template.default / chat_template.argilla_chat / bradley_terry.chat_template (list form)
+    field_messages: str = "messages"
+    """chat_template.default: the column holding the prompt conversation (or a string)."""
+    field_chosen: str = "chosen"
+    """chat_template.*, user_defined.default: the column holding the chosen answer."""
+    field_rejected: str = "rejected"
+    """chat_template.*, user_defined.default: the column holding the rejected answer."""
+    message_property_mappings: dict[str, str] = {"role": "role", "content": "content"}
+    """chat_template.*: which keys of a raw message hold its role and content."""
+    roles: dict[str, list[str]] | None = None
+    """chat_template.*: {role: [raw role names]}, e.g. {user: [human], assistant: [gpt]}.
+    Unset: the roles system/user/assistant/tool as they are."""
+
+    # user_defined.default / kto
+    field_prompt: str = "prompt"
+    """user_defined.default, kto: the column holding the prompt."""
+    field_system: str = "system"
+    """user_defined.default, kto: the column holding an optional system prompt."""
+    field_completion: str = "completion"
+    """kto: the column holding the completion."""
+    field_label: str = "label"
+    """kto: the column holding the desirable (true) / undesirable (false) label."""
+    prompt_format: str = "{prompt}"
+    """user_defined.default: the user turn, formatted with {prompt} and {system}. When it
+    does not use {system}, a non-empty system field becomes a system message instead."""
+    chosen_format: str = "{chosen}"
+    """user_defined.default: the chosen turn, formatted with {chosen}, {prompt}, {system}."""
+    rejected_format: str = "{rejected}"
+    """user_defined.default: the rejected turn, formatted with {rejected}, {prompt}, {system}."""
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_path_is_train(cls, value: Any) -> Any:
+        return {"train": value} if isinstance(value, str) else value
+
+    @field_validator("message_property_mappings")
+    @classmethod
+    def _role_and_content(cls, value: dict[str, str]) -> dict[str, str]:
+        if set(value) != {"role", "content"}:
+            raise ValueError(f"needs exactly the keys role and content, got {sorted(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "PreferenceConfig":
+        if not self.paths:
+            raise ValueError("paths: name at least one split, e.g. {train: prefs.jsonl}")
+        for name in ("prompt_format", "chosen_format", "rejected_format"):
+            template = getattr(self, name)
+            try:
+                template.format(prompt="", system="", chosen="", rejected="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"{name} {template!r}: use only {{prompt}}, {{system}}, {{chosen}}, "
+                                 f"{{rejected}} ({type(e).__name__}: {e})") from None
+        return self
+
+
+class BadRowsError(BadRowError):
+    """Bad preference rows under `on_bad_rows: fail`; `bad` holds every (split, index, field, reason)."""
+
+    def __init__(self, bad: list[tuple[str, int, str, str]]):
+        self.bad = bad
+        listed = "\n".join(f"  {split} row {index}, field {field!r}: {reason}"
+                           for split, index, field, reason in bad[:MAX_LISTED])
+        more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+        super().__init__(f"preferences: {len(bad)} bad row(s) (set on_bad_rows: drop to leave them out):\n"
+                         f"{listed}{more}")
+
+
+class _Bad(Exception):
+    """One bad field of one row."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(field, reason)
+        self.field, self.reason = field, reason
+
+
+# ---------- reading raw values ----------
+
+
+def _present(row: dict, field: str) -> Any:
+    value = row.get(field)
+    if value is None:
+        raise _Bad(field, "missing")
+    return value
+
+
+def _text(row: dict, field: str) -> str:
+    value = _present(row, field)
+    if not isinstance(value, str):
+        raise _Bad(field, f"expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _Bad(field, "empty")
+    return value
+
+
+def _optional_system(row: dict, field: str = "system") -> list[dict]:
+    value = row.get(field)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return []
+    if not isinstance(value, str):
+        raise _Bad(field, f"expected a string, got {type(value).__name__}")
+    return [{"role": "system", "content": value}]
+
+
+def _role_map(cfg: PreferenceConfig) -> dict[str, str]:
+    if cfg.roles is None:
+        return {role: role for role in ROLES}
+    return {source: target for target, sources in cfg.roles.items() for source in sources}
+
+
+def _raw_message(value: Any, field: str, cfg: PreferenceConfig, role_map: dict[str, str], i: int = 0) -> dict:
+    """A raw message dict -> {role, content}, through message_property_mappings and roles."""
+    role_key, content_key = cfg.message_property_mappings["role"], cfg.message_property_mappings["content"]
+    if not isinstance(value, dict):
+        raise _Bad(field, f"message {i}: expected {{{role_key}, {content_key}}}, got {type(value).__name__}")
+    if value.get(role_key) is None or value.get(content_key) is None:
+        raise _Bad(field, f"message {i} has no {role_key!r} or {content_key!r} (has {sorted(value)})")
+    if value[role_key] not in role_map:
+        raise _Bad(field, f"message {i} has role {value[role_key]!r}, not one of roles {sorted(role_map)}")
+    role, content = role_map[value[role_key]], value[content_key]
+    if not isinstance(content, str):
+        raise _Bad(field, f"message {i} has {type(content).__name__} content, expected a string")
+    if not content.strip():
+        raise _Bad(field, f"message {i} ({role}) has empty content")
+    return {"role": role, "content": content}
+
+
+def _raw_messages(value: Any, field: str, cfg: PreferenceConfig, role_map: dict[str, str]) -> list[dict]:
+    if not isinstance(value, list):
+        raise _Bad(field, f"expected a list of messages, got {type(value).__name__}")
+    if not value:
+        raise _Bad(field, "empty list of messages")
+    return [_raw_message(m, field, cfg, role_map, i) for i, m in enumerate(value)]
+
+
+# ---------- built-in transforms (axolotl field names) ----------
+
+
+def _strings_pair(prompt_field: str, chosen_field: str, rejected_field: str):
+    """{system?, <prompt_field>, <chosen_field>, <rejected_field>}, all strings."""
+
+    def builder(cfg: PreferenceConfig):
+        def transform_fn(row: dict) -> dict:
+            return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt_field)}],
+                    "chosen": _text(row, chosen_field), "rejected": _text(row, rejected_field)}
+
+        return transform_fn, {"fields": {"prompt": prompt_field, "chosen": chosen_field, "rejected": rejected_field}}
+
+    return builder
+
+
+def _split_conversations(row: dict, cfg: PreferenceConfig) -> dict:
+    """chosen/rejected full conversations -> shared prompt + last (assistant) turns."""
+    role_map = _role_map(cfg)
+    chosen = _raw_messages(_present(row, cfg.field_chosen), cfg.field_chosen, cfg, role_map)
+    rejected = _raw_messages(_present(row, cfg.field_rejected), cfg.field_rejected, cfg, role_map)
+    if len(chosen) < 2:
+        raise _Bad(cfg.field_chosen, "needs the prompt turn(s) before the answer")
+    if chosen[:-1] != rejected[:-1]:
+        raise _Bad(cfg.field_rejected, f"conversation before the last turn differs from {cfg.field_chosen!r}'s")
+    return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
+
+
+def _argilla_chat(cfg: PreferenceConfig):
+    """{chosen: [..., answer], rejected: [..., answer]}; the prompt is their shared prefix."""
+
+    def transform_fn(row: dict) -> dict:
+        return _split_conversations(row, cfg)
+
+    return transform_fn, {"fields": {"prompt": cfg.field_chosen, "chosen": cfg.field_chosen,
+                                     "rejected": cfg.field_rejected}}
+
+
+def _answer(value: Any, field: str, cfg: PreferenceConfig, role_map: dict[str, str]) -> list[dict]:
+    """chat_template.default's chosen/rejected: a string, a message, or messages (the last is the answer)."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, dict):
+        return [_raw_message(value, field, cfg, role_map)]
+    return _raw_messages(value, field, cfg, role_map)[-1:]
+
+
+def _chat_template_default(cfg: PreferenceConfig):
+    """{messages: prompt conversation (or a string), chosen, rejected} with configurable fields and roles."""
+    role_map = _role_map(cfg)
+
+    def transform_fn(row: dict) -> dict:
+        messages = _present(row, cfg.field_messages)
+        if isinstance(messages, str):
+            prompt = [{"role": "user", "content": messages}]
+        else:
+            prompt = _raw_messages(messages, cfg.field_messages, cfg, role_map)
+        return {"prompt": prompt,
+                "chosen": _answer(_present(row, cfg.field_chosen), cfg.field_chosen, cfg, role_map),
+                "rejected": _answer(_present(row, cfg.field_rejected), cfg.field_rejected, cfg, role_map)}
+
+    return transform_fn, {"fields": {"prompt": cfg.field_messages, "chosen": cfg.field_chosen,
+                                     "rejected": cfg.field_rejected}}
+
+
+def _user_defined(cfg: PreferenceConfig):
+    """axolotl's user_defined.default: configurable fields and format strings."""
+
+    def transform_fn(row: dict) -> dict:
+        values = {"prompt": _text(row, cfg.field_prompt), "system": ""}
+        system = _optional_system(row, cfg.field_system)
+        if system:
+            values["system"] = system[0]["content"]
+        values["chosen"] = _text(row, cfg.field_chosen)
+        values["rejected"] = _text(row, cfg.field_rejected)
+        user = cfg.prompt_format.format(**values)
+        prompt = ([] if "{system}" in cfg.prompt_format else system) + [{"role": "user", "content": user}]
+        return {"prompt": prompt,
+                "chosen": cfg.chosen_format.format(**values),
+                "rejected": cfg.rejected_format.format(**values)}
+
+    return transform_fn, {"fields": {"prompt": cfg.field_prompt, "chosen": cfg.field_chosen,
+                                     "rejected": cfg.field_rejected}}
+
+
+def _kto(cfg: PreferenceConfig):
+    """Unpaired KTO rows {system?, prompt, completion, label}; prompt/completion may be strings or messages."""
+
+    def transform_fn(row: dict) -> dict:
+        prompt = _present(row, cfg.field_prompt)
+        system = _optional_system(row, cfg.field_system)
+        if isinstance(prompt, str):
+            prompt = system + [{"role": "user", "content": prompt}]
+        elif system and isinstance(prompt, list):
+            prompt = system + prompt
+        return {"prompt": prompt, "completion": _present(row, cfg.field_completion),
+                "label": _present(row, cfg.field_label)}
+
+    return transform_fn, {"fields": {"prompt": cfg.field_prompt, "completion": cfg.field_completion,
+                                     "label": cfg.field_label}}
+
+
+def _bradley_terry(cfg: PreferenceConfig):
+    """Reward-model pairs: axolotl's documented {system?, input, chosen, rejected} strings,
+    or chosen/rejected full conversations as in chat_template.argilla_chat."""
+    strings, _ = _strings_pair("input", "chosen", "rejected")(cfg)
+
+    def transform_fn(row: dict) -> dict:
+        if isinstance(row.get(cfg.field_chosen), list):
+            return _split_conversations(row, cfg)
+        return strings(row)
+
+    return transform_fn, {"fields": {"prompt": "input", "chosen": cfg.field_chosen, "rejected": cfg.field_rejected}}
+
+
+def _stepwise(cfg: PreferenceConfig):
+    """PRM rows {prompt, completions: [step, ...], labels: [bool, ...]}."""
+
+    def transform_fn(row: dict) -> dict:
+        return {"prompt": _present(row, "prompt"), "completions": _present(row, "completions"),
+                "labels": _present(row, "labels")}
+
+    return transform_fn, {"fields": {"prompt": "prompt", "completions": "completions", "labels": "labels"}}
+
+
+_intel = _strings_pair("question", "chosen", "rejected")
+_prompt_pairs = _strings_pair("prompt", "chosen", "rejected")
+_argilla = _strings_pair("instruction", "chosen_response", "rejected_response")
+_icr = _strings_pair("input", "chosen", "rejected")
+
+BUILTINS: dict[str, Callable] = {
+    "chatml.intel": _intel,  # {system?, question, chosen, rejected}
+    "chatml.prompt_pairs": _prompt_pairs,  # {system?, prompt, chosen, rejected}
+    "chatml.argilla": _argilla,  # {system?, instruction, chosen_response, rejected_response}
+    "chatml.icr": _icr,  # {system?, input, chosen, rejected}
+    "chat_template.argilla_chat": _argilla_chat,  # {chosen: [msgs], rejected: [msgs]}
+    "chat_template.default": _chat_template_default,  # {messages, chosen, rejected} + field/role mappings
+    "user_defined.default": _user_defined,  # field_* + *_format
+    "kto": _kto,  # {system?, prompt, completion, label}
+    "bradley_terry.chat_template": _bradley_terry,  # {system?, input, chosen, rejected}
+    "stepwise_supervised": _stepwise,  # {prompt, completions, labels}
+    # Same fields as above; in axolotl the prefix only picks the rendering template.
+    "llama3.intel": _intel,
+    "llama3.prompt_pairs": _prompt_pairs,
+    "llama3.argilla": _argilla,
+    "llama3.icr": _icr,
+    "chatml.argilla_chat": _argilla_chat,
+    "llama3.argilla_chat": _argilla_chat,
+}
+
+
+# ---------- normalizing any transform's output ----------
+
+
+def _messages(value: Any, field: str, default_role: str) -> list[dict]:
+    """A string (one `default_role` turn), a message, or a list of messages -> validated messages."""
+    if isinstance(value, str):
+        value = [{"role": default_role, "content": value}]
+    elif isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise _Bad(field, f"expected a string or a list of messages, got {type(value).__name__}")
+    if not value:
+        raise _Bad(field, "empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _Bad(field, f"message {i} is not {{role: str, content: str}}")
+        if m["role"] not in ROLES:
+            raise _Bad(field, f"message {i} has role {m['role']!r}, not one of {list(ROLES)}")
+        if not m["content"].strip():
+            raise _Bad(field, f"message {i} ({m['role']}) has empty content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _answer_turns(value: Any, field: str) -> list[dict]:
+    turns = _messages(value, field, "assistant")
+    if turns[-1]["role"] != "assistant":
+        raise _Bad(field, f"last message has role {turns[-1]['role']!r}, expected 'assistant'")
+    return turns
+
+
+def _bool(value: Any, field: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")  # csv files are read as text
+    raise _Bad(field, f"expected a bool, got {value!r}")
+
+
+def _normalize(new: dict, fields: dict[str, str] | None = None, system_prompt: str | None = None) -> dict:
+    """A transform's output -> one preferences row (without pair_id); raises _Bad naming the raw field."""
+    fields = fields or {}
+
+    def name(key: str) -> str:
+        return fields.get(key, key)
+
+    if not isinstance(new, dict):
+        raise _Bad("<transform>", f"returned {type(new).__name__}, expected a dict")
+    kind = "stepwise" if "completions" in new else "unpaired" if "completion" in new else "pair"
+    needed = {"pair": ("prompt", "chosen", "rejected"), "unpaired": ("prompt", "completion", "label"),
+              "stepwise": ("prompt", "completions", "labels")}[kind]
+    for key in needed:
+        if new.get(key) is None:
+            raise _Bad(name(key), "missing")
+    prompt = _messages(new["prompt"], name("prompt"), "user")
+    if system_prompt:
+        prompt = [{"role": "system", "content": system_prompt}] + prompt
+    row = {"kind": kind, "prompt": prompt}
+    if kind == "pair":
+        row["chosen"] = _answer_turns(new["chosen"], name("chosen"))
+        row["rejected"] = _answer_turns(new["rejected"], name("rejected"))
+        if row["chosen"] == row["rejected"]:
+            raise _Bad(name("rejected"), "identical to chosen")
+    elif kind == "unpaired":
+        row["completion"] = _answer_turns(new["completion"], name("completion"))
+        row["label"] = _bool(new["label"], name("label"))
+    else:
+        steps, labels = new["completions"], new["labels"]
+        if not isinstance(steps, list) or not steps:
+            raise _Bad(name("completions"), "expected a non-empty list of step strings")
+        for i, step in enumerate(steps):
+            if not isinstance(step, str) or not step.strip():
+                raise _Bad(name("completions"), f"step {i} is not a non-empty string")
+        if not isinstance(labels, list):
+            raise _Bad(name("labels"), f"expected a list of bools, got {type(labels).__name__}")
+        if len(labels) != len(steps):
+            raise _Bad(name("labels"), f"{len(labels)} labels for {len(steps)} completions")
+        row["completions"] = list(steps)
+        row["labels"] = [_bool(v, name("labels")) for v in labels]
+    return row
+
+
+def _builder_output(builder: Callable, cfg: PreferenceConfig) -> tuple[Callable, dict]:
+    result = builder(cfg)
+    transform_fn, options = result if isinstance(result, tuple) else (result, {})
+    if not callable(transform_fn):
+        raise ValueError(f"preferences.type: {cfg.type!r} returned {type(transform_fn).__name__}, "
+                         "expected transform_fn or (transform_fn, {...})")
+    try:
+        takes_tokenizer = "tokenizer" in inspect.signature(transform_fn).parameters
+    except (TypeError, ValueError):
+        takes_tokenizer = False
+    call = (lambda row: transform_fn(row, tokenizer=None)) if takes_tokenizer else transform_fn
+    return call, dict(options or {})
+
+
+def transform_rows(cfg: PreferenceConfig, rows: list[dict], split: str) -> tuple[list[dict], list[tuple]]:
+    """Apply the configured transform; return (good rows with pair_id, bad rows as (split, index, field, reason))."""
+    builder = load_function(cfg.type, "preferences.type", BUILTINS)
+    transform_fn, options = _builder_output(builder, cfg)
+    fields = options.get("fields") if cfg.type in BUILTINS else None
+    good, bad = [], []
+    for index, example in enumerate(rows):
+        try:
+            try:
+                new = transform_fn(dict(example))
+            except _Bad:
+                raise
+            except KeyError as e:
+                raise _Bad(str(e.args[0]) if e.args else "?", "missing") from None
+            except Exception as e:
+                raise _Bad("<transform>", f"{cfg.type!r} failed: {type(e).__name__}: {e}") from None
+            row = _normalize(new, fields, cfg.system_prompt)
+        except _Bad as e:
+            bad.append((split, index, e.field, e.reason))
+            continue
+        row["pair_id"] = f"{split}-{index:06d}"
+        good.append(row)
+    return good, bad
+
+
+def _check_path(cfg: PreferenceConfig, split: str, path: Path) -> None:
+    where = f"preferences.paths.{split}"
+    suffix = path.suffix.lower()
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: {path} does not exist")
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{where}: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
+    if cfg.ds_type and suffix.lstrip(".") != cfg.ds_type and not (cfg.ds_type == "json" and suffix == ".jsonl"):
+        raise ValueError(f"{where}: {path} does not match ds_type {cfg.ds_type!r}")
+
+
+def write_split(rows: list[dict], path: Path) -> pa.Table:
+    """Write preferences rows (every PREFERENCES column; absent ones null) as Parquet."""
+    table = pa.Table.from_pydict({f.name: [row.get(f.name) for row in rows] for f in PREFERENCES}, schema=PREFERENCES)
+    return write_table(table, path, PREFERENCES)
+
+
+def run(cfg: PreferenceConfig, out_dir: Path) -> dict:
+    """Transform each split's file into out_dir/<split>.parquet; return per split
+    {kinds, kept, dropped, dropped_indices (first 20), dropped_fields}. Under
+    `on_bad_rows: fail`, any bad row raises BadRowsError before anything is written."""
+    out_dir = Path(out_dir)
+    results, all_bad = {}, []
+    for split, raw_path in cfg.paths.items():
+        path = Path(raw_path)
+        _check_path(cfg, split, path)
+        raw = read_rows(path)
+        if not isinstance(raw, list) or not raw:
+            raise BadRowError(f"preferences.paths.{split}: {path} has no rows")
+        good, bad = transform_rows(cfg, raw, split)
+        results[split] = (good, bad)
+        all_bad += bad
+    if all_bad and cfg.on_bad_rows == "fail":
+        raise BadRowsError(all_bad)
+    summary = {}
+    for split, (good, bad) in results.items():
+        if not good:
+            reasons = "; ".join(f"row {i}, field {f!r}: {r}" for _, i, f, r in bad[:MAX_LISTED])
+            raise BadRowError(f"preferences: every row of split {split!r} is bad ({reasons})")
+        write_split(good, out_dir / f"{split}.parquet")
+        summary[split] = {
+            "kinds": dict(Counter(row["kind"] for row in good)),
+            "kept": len(good),
+            "dropped": len(bad),
+            "dropped_indices": [index for _, index, _, _ in bad[:MAX_DROPPED_INDICES]],
+            "dropped_fields": dict(Counter(field for _, _, field, _ in bad)),
+        }
+    return summary
+
+
+# ---------- offline demo pairs for the built-in "largest number" task ----------
+
+
+class DemoPairsConfig(BaseModel):
+    """Preference pairs for the built-in demo task: chosen is right, rejected is wrong."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_train: int = Field(2000, ge=1)
+    num_eval: int = Field(200, ge=1)
+    rejected: Literal["first", "random", "second_largest"] = "first"
+    """The wrong answer: the first number listed (the noisy teacher's mistake; another
+    number when the first is the largest), a random other number, or the runner-up."""
+    system_prompt: str | None = None
+    """Prepended as a system message when set (match the prompts transform's)."""
+    seed: int = 4321
+
+
+def demo_eval_questions(demo: DemoDataConfig) -> set[str]:
+    """The questions of the demo task's eval split, exactly as `demo_data.run(demo, ...)` draws them."""
+    with tempfile.TemporaryDirectory() as d:
+        demo_data.run(demo, Path(d))
+        return set(pq.read_table(Path(d) / "eval.parquet", columns=["question"]).column("question").to_pylist())
+
+
+def _question_text(numbers: tuple[int, ...]) -> str:
+    return f"Which is the largest of {', '.join(map(str, numbers))}?"  # as stages/demo_data.py words it
+
+
+def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> dict[str, list[dict]]:
+    """Train/eval preference rows for the demo task, their questions disjoint from each other
+    and from the demo task's eval split under `demo` (same numbers per question and digits)."""
+    demo = demo or DemoDataConfig()
+    excluded = demo_eval_questions(demo)
+    rng = random.Random(cfg.seed)
+    out: dict[str, list[dict]] = {}
+    for split, size in (("train", cfg.num_train), ("eval", cfg.num_eval)):
+        rows, attempts = [], 0
+        while len(rows) < size:
+            attempts += 1
+            if attempts > 50 * (size + 10):
+                raise ValueError(f"demo pairs: cannot draw {size} new {split} questions; lower the counts")
+            numbers = demo_data._question(rng, demo.numbers_per_question, demo.number_digits)
+            question = _question_text(numbers)
+            if question in excluded:
+                continue
+            excluded.add(question)
+            best = max(numbers)
+            others = [n for n in numbers if n != best]
+            if cfg.rejected == "first" and numbers[0] != best:
+                wrong = numbers[0]
+            elif cfg.rejected == "second_largest":
+                wrong = max(others)
+            else:
+                wrong = rng.choice(others)
+            new = {"prompt": question, "chosen": format_answer(best), "rejected": format_answer(wrong)}
+            row = _normalize(new, system_prompt=cfg.system_prompt)
+            row["pair_id"] = f"{split}-{len(rows):06d}"
+            rows.append(row)
+        out[split] = rows
+    return out
+
+
+def write_demo_pairs(cfg: DemoPairsConfig, out_dir: Path, demo: DemoDataConfig | None = None) -> dict:
+    """Write demo pairs as out_dir/train.parquet and eval.parquet; return the same summary shape as `run`."""
+    summary = {}
+    for split, rows in demo_pair_rows(cfg, demo).items():
+        write_split(rows, Path(out_dir) / f"{split}.parquet")
+        summary[split] = {"kinds": {"pair": len(rows)}, "kept": len(rows), "dropped": 0,
+                          "dropped_indices": [], "dropped_fields": {}}
+    return summary

@@ -1,0 +1,496 @@
+"""Tests for stages/preferences.py: raw preference files -> preferences tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from stages import demo_data, preferences
+from stages.demo_data import DemoDataConfig, format_answer
+from stages.preferences import PREFERENCES, BadRowsError, DemoPairsConfig, PreferenceConfig
+from stages.transform import BadRowError
+
+SYSTEM = "Be brief."
+Q1, GOOD1, BAD1 = "Which is larger, 9.8 or 9.11?", "9.8", "9.11"
+Q2, GOOD2, BAD2 = "What is 2+2?", "4", "5"
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def system(text):
+    return {"role": "system", "content": text}
+
+
+# What every pair format below must become: row 0 has a system prompt, row 1 has none.
+EXPECTED_PAIRS = [
+    {"pair_id": "train-000000", "kind": "pair", "prompt": [system(SYSTEM), user(Q1)],
+     "chosen": [assistant(GOOD1)], "rejected": [assistant(BAD1)],
+     "completion": None, "label": None, "completions": None, "labels": None},
+    {"pair_id": "train-000001", "kind": "pair", "prompt": [user(Q2)],
+     "chosen": [assistant(GOOD2)], "rejected": [assistant(BAD2)],
+     "completion": None, "label": None, "completions": None, "labels": None},
+]
+
+# Samples with the fields exactly as axolotl's docs/rlhf.qmd (and docs/reward_modelling.qmd) show them.
+PAIR_SAMPLES = {
+    "chatml.intel": ({}, [
+        {"system": SYSTEM, "question": Q1, "chosen": GOOD1, "rejected": BAD1},
+        {"question": Q2, "chosen": GOOD2, "rejected": BAD2},
+    ]),
+    "chatml.prompt_pairs": ({}, [
+        {"system": SYSTEM, "prompt": Q1, "chosen": GOOD1, "rejected": BAD1},
+        {"system": "", "prompt": Q2, "chosen": GOOD2, "rejected": BAD2},
+    ]),
+    "chatml.argilla": ({}, [
+        {"system": SYSTEM, "instruction": Q1, "chosen_response": GOOD1, "rejected_response": BAD1},
+        {"instruction": Q2, "chosen_response": GOOD2, "rejected_response": BAD2},
+    ]),
+    "chat_template.argilla_chat": ({}, [
+        {"chosen": [system(SYSTEM), user(Q1), assistant(GOOD1)],
+         "rejected": [system(SYSTEM), user(Q1), assistant(BAD1)]},
+        {"chosen": [user(Q2), assistant(GOOD2)], "rejected": [user(Q2), assistant(BAD2)]},
+    ]),
+    "chat_template.default": ({}, [
+        {"messages": [system(SYSTEM), user(Q1)], "chosen": assistant(GOOD1), "rejected": assistant(BAD1)},
+        {"messages": [user(Q2)], "chosen": assistant(GOOD2), "rejected": assistant(BAD2)},
+    ]),
+    "chat_template.default/mapped": ({
+        "field_messages": "conversation", "field_chosen": "better", "field_rejected": "worse",
+        "message_property_mappings": {"role": "from", "content": "value"},
+        "roles": {"user": ["human"], "assistant": ["gpt"], "system": ["system"]},
+    }, [
+        {"conversation": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": Q1}],
+         "better": {"from": "gpt", "value": GOOD1}, "worse": {"from": "gpt", "value": BAD1}},
+        # a string prompt, string answers and answers as conversations (the last turn counts)
+        {"conversation": Q2, "better": GOOD2,
+         "worse": [{"from": "human", "value": Q2}, {"from": "gpt", "value": BAD2}]},
+    ]),
+    "user_defined.default": ({"field_prompt": "query", "field_system": "sys", "field_chosen": "good",
+                              "field_rejected": "bad"}, [
+        {"sys": SYSTEM, "query": Q1, "good": GOOD1, "bad": BAD1},
+        {"query": Q2, "good": GOOD2, "bad": BAD2},
+    ]),
+    "bradley_terry.chat_template": ({}, [
+        {"system": SYSTEM, "input": Q1, "chosen": GOOD1, "rejected": BAD1},
+        {"input": Q2, "chosen": GOOD2, "rejected": BAD2},
+    ]),
+    "bradley_terry.chat_template/conversations": ({}, [
+        {"chosen": [system(SYSTEM), user(Q1), assistant(GOOD1)],
+         "rejected": [system(SYSTEM), user(Q1), assistant(BAD1)]},
+        {"chosen": [user(Q2), assistant(GOOD2)], "rejected": [user(Q2), assistant(BAD2)]},
+    ]),
+}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _write_json(path: Path, rows: list[dict]) -> None:
+    path.write_text(json.dumps(rows))
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> None:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    lines = [",".join(columns)] + [",".join(json.dumps(str(r.get(c, ""))) for c in columns) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+WRITERS = {".jsonl": _write_jsonl, ".json": _write_json, ".parquet": _write_parquet, ".csv": _write_csv}
+
+
+def _file(tmp_path: Path, rows: list[dict], suffix: str = ".jsonl", name: str = "train") -> str:
+    path = tmp_path / f"{name}{suffix}"
+    WRITERS[suffix](path, rows)
+    return str(path)
+
+
+def _read(out_dir: Path, split: str = "train") -> list[dict]:
+    table = pq.read_table(out_dir / f"{split}.parquet")
+    assert table.schema == PREFERENCES
+    return table.to_pylist()
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch):
+    """Write a user module into tmp_path under a unique name; return the name."""
+
+    def write(source: str) -> str:
+        name = f"user_prefs_{uuid.uuid4().hex[:10]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return name
+
+    return write
+
+
+# ---------- every built-in pair format gives the same rows ----------
+
+
+@pytest.mark.parametrize("case", list(PAIR_SAMPLES))
+def test_pair_formats_normalize_alike(tmp_path, out_dir, case):
+    options, rows = PAIR_SAMPLES[case]
+    cfg = PreferenceConfig(type=case.split("/")[0], paths={"train": _file(tmp_path, rows)}, **options)
+
+    summary = preferences.run(cfg, out_dir)
+
+    assert summary == {"train": {"kinds": {"pair": 2}, "kept": 2, "dropped": 0, "dropped_indices": [],
+                                 "dropped_fields": {}}}
+    assert _read(out_dir) == EXPECTED_PAIRS
+
+
+@pytest.mark.parametrize("suffix", list(WRITERS))
+def test_each_file_format_and_splits(tmp_path, out_dir, suffix):
+    _, rows = PAIR_SAMPLES["chatml.intel"]
+    paths = {"train": _file(tmp_path, rows, suffix, "train"), "eval": _file(tmp_path, rows[:1], suffix, "eval")}
+
+    summary = preferences.run(PreferenceConfig(type="chatml.intel", paths=paths), out_dir)
+
+    assert {split: s["kept"] for split, s in summary.items()} == {"train": 2, "eval": 1}
+    assert _read(out_dir) == EXPECTED_PAIRS
+    assert _read(out_dir, "eval") == [dict(EXPECTED_PAIRS[0], pair_id="eval-000000")]
+
+
+def test_llama3_and_chatml_prefixes_read_the_same_fields(tmp_path, out_dir):
+    _, rows = PAIR_SAMPLES["chatml.argilla"]
+    preferences.run(PreferenceConfig(type="llama3.argilla", paths={"train": _file(tmp_path, rows)}), out_dir)
+    assert _read(out_dir) == EXPECTED_PAIRS
+
+
+def test_user_defined_format_strings(tmp_path, out_dir):
+    rows = [{"system": "You are terse.", "prompt": "2+2?", "chosen": "4", "rejected": "5"},
+            {"prompt": "3+3?", "chosen": "6", "rejected": "7"}]
+    cfg = PreferenceConfig(type="user_defined.default", paths={"train": _file(tmp_path, rows)},
+                           prompt_format="[{system}] Question: {prompt}", chosen_format="Answer: {chosen}",
+                           rejected_format="Answer: {rejected}")
+
+    preferences.run(cfg, out_dir)
+
+    got = _read(out_dir)
+    # {system} in prompt_format: the system text goes into the user turn, not a system message.
+    assert got[0]["prompt"] == [user("[You are terse.] Question: 2+2?")]
+    assert got[0]["chosen"] == [assistant("Answer: 4")] and got[0]["rejected"] == [assistant("Answer: 5")]
+    assert got[1]["prompt"] == [user("[] Question: 3+3?")]
+
+
+def test_system_prompt_is_prepended(tmp_path, out_dir):
+    _, rows = PAIR_SAMPLES["chatml.intel"]
+    cfg = PreferenceConfig(type="chatml.intel", paths={"train": _file(tmp_path, rows)}, system_prompt="Think.")
+    preferences.run(cfg, out_dir)
+    assert [r["prompt"][0] for r in _read(out_dir)] == [system("Think."), system("Think.")]
+
+
+# ---------- bad rows ----------
+
+BAD_INTEL = [
+    {"question": Q1, "chosen": GOOD1, "rejected": BAD1},  # 0 good
+    {"question": Q1, "chosen": GOOD1},  # 1 rejected missing
+    {"question": Q1, "chosen": GOOD1, "rejected": GOOD1},  # 2 chosen == rejected
+    {"question": "   ", "chosen": GOOD1, "rejected": BAD1},  # 3 empty question
+    {"question": Q1, "chosen": [1, 2], "rejected": BAD1},  # 4 wrong type
+    {"question": Q2, "chosen": GOOD2, "rejected": BAD2},  # 5 good
+]
+
+
+def test_bad_rows_fail_names_split_row_and_field(tmp_path, out_dir):
+    cfg = PreferenceConfig(type="chatml.intel", paths={"train": _file(tmp_path, BAD_INTEL)})
+
+    with pytest.raises(BadRowsError) as info:
+        preferences.run(cfg, out_dir)
+
+    message = str(info.value)
+    assert "4 bad row(s)" in message
+    assert "train row 1, field 'rejected': missing" in message
+    assert "train row 2, field 'rejected': identical to chosen" in message
+    assert "train row 3, field 'question': empty" in message
+    assert "train row 4, field 'chosen': expected a string, got list" in message
+    assert [(split, index, field) for split, index, field, _ in info.value.bad] == [
+        ("train", 1, "rejected"), ("train", 2, "rejected"), ("train", 3, "question"), ("train", 4, "chosen")]
+    assert isinstance(info.value, BadRowError)  # callers catching the transform's error catch this too
+    assert not list(out_dir.iterdir())  # nothing written
+
+
+def test_bad_rows_drop_are_counted(tmp_path, out_dir):
+    paths = {"train": _file(tmp_path, BAD_INTEL), "eval": _file(tmp_path, BAD_INTEL[:1], name="eval")}
+    cfg = PreferenceConfig(type="chatml.intel", paths=paths, on_bad_rows="drop")
+
+    summary = preferences.run(cfg, out_dir)
+
+    assert summary["train"] == {"kinds": {"pair": 2}, "kept": 2, "dropped": 4, "dropped_indices": [1, 2, 3, 4],
+                                "dropped_fields": {"rejected": 2, "question": 1, "chosen": 1}}
+    assert summary["eval"]["kept"] == 1 and summary["eval"]["dropped"] == 0
+    assert [r["pair_id"] for r in _read(out_dir)] == ["train-000000", "train-000005"]  # ids keep raw indices
+
+
+def test_many_bad_rows_are_listed_then_counted(tmp_path, out_dir):
+    rows = [{"question": Q1, "chosen": "x", "rejected": "x"}] * 8 + [{"question": Q1, "chosen": "a", "rejected": "b"}]
+    with pytest.raises(BadRowsError, match=r"8 bad row\(s\)[\s\S]*and 3 more"):
+        preferences.run(PreferenceConfig(type="chatml.intel", paths={"train": _file(tmp_path, rows)}), out_dir)
+
+    rows = [{"question": Q1, "chosen": "x", "rejected": "x"}] * 30 + [{"question": Q1, "chosen": "a", "rejected": "b"}]
+    cfg = PreferenceConfig(type="chatml.intel", paths={"train": _file(tmp_path, rows)}, on_bad_rows="drop")
+    summary = preferences.run(cfg, out_dir)
+    assert summary["train"]["dropped"] == 30 and summary["train"]["dropped_indices"] == list(range(20))
+
+
+def test_every_row_bad_under_drop_raises(tmp_path, out_dir):
+    cfg = PreferenceConfig(type="chatml.intel", paths={"train": _file(tmp_path, BAD_INTEL[1:5])}, on_bad_rows="drop")
+    with pytest.raises(BadRowError, match="every row of split 'train' is bad"):
+        preferences.run(cfg, out_dir)
+
+
+def test_bad_chat_rows(tmp_path, out_dir):
+    rows = [
+        # 0: the conversations differ before the answer
+        {"chosen": [user(Q1), assistant(GOOD1)], "rejected": [user(Q2), assistant(BAD1)]},
+        # 1: no prompt turn
+        {"chosen": [assistant(GOOD1)], "rejected": [assistant(BAD1)]},
+        # 2: empty answer content
+        {"chosen": [user(Q1), assistant(GOOD1)], "rejected": [user(Q1), assistant("")]},
+        # 3: the answer is not an assistant turn
+        {"chosen": [user(Q1), assistant(GOOD1)], "rejected": [user(Q1), user(BAD1)]},
+        # 4: unknown role
+        {"chosen": [{"role": "bot", "content": Q1}, assistant(GOOD1)], "rejected": [user(Q1), assistant(BAD1)]},
+    ]
+    cfg = PreferenceConfig(type="chat_template.argilla_chat", paths={"train": _file(tmp_path, rows)})
+
+    with pytest.raises(BadRowsError) as info:
+        preferences.run(cfg, out_dir)
+
+    reasons = {index: (field, reason) for _, index, field, reason in info.value.bad}
+    assert reasons[0] == ("rejected", "conversation before the last turn differs from 'chosen''s")
+    assert reasons[1][0] == "chosen" and "prompt turn" in reasons[1][1]
+    assert reasons[2] == ("rejected", "message 1 (assistant) has empty content")
+    assert reasons[3][0] == "rejected" and "expected 'assistant'" in reasons[3][1]
+    assert reasons[4][0] == "chosen" and "'bot'" in reasons[4][1]
+
+
+# ---------- KTO and stepwise ----------
+
+
+def test_kto_unpaired_rows(tmp_path, out_dir):
+    rows = [
+        {"system": SYSTEM, "prompt": Q1, "completion": GOOD1, "label": True},
+        {"prompt": [user(Q1)], "completion": [assistant(BAD1)], "label": False},
+        {"prompt": Q1, "completion": GOOD1, "label": "maybe"},  # 2: bad label
+        {"prompt": Q1, "completion": " ", "label": True},  # 3: empty completion
+        {"prompt": Q1, "label": True},  # 4: no completion
+    ]
+    cfg = PreferenceConfig(type="kto", paths={"train": _file(tmp_path, rows)}, on_bad_rows="drop")
+
+    summary = preferences.run(cfg, out_dir)
+
+    assert summary["train"]["kinds"] == {"unpaired": 2}
+    assert summary["train"]["dropped_indices"] == [2, 3, 4]
+    assert summary["train"]["dropped_fields"] == {"label": 1, "completion": 2}
+    assert _read(out_dir) == [
+        {"pair_id": "train-000000", "kind": "unpaired", "prompt": [system(SYSTEM), user(Q1)], "chosen": None,
+         "rejected": None, "completion": [assistant(GOOD1)], "label": True, "completions": None, "labels": None},
+        {"pair_id": "train-000001", "kind": "unpaired", "prompt": [user(Q1)], "chosen": None,
+         "rejected": None, "completion": [assistant(BAD1)], "label": False, "completions": None, "labels": None},
+    ]
+
+
+def test_kto_labels_from_csv_text(tmp_path, out_dir):
+    rows = [{"prompt": Q1, "completion": GOOD1, "label": "true"}, {"prompt": Q1, "completion": BAD1, "label": "False"}]
+    preferences.run(PreferenceConfig(type="kto", paths={"train": _file(tmp_path, rows, ".csv")}), out_dir)
+    assert [r["label"] for r in _read(out_dir)] == [True, False]
+
+
+def test_stepwise_supervised_rows(tmp_path, out_dir):
+    doc_example = {  # axolotl docs/dataset-formats/stepwise_supervised.qmd
+        "prompt": "Which number is larger, 9.8 or 9.11?",
+        "completions": ["The fractional part of 9.8 is 0.8, while the fractional part of 9.11 is 0.11.",
+                        "Since 0.11 is greater than 0.8, the number 9.11 is larger than 9.8."],
+        "labels": [True, False],
+    }
+    rows = [
+        doc_example,
+        dict(doc_example, labels=[True]),  # 1: one label for two steps
+        dict(doc_example, completions=["step", ""], labels=[True, True]),  # 2: empty step
+        dict(doc_example, labels=[True, "sure"]),  # 3: not a bool
+        dict(doc_example, completions="one step", labels=[True]),  # 4: steps not a list
+    ]
+    cfg = PreferenceConfig(type="stepwise_supervised", paths={"train": _file(tmp_path, rows)})
+
+    with pytest.raises(BadRowsError) as info:
+        preferences.run(cfg, out_dir)
+    assert [(i, f) for _, i, f, _ in info.value.bad] == [(1, "labels"), (2, "completions"), (3, "labels"),
+                                                       (4, "completions")]
+    assert "train row 1, field 'labels': 1 labels for 2 completions" in str(info.value)
+
+    summary = preferences.run(cfg.model_copy(update={"on_bad_rows": "drop"}), out_dir)
+    assert summary["train"]["kept"] == 1
+    assert _read(out_dir) == [{
+        "pair_id": "train-000000", "kind": "stepwise", "prompt": [user(doc_example["prompt"])],
+        "chosen": None, "rejected": None, "completion": None, "label": None,
+        "completions": doc_example["completions"], "labels": [True, False]}]
+
+
+# ---------- user transforms (axolotl convention) ----------
+
+USER_TRANSFORMS = """
+def pairs(cfg):
+    def transform_fn(example, tokenizer=None):
+        return {"prompt": example["q"],
+                "chosen": [{"role": "assistant", "content": example["good"]}],
+                "rejected": example["bad"]}
+    return transform_fn, {"remove_columns": ["q"]}
+
+def unpaired(cfg):
+    def transform_fn(example):
+        return {"prompt": [{"role": "user", "content": example["q"]}], "completion": example["a"],
+                "label": example["ok"]}
+    return transform_fn
+
+def broken(cfg):
+    def transform_fn(example):
+        if example["q"] == "boom":
+            raise RuntimeError("cannot parse")
+        if example["q"] == "bot":
+            return {"prompt": [{"role": "bot", "content": "hi"}], "chosen": "a", "rejected": "b"}
+        if example["q"] == "list":
+            return ["not", "a", "dict"]
+        return {"prompt": example["q"], "chosen": "a", "rejected": "b"}
+    return transform_fn
+"""
+
+
+def test_user_transform_pairs(tmp_path, out_dir, user_module):
+    name = user_module(USER_TRANSFORMS)
+    rows = [{"q": Q1, "good": GOOD1, "bad": BAD1}, {"q": Q2, "good": GOOD2, "bad": BAD2}, {"good": "x", "bad": "y"}]
+    cfg = PreferenceConfig(type=f"{name}.pairs", paths={"train": _file(tmp_path, rows)}, system_prompt=SYSTEM)
+
+    with pytest.raises(BadRowsError, match="train row 2, field 'q': missing"):
+        preferences.run(cfg, out_dir)
+
+    summary = preferences.run(cfg.model_copy(update={"on_bad_rows": "drop"}), out_dir)
+    assert summary["train"]["dropped_indices"] == [2]
+    # strings become messages: same rows as the built-ins give
+    expected = [dict(EXPECTED_PAIRS[0]), dict(EXPECTED_PAIRS[1], prompt=[system(SYSTEM), user(Q2)])]
+    assert _read(out_dir) == expected
+
+
+def test_user_transform_bare_function_unpaired(tmp_path, out_dir, user_module):
+    name = user_module(USER_TRANSFORMS)
+    rows = [{"q": Q1, "a": GOOD1, "ok": True}, {"q": Q1, "a": BAD1, "ok": False}]
+    preferences.run(PreferenceConfig(type=f"{name}.unpaired", paths={"train": _file(tmp_path, rows)}), out_dir)
+    got = _read(out_dir)
+    assert [(r["kind"], r["completion"], r["label"]) for r in got] == [
+        ("unpaired", [assistant(GOOD1)], True), ("unpaired", [assistant(BAD1)], False)]
+
+
+def test_user_transform_errors_name_the_row(tmp_path, out_dir, user_module):
+    name = user_module(USER_TRANSFORMS)
+    rows = [{"q": "fine"}, {"q": "boom"}, {"q": "bot"}, {"q": "list"}]
+    cfg = PreferenceConfig(type=f"{name}.broken", paths={"train": _file(tmp_path, rows)})
+
+    with pytest.raises(BadRowsError) as info:
+        preferences.run(cfg, out_dir)
+
+    bad = {index: (field, reason) for _, index, field, reason in info.value.bad}
+    assert bad[1] == ("<transform>", f"'{name}.broken' failed: RuntimeError: cannot parse")
+    assert bad[2][0] == "prompt" and "'bot'" in bad[2][1]
+    assert bad[3] == ("<transform>", "returned list, expected a dict")
+
+
+def test_unknown_type_and_module(tmp_path, out_dir):
+    path = _file(tmp_path, PAIR_SAMPLES["chatml.intel"][1])
+    with pytest.raises(ValueError, match="neither a built-in nor `module.fn`"):
+        preferences.run(PreferenceConfig(type="intel", paths={"train": path}), out_dir)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        preferences.run(PreferenceConfig(type="no_such_module_xyz.fn", paths={"train": path}), out_dir)
+
+
+# ---------- config ----------
+
+
+def test_config_aliases_and_validation(tmp_path, out_dir):
+    path = _file(tmp_path, PAIR_SAMPLES["chatml.intel"][1])
+    cfg = PreferenceConfig.model_validate({"type": "chatml.intel", "data_files": path, "ds_type": "json"})
+    assert cfg.paths == {"train": path}
+    assert preferences.run(cfg, out_dir)["train"]["kept"] == 2  # json covers .jsonl
+
+    with pytest.raises(ValueError, match="does not match ds_type 'parquet'"):
+        preferences.run(cfg.model_copy(update={"ds_type": "parquet"}), out_dir)
+    with pytest.raises(FileNotFoundError, match="preferences.paths.train"):
+        preferences.run(PreferenceConfig(type="chatml.intel", paths={"train": str(tmp_path / "nope.jsonl")}), out_dir)
+    with pytest.raises(ValidationError, match="extra"):
+        PreferenceConfig(type="chatml.intel", paths={"train": path}, field_answer="x")
+    with pytest.raises(ValidationError, match="prompt_format"):
+        PreferenceConfig(type="user_defined.default", paths={"train": path}, prompt_format="{question}")
+    with pytest.raises(ValidationError, match="role and content"):
+        PreferenceConfig(type="chat_template.default", paths={"train": path},
+                         message_property_mappings={"role": "from"})
+
+
+# ---------- demo pairs ----------
+
+NUMBERS = re.compile(r"Which is the largest of ([\d, ]+)\?")
+
+
+def _numbers(question: str) -> list[int]:
+    return [int(n) for n in NUMBERS.fullmatch(question).group(1).split(", ")]
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_demo_pairs_are_correct_and_disjoint_from_demo_eval(tmp_path, digits):
+    demo = DemoDataConfig(num_sft=50, num_train=50, num_eval=200, number_digits=digits, seed=7)
+    demo_data.run(demo, tmp_path)  # the eval split the pipeline would evaluate on
+    eval_questions = set(pq.read_table(tmp_path / "eval.parquet").column("question").to_pylist())
+    assert preferences.demo_eval_questions(demo) == eval_questions
+
+    pairs = preferences.demo_pair_rows(DemoPairsConfig(num_train=400, num_eval=100), demo)
+
+    questions = {split: [r["prompt"][-1]["content"] for r in rows] for split, rows in pairs.items()}
+    assert len(questions["train"]) == 400 and len(questions["eval"]) == 100
+    assert not set(questions["train"]) & eval_questions
+    assert not set(questions["eval"]) & eval_questions
+    assert not set(questions["train"]) & set(questions["eval"])
+    assert len(set(questions["train"])) == 400
+    first_is_wrong = 0
+    for rows in pairs.values():
+        for row in rows:
+            numbers = _numbers(row["prompt"][-1]["content"])
+            assert row["chosen"] == [assistant(format_answer(max(numbers)))]
+            wrong = int(re.fullmatch(r"<answer>(\d+)</answer>", row["rejected"][0]["content"]).group(1))
+            assert wrong in numbers and wrong != max(numbers)
+            first_is_wrong += numbers[0] != max(numbers)
+            if numbers[0] != max(numbers):  # default rejected: "first", the noisy teacher's mistake
+                assert wrong == numbers[0]
+    assert first_is_wrong > 0
+
+
+def test_demo_pairs_written_and_deterministic(tmp_path):
+    demo = DemoDataConfig(num_sft=20, num_train=20, num_eval=20)
+    cfg = DemoPairsConfig(num_train=30, num_eval=10, rejected="second_largest", system_prompt="Answer in tags.")
+
+    summary = preferences.write_demo_pairs(cfg, tmp_path, demo)
+
+    assert summary["train"]["kept"] == 30 and summary["eval"]["kept"] == 10
+    rows = _read(tmp_path)
+    assert rows == _read(tmp_path, "train")
+    assert rows[0]["pair_id"] == "train-000000" and rows[0]["prompt"][0] == system("Answer in tags.")
+    for row in rows:
+        numbers = sorted(_numbers(row["prompt"][-1]["content"]))
+        assert row["rejected"] == [assistant(format_answer(numbers[-2]))]
+    again = preferences.demo_pair_rows(cfg, demo)
+    assert [r["prompt"] for r in again["train"]] == [r["prompt"] for r in rows]
