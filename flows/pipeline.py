@@ -77,13 +77,11 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     cfg = ctx.config
     lag = cfg.rollout.lag()
     import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
-    if lag:
-        import os
-
+    if lag and cfg.rollout.prefetch_torch_threads:
         import torch
 
         threads_before = torch.get_num_threads()
-        torch.set_num_threads(cfg.rollout.prefetch_torch_threads or max(1, (os.cpu_count() or 2) // 2))
+        torch.set_num_threads(cfg.rollout.prefetch_torch_threads)
         try:
             return _rounds(ctx, policy, prompts, log_round, lag)
         finally:

@@ -77,8 +77,9 @@ class RolloutConfig(BaseModel):
     max_staleness: int = Field(1, ge=0)
     """Most optimize rounds a rollout's policy may lag its round; 0 = synchronous."""
     prefetch_torch_threads: int | None = Field(None, ge=1)
-    """While prefetching, torch threads for each side (the rollout thread, the optimizer thread);
-    unset: half the CPU cores each, so the two sides do not oversubscribe the cores."""
+    """While prefetching, torch's intra-op threads for each side (the rollout thread and the
+    optimizer thread); unset: torch's default (all cores each). On 2 cores, 1 each measured
+    slower than the default (BENCHMARKS.md)."""
     seed: int = 0
 
     def lag(self) -> int:
