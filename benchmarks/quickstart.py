@@ -1,6 +1,6 @@
 """Time the quickstart as a new user runs it, and check its learning target.
 
-  .venv/bin/python benchmarks/quickstart.py [--artifacts DIR] [OVERRIDE ...]
+  .venv/bin/python benchmarks/quickstart.py [--config configs/quickstart.yaml] [--artifacts DIR] [OVERRIDE ...]
 
 Runs `posttrain run configs/quickstart.yaml --quiet` twice in a fresh artifacts folder (each a
 separate process, as `make run` does) and prints: wall time of the first run, of the
@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(artifacts: Path, overrides: list[str]) -> tuple[float, dict]:
-    """`posttrain run configs/quickstart.yaml` in its own process; its wall time and summary.json."""
+def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quickstart.yaml") -> tuple[float, dict]:
+    """`posttrain run CONFIG` in its own process; its wall time and summary.json."""
     before = set((artifacts / "runs").glob("*")) if (artifacts / "runs").exists() else set()
-    command = [str(Path(sys.executable).parent / "posttrain"), "run", "configs/quickstart.yaml", "--quiet",
+    command = [str(Path(sys.executable).parent / "posttrain"), "run", config, "--quiet",
                f"artifacts_dir={artifacts}", *overrides]
     start = time.time()
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -48,11 +48,12 @@ def seconds_by_kind(stages: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--artifacts", type=Path, default=None)
+    parser.add_argument("--config", default="configs/quickstart.yaml", help="e.g. configs/dpo.yaml")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
-    first_s, first = run_once(artifacts, args.overrides)
-    second_s, second = run_once(artifacts, args.overrides)
+    first_s, first = run_once(artifacts, args.overrides, args.config)
+    second_s, second = run_once(artifacts, args.overrides, args.config)
     report = {
         "first_run_s": round(first_s, 1),
         "second_run_s": round(second_s, 1),
@@ -62,6 +63,7 @@ def main() -> None:
         "base_accuracy": first["base_accuracy"],
         "final_accuracy": first["final_accuracy"],
         "gain": round(first["final_accuracy"] - first["base_accuracy"], 4),
+        **{k: first[k] for k in ("preference_accuracy_base", "preference_accuracy_final") if k in first},
     }
     print(json.dumps(report, indent=2))
     if args.artifacts is None:

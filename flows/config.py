@@ -10,24 +10,26 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stages.base_model import BaseModelConfig
 from stages.demo_data import DemoDataConfig
+from stages.dpo import PreferenceOptimizationConfig
 from stages.evaluate import EvalConfig
 from stages.export import ExportConfig
 from stages.grpo import GRPOConfig
 from stages.rollout import RolloutConfig
 from stages.score import ScoreConfig
 from stages.sft import SFTConfig
+from stages.preferences import DemoPairsConfig, PreferenceConfig
 from stages.transform import TransformConfig
 
 
 class PipelineConfig(BaseModel):
-    """A whole GRPO pipeline run."""
+    """A whole pipeline run: GRPO rounds, or (rl: dpo | ipo | kto | orpo | simpo) preference optimization."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,6 +37,9 @@ class PipelineConfig(BaseModel):
     """Run group: the MLflow experiment and the Prefect flow-run name prefix."""
     artifacts_dir: str = "artifacts"
     """Root of every stage folder, the MLflow sqlite store and Prefect's home."""
+    rl: Literal["grpo", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
+    """Post-training method (axolotl's `rl`). grpo: rollout/score/optimize rounds (sections rollout,
+    score, grpo). The others: one preference-optimization stage on the `preferences` table (section dpo)."""
     demo_data: DemoDataConfig = Field(default_factory=DemoDataConfig)
     transform: TransformConfig = Field(default_factory=TransformConfig)
     model: BaseModelConfig = Field(default_factory=BaseModelConfig)
@@ -42,8 +47,19 @@ class PipelineConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    preferences: PreferenceConfig | None = None
+    """Your preference data (axolotl's RLHF formats); unset: demo pairs for the built-in task."""
+    demo_pairs: DemoPairsConfig = Field(default_factory=DemoPairsConfig)
+    dpo: PreferenceOptimizationConfig = Field(default_factory=PreferenceOptimizationConfig)
+    """Preference optimization options (rl_beta, orpo_alpha, simpo_gamma, ...); `dpo.rl` follows `rl`."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _preference_method_follows_rl(self):
+        if self.rl != "grpo" and self.dpo.rl != self.rl:
+            self.dpo = self.dpo.model_copy(update={"rl": self.rl})
+        return self
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]

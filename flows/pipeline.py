@@ -24,6 +24,8 @@ from tasks.lineage import Lineage, git_commit, ui_command
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
     RunContext,
+    preference_optimization_task,
+    preferences_task,
     base_model_task,
     demo_data_task,
     eval_task,
@@ -162,6 +164,40 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     return prompts, base, policy
 
 
+def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dict) -> tuple:
+    """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds)."""
+    started = time.perf_counter()
+    try:
+        adapter, round_keys, round_metrics = run_rounds(
+            ctx, policy, prompts, lambda metrics, r: ctx.lineage.log_metrics(parent, metrics, step=r + 1))
+    finally:
+        close_engines()
+    wall_s = time.perf_counter() - started
+    ctx.lineage.log_metrics(parent, {"time/rounds_wall_s": wall_s})
+    lineage_keys.update(round_keys)
+    return adapter, round_metrics, wall_s
+
+
+def optimize_preferences(ctx: RunContext, parent: str, policy, lineage_keys: dict) -> tuple:
+    """preferences -> dpo/ipo/kto/orpo/simpo, logged to the parent run: (trained artifact, metrics, wall s)."""
+    started = time.perf_counter()
+    prefs = preferences_task(ctx)
+    for split, meta in prefs.manifest["files"].items():
+        if split.endswith(".parquet"):
+            ctx.lineage.log_dataset(parent, f"preferences-{split.removesuffix('.parquet')}", prefs.file(split),
+                                    meta["sha256"], context="training", rows=meta.get("rows", 0))
+    trained = preference_optimization_task(ctx, policy, prefs, label=ctx.config.rl)
+    summary = trained.manifest["summary"]
+    metrics = {f"train/{k}": v for k, v in (summary.get("final_metrics") or {}).items() if isinstance(v, (int, float))}
+    ctx.lineage.log_metrics(parent, metrics, step=1)
+    if summary.get("eval_accuracy_before") is not None:  # held-out pairs with chosen log-prob margin > 0
+        ctx.lineage.log_metrics(parent, {"eval/preference_accuracy": summary["eval_accuracy_before"]}, step=0)
+        ctx.lineage.log_metrics(parent, {"eval/preference_accuracy": summary["eval_accuracy_after"]}, step=1)
+        metrics["eval/preference_accuracy"] = summary["eval_accuracy_after"]
+    lineage_keys.update(preferences=prefs.key, **{ctx.config.rl: trained.key})
+    return trained, metrics, time.perf_counter() - started
+
+
 @flow(name="posttrain-prepare-policy", flow_run_name="prepare {config_path}")
 def prepare_policy_flow(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> str:
     """Materialize (or find cached) the policy a run starts from; return its folder (what serve-vllm serves)."""
@@ -188,21 +224,16 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         lineage.log_metrics(parent, {"eval/accuracy": base_eval.manifest["summary"]["accuracy"]}, step=0)
 
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}"}
-        rounds_started = time.perf_counter()
-        try:
-            adapter, round_keys, round_metrics = run_rounds(
-                ctx, policy, prompts, lambda metrics, r: lineage.log_metrics(parent, metrics, step=r + 1))
-        finally:
-            close_engines()
-        rounds_wall_s = time.perf_counter() - rounds_started
-        lineage.log_metrics(parent, {"time/rounds_wall_s": rounds_wall_s})
-        lineage_keys.update(round_keys)
+        if cfg.rl != "grpo":
+            adapter, round_metrics, rounds_wall_s = optimize_preferences(ctx, parent, policy, lineage_keys)
+        else:
+            adapter, round_metrics, rounds_wall_s = grpo_rounds(ctx, parent, policy, prompts, lineage_keys)
 
         exported = export_task(ctx, policy, adapter, lineage_keys, round_metrics)
         final_eval = eval_task(ctx, exported, prompts, label="final")
         base_acc = base_eval.manifest["summary"]["accuracy"]
         final_acc = final_eval.manifest["summary"]["accuracy"]
-        lineage.log_metrics(parent, {"eval/accuracy": final_acc}, step=cfg.grpo.rounds)
+        lineage.log_metrics(parent, {"eval/accuracy": final_acc}, step=cfg.grpo.rounds if cfg.rl == "grpo" else 1)
         lineage.log_metrics(parent, {"eval/accuracy_base": base_acc, "eval/accuracy_final": final_acc,
                                      "eval/accuracy_gain": final_acc - base_acc})
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
@@ -218,6 +249,9 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "exported_model": str(exported.path),
             "registered_model_version": version,
             "rounds_wall_s": rounds_wall_s,
+            **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
+                "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
+               if cfg.rl != "grpo" else {}),
             "stages": reporter.rows,
             "mlflow_ui": ui_command(root),
         }

@@ -11,7 +11,7 @@ from typing import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import base_model, demo_data, evaluate, export, grpo, rollout, schemas, score, sft, transform
+from stages import base_model, demo_data, dpo, evaluate, export, grpo, preferences, rollout, schemas, score, sft, transform
 from stages.engines import Policy
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
@@ -137,7 +137,8 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
     """The sampling policy after `version` optimize rounds (adapter: that round's output)."""
     if adapter is None:
         return Policy(policy.path, version=version)
-    if ctx.config.grpo.adapter == "none":
+    trained_with = ctx.config.grpo if ctx.config.rl == "grpo" else ctx.config.dpo
+    if trained_with.adapter == "none":
         return Policy(policy.path, weights_dir=adapter.path, version=version)
     return Policy(policy.path, adapter_dir=adapter.path, version=version)
 
@@ -184,6 +185,28 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
         lambda out, _: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
                                 round_index, temperature, max_len, out, on_step=bar),
         label=f"optimize r{round_index}",
+    )
+
+
+@task(name="preferences", cache_policy=NO_CACHE)
+def preferences_task(ctx: RunContext) -> Artifact:
+    """The preferences table: your data through `preferences`, or demo pairs for the built-in task."""
+    cfg = ctx.config
+    if cfg.preferences is not None:
+        section = {**cfg.preferences.model_dump(mode="json"), "file_digests": _files_digest(cfg.preferences.paths)}
+        return materialize(ctx, "preferences", preferences, section, {},
+                           lambda out, _: preferences.run(cfg.preferences, out))
+    section = {"demo_pairs": cfg.demo_pairs.model_dump(mode="json"), "demo_data": cfg.demo_data.model_dump(mode="json")}
+    return materialize(ctx, "preferences", preferences, section, {},
+                       lambda out, _: preferences.write_demo_pairs(cfg.demo_pairs, out, demo=cfg.demo_data))
+
+
+@task(name="preference_optimization", task_run_name="{label}", cache_policy=NO_CACHE)
+def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artifact, label: str) -> Artifact:
+    cfg = ctx.config.dpo
+    return materialize(
+        ctx, "dpo", dpo, cfg.model_dump(mode="json"), {"policy": policy, "preferences": prefs},
+        lambda out, log: dpo.run(cfg, policy.path, prefs.path, out, on_metrics=log), label=label,
     )
 
 

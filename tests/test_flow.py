@@ -137,3 +137,36 @@ def test_serve_vllm_prints_a_server_command_for_the_starting_policy(prefect_harn
     assert len(sft_dirs) == 1 and (sft_dirs[0] / MANIFEST).exists()  # the policy was built and cached
     assert f"--model {sft_dirs[0]}" in line and "--enable-lora" in line and "--port 8123" in line
     assert line.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+
+
+def test_dpo_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_path):
+    from flows.pipeline import posttrain_pipeline
+
+    root = tmp_path / "artifacts"
+    overrides = ["rl=dpo", "demo_pairs.num_train=32", "demo_pairs.num_eval=16", "dpo.max_steps=4",
+                 "dpo.micro_batch_size=8", "dpo.logging_steps=1", "dpo.learning_rate=1e-3"]
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert [row["stage"] for row in first["stages"]] == ["demo_data", "transform", "base_model", "sft", "eval base",
+                                                          "preferences", "dpo", "export", "eval final"]
+    assert first["preference_accuracy_base"] is not None and first["preference_accuracy_final"] is not None
+    prefs = pq.read_table(next((root / "preferences").glob("*/train.parquet")))
+    assert prefs.num_rows == 32 and set(prefs.column("kind").to_pylist()) == {"pair"}
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.data.params["rl"] == "dpo" and parent.data.params["dpo.rl"] == "dpo"
+    steps = sorted(m.step for m in client.get_metric_history(parent.info.run_id, "eval/preference_accuracy"))
+    assert steps == [0, 1]
+    assert {"prompts-train", "prompts-eval", "preferences-train", "preferences-eval"} <= {
+        d.dataset.name for d in parent.inputs.dataset_inputs}
+    (dpo_run,) = client.search_runs([parent.info.experiment_id],
+                                    filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                                  "and tags.`posttrain.stage` = 'dpo'")
+    margins = client.get_metric_history(dpo_run.info.run_id, "preference/rewards/margins")
+    assert [m.step for m in margins] == [1, 2, 3, 4]  # per optimizer step, nested under the pipeline run
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(first["exported_model"])
+
+    second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert computed(second) == []
