@@ -26,6 +26,7 @@ from tasks.stage_tasks import (
     RunContext,
     preference_optimization_task,
     preferences_task,
+    reward_model_task,
     base_model_task,
     demo_data_task,
     eval_task,
@@ -165,8 +166,16 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
 
 
 def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dict) -> tuple:
-    """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds)."""
+    """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds).
+    With `reward_model` among score.reward_funcs, a reward model is trained first on the preferences."""
     started = time.perf_counter()
+    if "reward_model" in ctx.config.score.reward_funcs:
+        prefs = log_preferences(ctx, parent, preferences_task(ctx))
+        ctx.reward_model = reward_model_task(ctx, policy, prefs)
+        summary = ctx.reward_model.manifest["summary"]
+        if summary.get("eval_pairwise_accuracy") is not None:
+            ctx.lineage.log_metrics(parent, {"reward_model/eval_pairwise_accuracy": summary["eval_pairwise_accuracy"]})
+        lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
     try:
         adapter, round_keys, round_metrics = run_rounds(
             ctx, policy, prompts, lambda metrics, r: ctx.lineage.log_metrics(parent, metrics, step=r + 1))
@@ -178,14 +187,19 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
     return adapter, round_metrics, wall_s
 
 
+def log_preferences(ctx: RunContext, parent: str, prefs):
+    """Record the preference tables as the parent run's dataset inputs; return the artifact."""
+    for name, meta in prefs.manifest["files"].items():
+        if name.endswith(".parquet"):
+            ctx.lineage.log_dataset(parent, f"preferences-{name.removesuffix('.parquet')}", prefs.file(name),
+                                    meta["sha256"], context="training", rows=meta.get("rows", 0))
+    return prefs
+
+
 def optimize_preferences(ctx: RunContext, parent: str, policy, lineage_keys: dict) -> tuple:
     """preferences -> dpo/ipo/kto/orpo/simpo, logged to the parent run: (trained artifact, metrics, wall s)."""
     started = time.perf_counter()
-    prefs = preferences_task(ctx)
-    for split, meta in prefs.manifest["files"].items():
-        if split.endswith(".parquet"):
-            ctx.lineage.log_dataset(parent, f"preferences-{split.removesuffix('.parquet')}", prefs.file(split),
-                                    meta["sha256"], context="training", rows=meta.get("rows", 0))
+    prefs = log_preferences(ctx, parent, preferences_task(ctx))
     trained = preference_optimization_task(ctx, policy, prefs, label=ctx.config.rl)
     summary = trained.manifest["summary"]
     metrics = {f"train/{k}": v for k, v in (summary.get("final_metrics") or {}).items() if isinstance(v, (int, float))}

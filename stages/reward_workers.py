@@ -16,6 +16,7 @@ import multiprocessing as mp
 import time
 import traceback
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Callable
 
 from stages.imports import load_function
@@ -25,8 +26,23 @@ class RewardFunctionError(RuntimeError):
     """A reward function failed on a sample; the message says which and how."""
 
 
-def resolve_reward(name: str) -> Callable:
-    """A built-in reward by name, or `module.fn`."""
+REWARD_MODEL_PREFIX = "reward_model:"
+"""`reward_model:/path/to/folder`: a trained reward model (AutoModelForSequenceClassification) as a
+reward function. In a config, plain `reward_model` means this run's reward_model stage."""
+
+
+def resolve_reward(name: str, load: bool = True) -> Callable | None:
+    """A built-in reward by name, `module.fn`, or `reward_model:<folder>` (loaded once per process).
+    With `load=False` a reward model's folder is only checked, not loaded."""
+    if name.startswith(REWARD_MODEL_PREFIX):
+        folder = Path(name[len(REWARD_MODEL_PREFIX):])
+        if not (folder / "config.json").exists():
+            raise ValueError(f"reward_funcs: {name!r}: no model folder (config.json) at {folder}")
+        if not load:
+            return None
+        from stages.reward_model import reward_model_function
+
+        return reward_model_function(folder)
     from stages.rewards import BUILTIN_REWARDS
 
     return load_function(name, "reward_funcs", BUILTIN_REWARDS)
@@ -51,8 +67,8 @@ def _first_failing_sample(fn: Callable, batch: dict) -> int:
     return 0
 
 
-def _worker_main(conn, names: list[str]) -> None:
-    funcs = {name: resolve_reward(name) for name in names}
+def _worker_main(conn, sources: dict[str, str]) -> None:
+    funcs = {name: resolve_reward(source) for name, source in sources.items()}
     while True:
         message = conn.recv()
         if message is None:
@@ -68,16 +84,19 @@ def _worker_main(conn, names: list[str]) -> None:
 class RewardWorkerPool:
     """`num_workers` spawned processes that score batches with named reward functions."""
 
-    def __init__(self, names: list[str], num_workers: int, timeout_s: float):
-        for name in names:
-            resolve_reward(name)  # fail fast in the parent with a clear message
+    def __init__(self, names: list[str], num_workers: int, timeout_s: float, sources: dict[str, str] | None = None):
+        """`sources` maps a reward's name (as jobs and results call it) to what resolves it, when
+        they differ, e.g. {"reward_model": "reward_model:/artifacts/reward_model/<key>"}."""
+        self.sources = {name: (sources or {}).get(name, name) for name in names}
+        for name in self.sources.values():
+            resolve_reward(name, load=False)  # fail fast in the parent with a clear message
         self.names = list(names)
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
         self.workers = []
         for _ in range(num_workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, self.names), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(child, self.sources), daemon=True)
             proc.start()
             child.close()
             self.workers.append((proc, parent))
@@ -155,14 +174,15 @@ class RewardWorkerPool:
 _POOLS: dict[tuple, RewardWorkerPool] = {}
 
 
-def shared_pool(names: list[str], num_workers: int, timeout_s: float) -> RewardWorkerPool:
+def shared_pool(names: list[str], num_workers: int, timeout_s: float,
+                sources: dict[str, str] | None = None) -> RewardWorkerPool:
     """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken."""
-    key = (tuple(names), num_workers, timeout_s)
+    key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
     pool = _POOLS.get(key)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close()
-        pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s)
+        pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
     return pool
 
 

@@ -71,8 +71,16 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages / (std + 1e-4)
 
 
-def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path) -> dict:
-    """Score rollouts into out_dir/scored.parquet; return reward metrics."""
+def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
+        reward_model_dir: Path | None = None) -> dict:
+    """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
+    folder the reward function named `reward_model` scores with (this run's reward_model stage)."""
+    sources = {}
+    if "reward_model" in cfg.reward_funcs:
+        if reward_model_dir is None:
+            raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
+                             "(or name a folder: reward_model:/path/to/model)")
+        sources["reward_model"] = f"reward_model:{Path(reward_model_dir).resolve()}"
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     n = len(rows)
@@ -92,7 +100,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
                 **{c: [r[c] for r in chunk] for c in columns},
             }
             jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
-    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources)
     outputs = pool.score(jobs)
 
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}

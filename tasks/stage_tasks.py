@@ -11,7 +11,21 @@ from typing import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import base_model, demo_data, dpo, evaluate, export, grpo, preferences, rollout, schemas, score, sft, transform
+from stages import (
+    base_model,
+    demo_data,
+    dpo,
+    evaluate,
+    export,
+    grpo,
+    preferences,
+    reward_model,
+    rollout,
+    schemas,
+    score,
+    sft,
+    transform,
+)
 from stages.engines import Policy
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
@@ -26,6 +40,7 @@ class RunContext:
         self.store = store
         self.lineage = lineage
         self.reporter = reporter
+        self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
 
 
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
@@ -165,9 +180,12 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
 def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifact:
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
+    rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
     return materialize(
-        ctx, "score", score, {**cfg.model_dump(mode="json"), "num_generations": n}, {"rollouts": rollouts},
-        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out), label=f"score r{round_index}",
+        ctx, "score", score, {**cfg.model_dump(mode="json"), "num_generations": n},
+        {"rollouts": rollouts, "reward_model": rm},
+        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None),
+        label=f"score r{round_index}",
     )
 
 
@@ -207,6 +225,15 @@ def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artif
     return materialize(
         ctx, "dpo", dpo, cfg.model_dump(mode="json"), {"policy": policy, "preferences": prefs},
         lambda out, log: dpo.run(cfg, policy.path, prefs.path, out, on_metrics=log), label=label,
+    )
+
+
+@task(name="reward_model", cache_policy=NO_CACHE)
+def reward_model_task(ctx: RunContext, policy: Artifact, prefs: Artifact) -> Artifact:
+    cfg = ctx.config.reward_model
+    return materialize(
+        ctx, "reward_model", reward_model, cfg.model_dump(mode="json"), {"policy": policy, "preferences": prefs},
+        lambda out, log: reward_model.run(cfg, policy.path, prefs.path, out, on_metrics=log),
     )
 
 
