@@ -25,6 +25,7 @@ from stages.rollout import RolloutConfig
 from stages.score import ScoreConfig
 from stages.sft import SFTConfig
 from stages.preferences import DemoPairsConfig, PreferenceConfig
+from stages.reward_model import RewardModelConfig
 from stages.transform import TransformConfig
 
 
@@ -52,6 +53,8 @@ class PipelineConfig(BaseModel):
     demo_pairs: DemoPairsConfig = Field(default_factory=DemoPairsConfig)
     dpo: PreferenceOptimizationConfig = Field(default_factory=PreferenceOptimizationConfig)
     """Preference optimization options (rl_beta, orpo_alpha, simpo_gamma, ...); `dpo.rl` follows `rl`."""
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """The reward model trained on the preferences when score.reward_funcs names `reward_model`."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
 

@@ -536,9 +536,11 @@ class DemoPairsConfig(BaseModel):
 
     num_train: int = Field(2000, ge=1)
     num_eval: int = Field(200, ge=1)
-    rejected: Literal["first", "random", "second_largest"] = "first"
+    rejected: Literal["first", "random", "second_largest", "mixed"] = "first"
     """The wrong answer: the first number listed (the noisy teacher's mistake; another
-    number when the first is the largest), a random other number, or the runner-up."""
+    number when the first is the largest), a random other number, the runner-up, or `mixed`:
+    first / random / a larger number that is not in the question, in turn (what a reward
+    model needs, or GRPO learns to answer "99")."""
     system_prompt: str | None = None
     """Prepended as a system message when set (match the prompts transform's)."""
     seed: int = 4321
@@ -575,9 +577,14 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             excluded.add(question)
             best = max(numbers)
             others = [n for n in numbers if n != best]
-            if cfg.rejected == "first" and numbers[0] != best:
+            kind = cfg.rejected
+            if kind == "mixed":  # a reward model must also learn that a number not in the question is wrong
+                kind = ("first", "random", "not_listed")[len(rows) % 3]
+            if kind == "not_listed":
+                wrong = rng.choice([n for n in range(best + 1, 10 ** (demo.number_digits + 1)) if n not in numbers])
+            elif kind == "first" and numbers[0] != best:
                 wrong = numbers[0]
-            elif cfg.rejected == "second_largest":
+            elif kind == "second_largest":
                 wrong = max(others)
             else:
                 wrong = rng.choice(others)

@@ -170,3 +170,29 @@ def test_dpo_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_p
 
     second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
     assert computed(second) == []
+
+
+def test_reward_model_scores_grpo_and_is_a_recorded_input(prefect_harness, tiny_config, tmp_path):
+    from flows.pipeline import posttrain_pipeline
+
+    root = tmp_path / "artifacts"
+    overrides = ["grpo.rounds=2", "score.reward_funcs=[reward_model, format]", "score.reward_weights=[1.0, 0.1]",
+                 "demo_pairs.num_train=32", "demo_pairs.num_eval=16", "demo_pairs.rejected=mixed",
+                 "reward_model.max_steps=4", "reward_model.micro_batch_size=8", "reward_model.logging_steps=1"]
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    stages = [row["stage"] for row in first["stages"]]
+    assert stages[5:8] == ["preferences", "reward_model", "rollout r0"]
+    rm_dir = next((root / "reward_model").iterdir())
+    for folder in (root / "score").iterdir():  # every round's scores name the reward model as an input
+        manifest = json.loads((folder / MANIFEST).read_text())
+        assert manifest["inputs"]["reward_model"] == f"reward_model/{rm_dir.name}"
+        scored = pq.read_table(folder / "scored.parquet").to_pylist()
+        assert all(isinstance(r["rewards"]["reward_model"] if isinstance(r["rewards"], dict)
+                              else dict(r["rewards"])["reward_model"], float) for r in scored)
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    parent = client.get_run(first["mlflow_run_id"])
+    assert "reward_model/eval_pairwise_accuracy" in parent.data.metrics
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert "reward_model" in {c.data.tags["posttrain.stage"] for c in children}
+    assert computed(posttrain_pipeline(str(tiny_config), overrides, quiet=True)) == []

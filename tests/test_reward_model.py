@@ -1,0 +1,125 @@
+"""Reward models (stages/reward_model.py): a tiny ORM learns the demo preferences with TRL's RewardTrainer,
+the saved folder loads as a sequence classifier, the scorer ranks held-out answers as a TRL reward
+function, LoRA is merged into the saved folder, and PRM fails clearly on TRL 1.16."""
+
+import pytest
+import torch
+
+from stages import base_model
+from stages import reward_model as rm
+from stages.demo_data import DemoDataConfig
+from stages.dpo import read_rows
+from stages.preferences import DemoPairsConfig, write_demo_pairs, write_split
+
+FAST = dict(micro_batch_size=8, logging_steps=1, learning_rate=1e-3, lora_r=8, lora_alpha=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Qwen2 causal LM with the ChatML template and demo preference pairs (train 128, eval 64)."""
+    root = tmp_path_factory.mktemp("reward_model")
+    texts = [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
+             f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)]
+    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
+                                     intermediate_size=128, num_hidden_layers=2)
+    base_model.run(cfg, texts, root / "model")
+    (root / "prefs").mkdir()
+    write_demo_pairs(DemoPairsConfig(num_train=128, num_eval=64), root / "prefs",
+                     DemoDataConfig(num_sft=10, num_train=10, num_eval=10))
+    return root
+
+
+@pytest.fixture(scope="module")
+def orm(tiny):
+    """A full fine-tuned ORM trained for 30 steps; (out_dir, summary, metrics seen)."""
+    seen: list[tuple[dict, int]] = []
+    cfg = rm.RewardModelConfig(max_steps=30, adapter="none", **FAST)
+    out = tiny / "orm"
+    summary = rm.run(cfg, tiny / "model", tiny / "prefs", out, on_metrics=lambda m, s: seen.append((m, s)))
+    return out, summary, seen
+
+
+def test_config_and_trl_options(tmp_path):
+    with pytest.raises(ValueError):
+        rm.RewardModelConfig(kind="ppo")
+    with pytest.raises(ValueError):
+        rm.RewardModelConfig(beta=0.1)  # extra="forbid"
+    cfg = rm.RewardModelConfig(learning_rate=2e-4, max_steps=7, micro_batch_size=3, gradient_accumulation_steps=2,
+                               max_length=99, seed=5)
+    args = rm.build_trl_config(cfg, tmp_path)
+    assert (args.learning_rate, args.max_steps, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+            args.max_length, args.seed) == (2e-4, 7, 3, 2, 99, 5)
+    assert not args.bf16 and not args.fp16 and not args.gradient_checkpointing and args.use_cpu
+    assert rm.lora_config(cfg) is None
+    lora = rm.lora_config(rm.RewardModelConfig(adapter="lora"))
+    assert "score" in lora.modules_to_save and lora.task_type == "SEQ_CLS"
+
+
+def test_orm_learns_held_out_preferences(tiny, orm):
+    out, summary, seen = orm
+    assert summary["steps"] == 30 and summary["rows"] == 128 and summary["eval_pairs"] == 64
+    assert summary["eval_pairwise_accuracy"] > 0.6, summary
+    assert summary["eval_pairwise_accuracy"] > summary["eval_pairwise_accuracy_before"], summary
+    for key in ("loss", "accuracy", "margin", "mean_reward"):
+        assert key in summary["final_metrics"]
+    assert [s for m, s in seen if "reward_model/loss" in m] == list(range(1, 31))
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    assert not (out / "_trainer").exists() and not (out / "adapter_config.json").exists()
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    assert tokenizer.chat_template
+    eval_rows = read_rows(tiny / "prefs" / "eval.parquet")
+    assert rm.pairwise_accuracy(model, tokenizer, eval_rows) == pytest.approx(summary["eval_pairwise_accuracy"])
+
+
+def test_scorer_ranks_held_out_answers(tiny, orm):
+    out, summary, _ = orm
+    fn = rm.reward_model_function(out)
+    assert fn.__name__ == "reward_model"
+    rows = read_rows(tiny / "prefs" / "eval.parquet")[:32]
+    prompts = [r["prompt"] for r in rows] * 2
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]  # as TRL passes conversational data
+    scores = fn(prompts=prompts, completions=completions, completion_ids=None, answer=["x"] * 64)
+    assert len(scores) == 64 and all(isinstance(s, float) for s in scores)
+    right = sum(c > w for c, w in zip(scores[:32], scores[32:]))
+    assert right >= 0.75 * 32, (right, summary)
+
+    # plain strings: the prompt is a user message, the completion an assistant message -- same scores
+    text_prompts = [p[-1]["content"] for p in prompts]
+    text_completions = [c[0]["content"] for c in completions]
+    assert all(len(p) == 1 and p[0]["role"] == "user" for p in prompts)
+    one_by_one = rm.RewardModelScorer(out, batch_size=1)  # padding does not change a score
+    assert one_by_one(text_prompts, text_completions) == pytest.approx(scores, abs=1e-5)
+
+
+def test_lora_is_merged_into_the_saved_folder(tiny, tmp_path):
+    cfg = rm.RewardModelConfig(adapter="lora", max_steps=3, lora_dropout=0.1, **FAST)
+    summary = rm.run(cfg, tiny / "model", tiny / "prefs", tmp_path)
+    assert summary["steps"] == 3
+    assert not (tmp_path / "adapter_config.json").exists()
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert not any("lora" in k or "modules_to_save" in k for k in weights) and "score.weight" in weights
+    scorer = rm.RewardModelScorer(tmp_path)
+    rows = read_rows(tiny / "prefs" / "eval.parquet")
+    assert rm.pairwise_accuracy(scorer.model, scorer.tokenizer, rows) == pytest.approx(
+        summary["eval_pairwise_accuracy"])
+    base = rm.load_reward_model(tiny / "model", scorer.tokenizer)
+    body = dict(base.named_parameters())
+    assert any(not torch.equal(p, body[n]) for n, p in scorer.model.named_parameters() if n != "score.weight")
+
+
+def test_prm_and_stepwise_rows_fail_clearly(tiny, tmp_path):
+    with pytest.raises(ValueError, match="PRMTrainer"):
+        rm.run(rm.RewardModelConfig(kind="prm"), tiny / "model", tiny / "prefs", tmp_path)
+    stepwise = {"pair_id": "train-000007", "kind": "stepwise", "prompt": [{"role": "user", "content": "q"}],
+                "completions": ["a", "b"], "labels": [True, False]}
+    prefs = tmp_path / "prefs"
+    prefs.mkdir()
+    write_split([stepwise], prefs / "train.parquet")
+    with pytest.raises(ValueError, match=r"train-000007 \(stepwise\)"):
+        rm.run(rm.RewardModelConfig(), tiny / "model", prefs, tmp_path / "out")
