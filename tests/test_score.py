@@ -306,7 +306,7 @@ def test_raising_reward_names_function_and_sample(rollouts_path, out_dir, user_r
     assert not (out_dir / "scored.parquet").exists()
     # The failed pool killed its workers and is replaced on the next call.
     assert mp.active_children() == []
-    broken = reward_workers._POOLS[((name,), cfg.reward_num_workers, cfg.reward_timeout_s)]
+    broken = reward_workers._POOLS[((name,), cfg.reward_num_workers, cfg.reward_timeout_s, ())]
     assert not broken.alive()
     fresh = shared_pool([name], cfg.reward_num_workers, cfg.reward_timeout_s)
     assert fresh is not broken and fresh.alive()
