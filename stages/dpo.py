@@ -141,10 +141,10 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
     return {"beta": cfg.rl_beta, "loss_type": "simpo", "simpo_gamma": cfg.simpo_gamma, "cpo_alpha": cfg.cpo_alpha}
 
 
-def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path):
-    """The TRL config object for `cfg`: loss options plus fp32-on-CPU training settings."""
-    _, config_class = trl_classes(cfg.rl)
-    return config_class(
+def cpu_training_args(cfg, output_dir: Path) -> dict:
+    """TRL/HF training arguments shared by our TRL-driven stages (dpo, reward_model): the config's
+    schedule, fp32 on CPU, no checkpoints, no reporting (metrics go to on_metrics instead)."""
+    return dict(
         output_dir=str(output_dir),
         learning_rate=cfg.learning_rate,
         num_train_epochs=cfg.num_train_epochs,
@@ -162,8 +162,13 @@ def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path):
         gradient_checkpointing=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **trl_options(cfg),
     )
+
+
+def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path):
+    """The TRL config object for `cfg`: loss options plus fp32-on-CPU training settings."""
+    _, config_class = trl_classes(cfg.rl)
+    return config_class(**cpu_training_args(cfg, output_dir), **trl_options(cfg))
 
 
 def lora_config(cfg: PreferenceOptimizationConfig):
@@ -321,11 +326,17 @@ def build_trainer(cfg: PreferenceOptimizationConfig, model, ref_model, tokenizer
         kwargs["ref_model"] = ref_model
     elif ref_model is not None:
         raise ValueError(f"rl={cfg.rl!r} uses no reference model")
-    trainer = trainer_class(**kwargs)
+    return quiet_trainer(trainer_class(**kwargs), cfg)
+
+
+def quiet_trainer(trainer, cfg):
+    """After building a TRL trainer: no printed metric lines (they go to on_metrics), and the LoRA
+    dropout TRL's disable_dropout zeroed set back to `cfg.lora_dropout`."""
+    import torch
     from transformers.trainer_callback import PrinterCallback
 
-    trainer.remove_callback(PrinterCallback)  # metrics go to on_metrics (MLflow), not print()
-    if cfg.adapter == "lora" and cfg.lora_dropout > 0:  # TRL's disable_dropout zeroed the LoRA dropout too
+    trainer.remove_callback(PrinterCallback)
+    if cfg.adapter == "lora" and cfg.lora_dropout > 0:
         for name, module in trainer.model.named_modules():
             if ".lora_dropout." in f"{name}." and isinstance(module, torch.nn.Dropout):
                 module.p = cfg.lora_dropout

@@ -82,25 +82,9 @@ def build_trl_config(cfg: RewardModelConfig, output_dir: Path):
     """TRL RewardConfig for `cfg`: fp32-on-CPU training settings as in stages/dpo.py."""
     from trl import RewardConfig
 
-    return RewardConfig(
-        output_dir=str(output_dir),
-        learning_rate=cfg.learning_rate,
-        num_train_epochs=cfg.num_train_epochs,
-        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
-        per_device_train_batch_size=cfg.micro_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_length=cfg.max_length,
-        logging_steps=cfg.logging_steps,
-        save_strategy="no",
-        report_to=[],
-        seed=cfg.seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
+    from stages.dpo import cpu_training_args
+
+    return RewardConfig(**cpu_training_args(cfg, output_dir))
 
 
 def lora_config(cfg: RewardModelConfig):
@@ -311,12 +295,10 @@ def run(
     eval split of pairs.
     """
     import datasets
-    import torch
     from transformers import AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
     from trl import RewardTrainer
 
-    from stages.dpo import read_rows
+    from stages.dpo import quiet_trainer, read_rows
 
     check_kind(cfg.kind)
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
@@ -345,14 +327,10 @@ def run(
                 on_metrics({METRIC_PREFIX + k: v for k, v in numeric.items()}, state.global_step)
 
     work_dir = out_dir / "_trainer"
-    trainer = RewardTrainer(model=model, args=build_trl_config(cfg, work_dir),
-                            train_dataset=datasets.Dataset.from_list(train_rows), processing_class=tokenizer,
-                            callbacks=[ReportMetrics()], peft_config=lora_config(cfg))
-    trainer.remove_callback(PrinterCallback)  # metrics go to on_metrics (MLflow), not print()
-    if cfg.adapter == "lora" and cfg.lora_dropout > 0:  # TRL's disable_dropout zeroed the LoRA dropout too
-        for name, module in trainer.model.named_modules():
-            if ".lora_dropout." in f"{name}." and isinstance(module, torch.nn.Dropout):
-                module.p = cfg.lora_dropout
+    trainer = quiet_trainer(RewardTrainer(model=model, args=build_trl_config(cfg, work_dir),
+                                          train_dataset=datasets.Dataset.from_list(train_rows),
+                                          processing_class=tokenizer, callbacks=[ReportMetrics()],
+                                          peft_config=lora_config(cfg)), cfg)
     if len(trainer.train_dataset) == 0:
         raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
     result = trainer.train()
