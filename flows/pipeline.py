@@ -11,6 +11,7 @@ computed stage, per-round metrics, the eval accuracies and the registered model.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from prefect.runtime import flow_run
 
 from flows.config import PipelineConfig, load_config
 from stages.engines import close_engines, import_eagerly
+from stages.rollout_worker import close_workers
 from tasks.lineage import Lineage, git_commit, ui_command
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
@@ -77,19 +79,21 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     Prefect tasks submitted as soon as that policy exists -- while rounds r-L..r-1
     optimize. The schedule is deterministic, so reruns hit the same cached artifacts.
     """
-    cfg = ctx.config
-    lag = cfg.rollout.lag()
-    import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
-    if lag and cfg.rollout.prefetch_torch_threads:
-        import torch
+    import torch
 
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(cfg.rollout.prefetch_torch_threads)
-        try:
-            return _rounds(ctx, policy, prompts, log_round, lag)
-        finally:
-            torch.set_num_threads(threads_before)
-    return _rounds(ctx, policy, prompts, log_round, lag)
+    cfg = ctx.config.rollout
+    import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
+    threads_before, cpus_before = torch.get_num_threads(), os.sched_getaffinity(0)
+    if cfg.trainer_cpus:
+        os.sched_setaffinity(0, cfg.trainer_cpus)
+        torch.set_num_threads(len(cfg.trainer_cpus))
+    if cfg.lag() and cfg.prefetch_torch_threads:
+        torch.set_num_threads(cfg.prefetch_torch_threads)
+    try:
+        return _rounds(ctx, policy, prompts, log_round, cfg.lag())
+    finally:
+        torch.set_num_threads(threads_before)
+        os.sched_setaffinity(0, cpus_before)
 
 
 def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
@@ -181,6 +185,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
             ctx, policy, prompts, lambda metrics, r: ctx.lineage.log_metrics(parent, metrics, step=r + 1))
     finally:
         close_engines()
+        close_workers()
     wall_s = time.perf_counter() - started
     ctx.lineage.log_metrics(parent, {"time/rounds_wall_s": wall_s})
     lineage_keys.update(round_keys)

@@ -8,11 +8,12 @@ tool-using generation) gets the engine and returns the completions itself.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.engines import Policy, Sampling, engine_lock, get_engine
 from stages.schemas import ROLLOUTS, write_table
@@ -80,7 +81,29 @@ class RolloutConfig(BaseModel):
     """While prefetching, torch's intra-op threads for each side (the rollout thread and the
     optimizer thread); unset: torch's default (all cores each). On 2 cores, 1 each measured
     slower than the default (BENCHMARKS.md)."""
+    worker_process: bool = False
+    """Generate in a separate long-lived process (stages/rollout_worker.py) with its own GIL and
+    torch threads, so a prefetched rollout runs truly beside the optimizer; the engine is kept
+    there across rounds. Off: rollouts run in the flow's process."""
+    worker_cpus: list[int] | None = None
+    """CPU cores the rollout worker is pinned to (needs worker_process); unset: all cores."""
+    trainer_cpus: list[int] | None = None
+    """CPU cores the flow's process (optimizer, and reward workers it spawns) is pinned to while
+    the rounds run; unset: all. With worker_cpus it splits the machine between engine and trainer."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_cpus(self) -> "RolloutConfig":
+        available = list(range(os.cpu_count() or 1))
+        for key in ("worker_cpus", "trainer_cpus"):
+            cpus = getattr(self, key)
+            if cpus is not None:
+                unknown = [c for c in cpus if c not in available]
+                if not cpus or unknown:
+                    raise ValueError(f"rollout.{key}: {cpus} -- cores here are {available}")
+        if self.worker_cpus is not None and not self.worker_process:
+            raise ValueError("rollout.worker_cpus needs rollout.worker_process: true")
+        return self
 
     def lag(self) -> int:
         """Rounds between the policy a rollout samples from and the round it trains (0: sync)."""

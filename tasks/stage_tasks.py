@@ -27,6 +27,7 @@ from stages import (
     transform,
 )
 from stages.engines import Policy
+from stages.rollout_worker import shared_worker
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
 from tasks.store import Artifact, ArtifactStore, code_version, sha256_file
@@ -145,7 +146,8 @@ def _round_section(section: dict, round_index: int) -> dict:
     return {**{k: v for k, v in section.items() if k != "rounds"}, "round": round_index}
 
 
-ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness", "prefetch_torch_threads")  # when, not what: not part of a rollout's key
+ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness", "prefetch_torch_threads", "worker_process",
+              "worker_cpus", "trainer_cpus")  # when and where, not what: not part of a rollout's key
 
 
 def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
@@ -168,10 +170,10 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
     sampler = policy_for(ctx, policy, adapter, policy_version)
     options = rollout.engine_options(cfg, ctx.config.grpo.lora_r)
+    run = shared_worker(cfg.worker_cpus, cfg.prefetch_torch_threads).run if cfg.worker_process else rollout.run
     return materialize(
         ctx, "rollout", rollout, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
-        lambda out, _: rollout.run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options,
-                                   on_progress=bar),
+        lambda out, _: run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options, on_progress=bar),
         label=f"rollout r{round_index}",
     )
 

@@ -164,3 +164,44 @@ def test_broken_rollout_func_is_named(tiny_policy, fn, message):
     with pytest.raises(ValueError, match=f"rollout.rollout_func toy_rollouts.{fn}: {message}"):
         rollout.run(cfg, Policy(tiny_policy / "model"), tiny_policy / "prompts" / "train.parquet", 0, d)
     assert not (d / "rollouts.parquet").exists()
+
+
+def test_rollout_worker_process_writes_what_the_flow_process_writes(tiny_policy):
+    """rollout.worker_process: same rollouts table (same seeds), progress forwarded, worker errors
+    and a killed worker surface as clear errors, and the next call starts a new worker."""
+    from stages.rollout_worker import RolloutWorker, RolloutWorkerError
+
+    root = tiny_policy
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6)
+    prompts = root / "prompts" / "train.parquet"
+    here, there = root / "worker_here", root / "worker_there"
+    here.mkdir(), there.mkdir()
+    rollout.run(cfg, Policy(root / "model", version=1), prompts, 2, here)
+    worker = RolloutWorker(torch_threads=1)
+    seen = []
+    try:
+        summary = worker.run(cfg, Policy(root / "model", version=1), prompts, 2, there,
+                             on_progress=lambda done, total: seen.append((done, total)))
+        assert summary["rows"] == 8 and summary["staleness"] == 1 and seen[-1] == (8, 8)
+        columns = ["rollout_id", "completion_token_ids", "policy_version", "engine"]
+        assert pq.read_table(there / "rollouts.parquet", columns=columns).to_pylist() == \
+            pq.read_table(here / "rollouts.parquet", columns=columns).to_pylist()
+        for a, b in zip(pq.read_table(there / "rollouts.parquet").column("sampling_logprobs").to_pylist(),
+                        pq.read_table(here / "rollouts.parquet").column("sampling_logprobs").to_pylist()):
+            assert a == pytest.approx(b, abs=1e-4)  # another process, another thread count: float noise only
+
+        broken = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6,
+                                       rollout_func="toy_rollouts.one_short")
+        (root / "worker_broken").mkdir()
+        with pytest.raises(RolloutWorkerError, match="rollout.rollout_func toy_rollouts.one_short: returned 7"):
+            worker.run(broken, Policy(root / "model"), prompts, 0, root / "worker_broken")
+
+        worker._process.kill()
+        (root / "worker_killed").mkdir()
+        with pytest.raises(RolloutWorkerError, match="rollout worker process died"):
+            worker.run(cfg, Policy(root / "model"), prompts, 0, root / "worker_killed")
+        (root / "worker_again").mkdir()
+        assert worker.run(cfg, Policy(root / "model"), prompts, 0, root / "worker_again")["rows"] == 8
+    finally:
+        worker.close()
+    assert worker._process is None
