@@ -1,10 +1,14 @@
-"""A pool of spawned worker processes that run reward functions.
+"""A pool of spawned worker processes that run reward functions, and survive them.
 
-Each worker imports the reward functions once and runs every call in its main thread
-(so functions that use `signal.alarm`, like math-verify's timeouts, work). A call that
-raises, returns the wrong number of values, exceeds `timeout_s`, or kills its worker
-raises `RewardFunctionError` naming the function and the sample; the pool is then
-shut down so no worker is left hanging. Async reward functions are awaited.
+Each worker imports the reward functions once, then runs one call at a time in its main thread
+(so functions that use `signal.alarm`, like math-verify's timeouts, work); async functions are
+awaited. A flaky sample does not stop the stage: a call that raises, runs past `timeout_s` or kills
+its worker is retried one sample at a time (a hung or dead worker is killed and replaced first), so
+the healthy samples of the batch still get their values, and each sample that fails on its own comes
+back as an error string ("accuracy: TimeoutError after 60 s") with a logged warning naming the
+function and the sample. Bugs do stop the stage with `RewardFunctionError`, naming the function: a
+reward module that cannot be loaded in a worker, a function that returns the wrong number of values
+or something that is not a number (or None).
 """
 
 from __future__ import annotations
@@ -12,18 +16,32 @@ from __future__ import annotations
 import asyncio
 import atexit
 import inspect
+import logging
 import multiprocessing as mp
+import numbers
+import reprlib
+import signal
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable
 
 from stages.imports import load_function
 
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+"""Seconds a worker may take to import the reward functions (a reward model may load for minutes)."""
+
+MAX_ERROR_CHARS = 300
+"""Longest error text kept per sample (the Parquet `errors` column); the log has the traceback."""
+
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed on a sample; the message says which and how."""
+    """A reward function is broken (not merely failing on a sample); the message says which and how."""
 
 
 REWARD_MODEL_PREFIX = "reward_model:"
@@ -48,37 +66,60 @@ def resolve_reward(name: str, load: bool = True) -> Callable | None:
     return load_function(name, "reward_funcs", BUILTIN_REWARDS)
 
 
-def call_reward(fn: Callable, batch: dict) -> list:
+def call_reward(fn: Callable, batch: dict):
     """Call fn with TRL's keyword signature and await it if it is async."""
     values = fn(**batch)
     if inspect.isawaitable(values):
         values = asyncio.run(values)
-    return list(values)
-
-
-def _first_failing_sample(fn: Callable, batch: dict) -> int:
-    """Re-run a failed batch one sample at a time to find the sample that raises."""
-    n = len(batch["completions"])
-    for i in range(n):
-        try:
-            call_reward(fn, {k: v[i : i + 1] for k, v in batch.items()})
-        except BaseException:
-            return i
-    return 0
+    return values
 
 
 def _worker_main(conn, sources: dict[str, str]) -> None:
-    funcs = {name: resolve_reward(source) for name, source in sources.items()}
+    """Import every reward function once, say "ready", then answer (name, batch) messages until None.
+
+    Replies: ("ok", values, None), ("error", "<Type>: <message>", traceback) when the call raised,
+    ("bad", what it returned, None) when it returned something that is not a list of values."""
+    funcs = {}
+    for name, source in sources.items():
+        try:
+            funcs[name] = resolve_reward(source)
+        except BaseException as e:
+            conn.send(("load_error", name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"))
+            return
+    conn.send(("ready", None, None))
     while True:
         message = conn.recv()
         if message is None:
             return
         name, batch = message
         try:
-            conn.send(("ok", call_reward(funcs[name], batch)))
+            values = call_reward(funcs[name], batch)
         except BaseException as e:  # report, never die on a user error
-            index = _first_failing_sample(funcs[name], batch)
-            conn.send(("error", (index, f"{type(e).__name__}: {e}", traceback.format_exc(limit=-3))))
+            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=-3)))
+            continue
+        try:
+            conn.send(("ok", list(values), None))
+        except Exception:  # not iterable, or values that cannot be pickled
+            conn.send(("bad", f"{reprlib.repr(values)} ({type(values).__name__})", None))
+
+
+def _exit_reason(proc) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+@dataclass(eq=False)
+class _Worker:
+    proc: mp.Process
+    conn: object
+    ready: bool = False
+    task: tuple[int, int, int] | None = None  # (job, first sample, end) being scored
+    deadline: float = 0.0  # of the call, or of the import while not ready
 
 
 class RewardWorkerPool:
@@ -92,83 +133,140 @@ class RewardWorkerPool:
             resolve_reward(name, load=False)  # fail fast in the parent with a clear message
         self.names = list(names)
         self.timeout_s = timeout_s
-        ctx = mp.get_context("spawn")
-        self.workers = []
-        for _ in range(num_workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, self.sources), daemon=True)
-            proc.start()
-            child.close()
-            self.workers.append((proc, parent))
+        self.ctx = mp.get_context("spawn")
+        self.workers = [self._spawn() for _ in range(num_workers)]
         self.broken = False
 
+    def _spawn(self) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker_main, args=(child, self.sources), daemon=True)
+        proc.start()
+        child.close()
+        return _Worker(proc, parent, deadline=time.monotonic() + STARTUP_TIMEOUT_S)
+
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
+        if worker.proc.is_alive():
+            worker.proc.kill()
+        worker.proc.join()
+        worker.conn.close()
+
     def alive(self) -> bool:
-        return not self.broken and all(p.is_alive() for p, _ in self.workers)
+        return not self.broken and bool(self.workers)
 
     def close(self) -> None:
-        for proc, conn in self.workers:
+        for w in self.workers:
             try:
-                if proc.is_alive() and not self.broken:
-                    conn.send(None)
+                if w.proc.is_alive() and w.task is None and not self.broken:  # read after importing
+                    w.conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc, conn in self.workers:
-            proc.join(timeout=1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            conn.close()
+        for w in self.workers:
+            w.proc.join(timeout=1)
+            self._kill(w)
         self.workers = []
 
     def _fail(self, message: str):
         self.broken = True
-        for proc, _ in self.workers:
-            if proc.is_alive():
-                proc.kill()
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.kill()
         self.close()
         raise RewardFunctionError(message)
 
-    def score(self, jobs: list[tuple[str, dict, list[str]]]) -> list[list]:
+    def score(self, jobs: list[tuple[str, dict, list[str]]]) -> list[tuple[list, dict[int, str]]]:
         """Run jobs (function name, keyword batch, sample ids) across the workers.
 
-        Returns one list of values per job, in order.
+        Returns per job, in order, (values, errors): one value per sample (a float, or None where the
+        function said "not applicable" or failed) and {sample index: "<name>: <what went wrong>"}.
         """
-        results: list = [None] * len(jobs)
-        pending = list(range(len(jobs)))
-        idle = list(range(len(self.workers)))
-        running: dict[int, tuple[int, float]] = {}  # worker -> (job, deadline)
-        while pending or running:
-            while pending and idle:
-                w, j = idle.pop(), pending.pop(0)
-                self.workers[w][1].send((jobs[j][0], jobs[j][1]))
-                running[w] = (j, time.monotonic() + self.timeout_s)
-            nearest = min(deadline for _, deadline in running.values())
-            ready = wait([self.workers[w][1] for w in running], timeout=max(0.0, nearest - time.monotonic()))
-            for w in list(running):
-                proc, conn = self.workers[w]
-                j, deadline = running[w]
-                name, batch, ids = jobs[j]
-                where = f"samples {ids[0]}..{ids[-1]}" if len(ids) > 1 else f"sample {ids[0]}"
-                if conn in ready:
+        values: list[list] = [[None] * len(ids) for _, _, ids in jobs]
+        errors: list[dict[int, str]] = [{} for _ in jobs]
+        pending = deque((j, 0, len(ids)) for j, (_, _, ids) in enumerate(jobs))  # whole batches first
+        for i, w in enumerate(self.workers):  # died while idle since the last call
+            if w.ready and not w.proc.is_alive():
+                self._kill(w)
+                self.workers[i] = self._spawn()
+
+        def failed(task: tuple[int, int, int], error: str, details: str = "") -> None:
+            j, lo, hi = task
+            name, _, ids = jobs[j]
+            if hi - lo > 1:  # isolate the failing samples: re-call the batch one sample at a time
+                log.info("reward function %r failed on samples %s..%s (%s); scoring them one at a time",
+                         name, ids[lo], ids[hi - 1], error)
+                pending.extend((j, i, i + 1) for i in range(lo, hi))
+                return
+            errors[j][lo] = f"{name}: {error}"[:MAX_ERROR_CHARS]
+            log.warning("reward function %r failed on sample %s: %s; it gets reward_on_error%s",
+                        name, ids[lo], error, f"\n{details}" if details else "")
+
+        while pending or any(w.task is not None for w in self.workers):
+            for i, w in enumerate(self.workers):
+                if pending and w.ready and w.task is None:
+                    j, lo, hi = task = pending.popleft()
+                    name, batch, _ = jobs[j]
                     try:
-                        status, payload = conn.recv()
-                    except (EOFError, OSError):
-                        proc.join(timeout=1)
-                        self._fail(f"reward function {name!r}: its worker process died "
-                                   f"(exit code {proc.exitcode}) while scoring {where}")
+                        w.conn.send((name, {k: v[lo:hi] for k, v in batch.items()}))
+                    except (BrokenPipeError, ConnectionResetError):  # died while idle: not this task's fault
+                        pending.appendleft(task)
+                        self._kill(w)
+                        self.workers[i] = self._spawn()
+                        continue
+                    w.task, w.deadline = task, time.monotonic() + self.timeout_s
+            busy = [w for w in self.workers if w.task is not None or not w.ready]
+            nearest = min(w.deadline for w in busy)
+            ready = wait([w.conn for w in busy], timeout=max(0.0, nearest - time.monotonic()))
+            for i, w in enumerate(self.workers):
+                if w not in busy:
+                    continue
+                if w.conn in ready:
+                    try:
+                        status, payload, details = w.conn.recv()
+                    except (EOFError, OSError):  # the worker died
+                        w.proc.join(timeout=1)
+                        if not w.ready:
+                            self._fail(f"a reward worker process died ({_exit_reason(w.proc)}) while importing "
+                                       f"reward_funcs {self.names}")
+                        reason = _exit_reason(w.proc)
+                        self._kill(w)
+                        self.workers[i] = self._spawn()
+                        failed(w.task, f"worker process died ({reason})")
+                        continue
+                    if status == "load_error":
+                        self._fail(f"reward function {payload!r} could not be loaded in a worker process: {details}")
+                    if status == "ready":
+                        w.ready = True
+                        continue
+                    task, w.task = w.task, None
                     if status == "error":
-                        index, error, tb = payload
-                        self._fail(f"reward function {name!r} raised on sample {ids[index]}: {error}\n{tb}")
-                    if len(payload) != len(ids):
-                        self._fail(f"reward function {name!r} returned {len(payload)} values for {len(ids)} "
-                                   f"completions ({where}); it must return one float (or None) per completion")
-                    results[j] = payload
-                    del running[w]
-                    idle.append(w)
-                elif time.monotonic() >= deadline:
-                    self._fail(f"reward function {name!r} did not return within reward_timeout_s="
-                               f"{self.timeout_s:g}s on {where}")
-        return results
+                        failed(task, payload, details)
+                    else:
+                        self._check(jobs[task[0]], task, status, payload)
+                        values[task[0]][task[1] : task[2]] = payload
+                elif time.monotonic() >= w.deadline:
+                    if not w.ready:
+                        self._fail(f"reward workers did not finish importing reward_funcs {self.names} "
+                                   f"within {STARTUP_TIMEOUT_S:g} s")
+                    self._kill(w)
+                    self.workers[i] = self._spawn()
+                    failed(w.task, f"TimeoutError after {self.timeout_s:g} s")
+        return list(zip(values, errors))
+
+    def _check(self, job: tuple[str, dict, list[str]], task: tuple[int, int, int], status: str, payload) -> None:
+        """Stop the stage on what is a bug in the function, not a flaky sample."""
+        name, _, ids = job
+        _, lo, hi = task
+        where = f"samples {ids[lo]}..{ids[hi - 1]}" if hi - lo > 1 else f"sample {ids[lo]}"
+        if status == "bad":
+            self._fail(f"reward function {name!r} returned {payload} for {where}; it must return a list with "
+                       "one float (or None) per completion")
+        if len(payload) != hi - lo:
+            self._fail(f"reward function {name!r} returned {len(payload)} values for {hi - lo} completions "
+                       f"({where}); it must return one float (or None) per completion")
+        for sample_id, v in zip(ids[lo:hi], payload):
+            if v is not None and not isinstance(v, numbers.Real):
+                self._fail(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample "
+                           f"{sample_id}; expected a float or None")
 
 
 _POOLS: dict[tuple, RewardWorkerPool] = {}

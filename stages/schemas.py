@@ -45,7 +45,7 @@ SCORED_EXTRA = [
     ("rewards", pa.map_(pa.string(), pa.float64())),  # per reward function name
     ("reward", pa.float64()),  # weighted total
     ("advantage", pa.float64()),
-    ("errors", pa.list_(pa.string())),
+    ("errors", pa.list_(pa.string())),  # "<reward function>: <what failed>" per reward_on_error; [] when fine
 ]
 SCORED = pa.schema(list(ROLLOUTS) + [pa.field(n, t) for n, t in SCORED_EXTRA])
 

@@ -1,16 +1,25 @@
 """score: reward functions over a round's rollouts, weighted total, group-relative advantages.
 
-Rewards run in `reward_num_workers` spawned subprocesses (stages/reward_workers.py).
-Advantages follow TRL's GRPOTrainer: A = r - mean_group(r), divided by (std + 1e-4)
-where std is the group's (`scale_rewards: group`), the batch's (`batch`), or not at all
-(`none`, Dr. GRPO's recommendation). A reward function may return None for a sample it
-does not apply to; that sample counts as 0 in the weighted sum, as TRL's nansum does.
+Rewards run in `reward_num_workers` spawned subprocesses (stages/reward_workers.py). A reward
+function that raises, hangs past `reward_timeout_s` or kills its worker on a sample does not stop
+the stage: that sample gets `reward_on_error` for that function, the row's `errors` column says
+what happened ("accuracy: TimeoutError after 60 s"), and `score/errors` counts them. A function
+that returns the wrong number of values or a non-number does stop it (a bug, not a flaky sample).
+
+Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
+- `sum_then_normalize` (GRPO): A = r - mean_group(r), divided by (std + 1e-4) where std is the
+  group's (`scale_rewards: group`), the batch's (`batch`), or not at all (`none`, Dr. GRPO), with
+  r the weighted sum of the reward functions.
+- `normalize_then_sum` (GDPO, arXiv 2601.05242): each function is normalized within the group
+  first, then weighted-summed and normalized over the batch (`gdpo_advantages`).
+A reward function may return None for a sample it does not apply to; that sample counts as 0 in
+the weighted sum, as TRL's nansum does, and is left out of GDPO's per-function group statistics
+and of the `rewards/<name>/mean|std` metrics.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from pathlib import Path
 from typing import Literal
 
@@ -19,10 +28,10 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.reward_workers import RewardFunctionError, shared_pool
+from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
 from stages.schemas import ROLLOUTS, SCORED, write_table
 
-__all__ = ["ScoreConfig", "group_advantages", "run", "RewardFunctionError"]
+__all__ = ["ScoreConfig", "group_advantages", "gdpo_advantages", "run", "RewardFunctionError"]
 
 
 class ScoreConfig(BaseModel):
@@ -37,11 +46,23 @@ class ScoreConfig(BaseModel):
     reward_num_workers: int = Field(2, ge=1)
     """Worker subprocesses scoring in parallel."""
     reward_timeout_s: float = Field(60.0, gt=0)
-    """Seconds one batch call may take before the stage fails naming the function and samples."""
+    """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
+    sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
+    false timeouts on slow graders; a hanging function costs up to (1 + batch size / workers) times this."""
+    reward_on_error: float = 0.0
+    """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
+    `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
     reward_batch_size: int = Field(64, ge=1)
     """Completions per call of a reward function."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO)."""
+    """Divide advantages by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO).
+    Only for `sum_then_normalize`; `normalize_then_sum` always ends with a batch normalization, as TRL."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """TRL's option of the same name. sum_then_normalize (GRPO, TRL's default): weighted sum of the reward
+    functions, then group advantages. normalize_then_sum (GDPO): normalize each function within the group,
+    then weighted sum, then normalize over the batch; keeps e.g. (format 1, correct 0) and (format 0,
+    correct 1) apart where their sums collide. Same result with a single reward function up to the batch
+    normalization."""
 
     @model_validator(mode="after")
     def _weights_match(self):
@@ -69,6 +90,48 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     else:
         return advantages
     return advantages / (std + 1e-4)
+
+
+def _nanstd(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std along dim ignoring NaN (TRL's `nanstd`); NaN where fewer than 2 values."""
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim)
+    squares = torch.nansum((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=keepdim)
+    return torch.sqrt(squares / (count - 1).clamp(min=0))
+
+
+def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO advantages (`multi_objective_aggregation: normalize_then_sum`) for rewards (n, F) laid out
+    group by group; NaN (a None reward) is left out of the group's mean and std and adds 0 to the sum.
+
+    As TRL's GRPOTrainer with `multi_objective_aggregation="normalize_then_sum"` (which axolotl's
+    `rl: gdpo` sets) and the GDPO paper (arXiv 2601.05242), with unbiased stds:
+    A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + 1e-4) for each function k,
+    A = sum_k w_k A_k, then (A - mean_batch(A)) / (std_batch(A) + 1e-4).
+
+    (format, correct) = (1, 0) and (0, 1) have the same sum, hence the same GRPO advantage; not here:
+
+    >>> rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])  # one group of 4
+    >>> [round(a, 3) for a in group_advantages(rewards.sum(dim=1), 4, "group").tolist()]
+    [-0.5, -0.5, -0.5, 1.5]
+    >>> [round(a, 3) for a in gdpo_advantages(rewards, torch.tensor([1.0, 1.0]), 4).tolist()]
+    [-0.398, -0.689, -0.398, 1.486]
+    """
+    # TRL: GRPOTrainer._generate_and_score_completions, branch multi_objective_aggregation == "normalize_then_sum".
+    num_funcs = rewards_per_func.shape[1]
+    grouped = rewards_per_func.reshape(-1, num_generations, num_funcs)
+    per_func = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    summed = torch.nansum(per_func.reshape(-1, num_funcs) * weights.to(per_func.dtype), dim=1)
+    # As TRL 1.16: a row where every function returned None is left out of the batch stats, advantage 0.
+    summed[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    std = _nanstd(summed, dim=0) if summed.numel() > 1 else torch.zeros((), dtype=summed.dtype)
+    return torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)
+
+
+def _metric_name(name: str) -> str:
+    """`rewards/<this>/mean`: the function's own name (`pkg.mod.fn` -> fn; a reward model -> reward_model)."""
+    if name == "reward_model" or name.startswith(REWARD_MODEL_PREFIX):
+        return "reward_model"
+    return name.rsplit(".", 1)[-1]
 
 
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
@@ -103,19 +166,24 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources)
     outputs = pool.score(jobs)
 
+    # Values come back job by job: function by function, then row batch by row batch.
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
-    for (name, _, ids), values in zip(jobs, outputs):
-        for rid, v in zip(ids, values):
-            if v is not None and not isinstance(v, numbers.Real):
-                raise RewardFunctionError(
-                    f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample {rid}; "
-                    "expected a float or None"
-                )
+    errors: list[list[str]] = [[] for _ in range(n)]
+    for (name, _, _), (values, failed) in zip(jobs, outputs):
+        for i, v in enumerate(values):
+            row = len(per_function[name])
+            if i in failed:
+                v = cfg.reward_on_error
+                errors[row].append(failed[i])
             per_function[name].append(float("nan") if v is None else float(v))
 
     matrix = torch.tensor([per_function[name] for name in cfg.reward_funcs], dtype=torch.float64).T  # (n, F)
-    totals = torch.nansum(matrix * torch.tensor(weights, dtype=torch.float64), dim=1)
-    advantages = group_advantages(totals, num_generations, cfg.scale_rewards)
+    weights_t = torch.tensor(weights, dtype=torch.float64)
+    totals = torch.nansum(matrix * weights_t, dim=1)
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        advantages = gdpo_advantages(matrix, weights_t, num_generations)
+    else:
+        advantages = group_advantages(totals, num_generations, cfg.scale_rewards)
 
     rewards_column = [
         [(name, None if math.isnan(matrix[i, f]) else float(matrix[i, f])) for f, name in enumerate(cfg.reward_funcs)]
@@ -125,7 +193,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
         table.append_column("rewards", pa.array(rewards_column, type=SCORED.field("rewards").type))
         .append_column("reward", pa.array(totals.tolist(), type=pa.float64()))
         .append_column("advantage", pa.array(advantages.tolist(), type=pa.float64()))
-        .append_column("errors", pa.array([[] for _ in range(n)], type=pa.list_(pa.string())))
+        .append_column("errors", pa.array(errors, type=SCORED.field("errors").type))
     )
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
 
@@ -134,8 +202,9 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
         "reward_mean": float(totals.mean()),
         "reward_std": float(totals.std()),
         "frac_reward_zero_std": float((grouped.std(dim=1) < 1e-8).float().mean()),
+        "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
     }
-    for f, name in enumerate(cfg.reward_funcs):
-        col = matrix[:, f]
-        metrics[f"rewards/{name.rsplit('.', 1)[-1]}/mean"] = float(torch.nanmean(col))
+    for f, name in enumerate(cfg.reward_funcs):  # None (NaN) left out, as TRL's rewards/<name>/mean|std
+        metrics[f"rewards/{_metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
+        metrics[f"rewards/{_metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
     return metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ import torch
 from stages import reward_workers, score
 from stages.reward_workers import RewardFunctionError, shared_pool
 from stages.schemas import ROLLOUTS, SCORED
-from stages.score import ScoreConfig, group_advantages
+from stages.score import ScoreConfig, gdpo_advantages, group_advantages
 
 EPS = 1e-4
 
@@ -43,14 +44,14 @@ def close_pools():
     assert mp.active_children() == []
 
 
-@pytest.fixture
-def rollouts_path(tmp_path: Path) -> Path:
+def _write_rollouts(path: Path, completions: list[tuple[str, str]], num_generations: int = 2) -> Path:
+    """A rollouts table of (prompt id, completion) rows, laid out group by group."""
     rows = []
-    for i, (pid, completion) in enumerate(COMPLETIONS):
+    for i, (pid, completion) in enumerate(completions):
         rows.append({
-            "rollout_id": IDS[i],
+            "rollout_id": f"r0-{pid}-g{i % num_generations}",
             "prompt_id": pid,
-            "group_index": i % 2,
+            "group_index": i % num_generations,
             "prompt": [{"role": "user", "content": PROMPT_TEXT[pid]}],
             "completion": completion,
             "prompt_token_ids": [1, 2, 3],
@@ -62,9 +63,13 @@ def rollouts_path(tmp_path: Path) -> Path:
             "answer": ANSWERS[pid],
         })
     schema = pa.schema(list(ROLLOUTS) + [pa.field("answer", pa.string())])
-    path = tmp_path / "rollouts.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return path
+
+
+@pytest.fixture
+def rollouts_path(tmp_path: Path) -> Path:
+    return _write_rollouts(tmp_path / "rollouts.parquet", COMPLETIONS)
 
 
 USER_REWARDS = '''
@@ -99,17 +104,26 @@ def raises_on_done(completions, **kwargs):
     return out
 
 
-def hangs(completions, **kwargs):
-    time.sleep(3600)
-    return [0.0] * len(completions)
+def hangs_on_guess(completions, **kwargs):
+    # Sleeps forever on "I think 6" (the second sample), 1.0 elsewhere.
+    if any(completion_text(c).startswith("I") for c in completions):
+        time.sleep(3600)
+    return [1.0] * len(completions)
 
 
 def one_too_many(completions, **kwargs):
     return [1.0] * (len(completions) + 1)
 
 
-def exits(completions, **kwargs):
-    os._exit(3)
+def exits_on_done(completions, **kwargs):
+    # Kills its worker on the last sample (trailing "done"), 1.0 elsewhere.
+    if any(completion_text(c).endswith("done") for c in completions):
+        os._exit(3)
+    return [1.0] * len(completions)
+
+
+def returns_scalar(completions, **kwargs):
+    return 1.0
 
 
 def returns_text(completions, **kwargs):
@@ -140,6 +154,21 @@ def uses_alarm(completions, **kwargs):
         signal.signal(signal.SIGALRM, previous)
     main = threading.current_thread() is threading.main_thread()
     return [2.0 if fired and main else -1.0 for _ in completions]
+
+
+def alarm_guarded(completions, **kwargs):
+    # math-verify's pattern: SIGALRM as a per-call timeout, cancelled when done. signal.signal raises
+    # ValueError outside the main thread.
+    def on_timeout(signum, frame):
+        raise TimeoutError("grading took too long")
+
+    previous = signal.signal(signal.SIGALRM, on_timeout)
+    signal.alarm(5)
+    try:
+        return [float(len(completion_text(c))) for c in completions]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 '''
 
 
@@ -197,6 +226,42 @@ def test_group_advantages_groups_are_contiguous():
     assert group_advantages(rewards, 2, "none").tolist() == [0.5, -0.5, 0.0, 0.0]
 
 
+def test_gdpo_per_function_then_batch_normalization():
+    # Two groups of 3, two functions, weights 1 and 2.
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0],
+                            [1.0, 5.0], [1.0, 5.0], [1.0, 2.0]], dtype=torch.float64)
+    s = 1 / math.sqrt(3) + EPS  # std of (1, 0, 0) and of (0, 1, 0)
+    t = math.sqrt(3) + EPS  # std of (5, 5, 2); std of (1, 1, 1) is 0: that function adds 0
+    summed = torch.tensor([(2 / 3 - 2 / 3) / s, (-1 / 3 + 4 / 3) / s, (-1 / 3 - 2 / 3) / s,  # w1 * A_1 + w2 * A_2
+                           2 * 1 / t, 2 * 1 / t, 2 * -2 / t], dtype=torch.float64)
+    expected = (summed - summed.mean()) / (summed.std() + EPS)
+
+    advantages = gdpo_advantages(rewards, torch.tensor([1.0, 2.0]), 3)
+
+    assert advantages.tolist() == pytest.approx(expected.tolist(), abs=1e-9)
+
+
+def test_gdpo_none_is_left_out():
+    nan = float("nan")
+    # Function 2 does not apply to sample 1: its group stats come from samples 0 and 2 only.
+    rewards = torch.tensor([[1.0, 1.0], [0.0, nan], [0.0, 0.0], [nan, nan]], dtype=torch.float64)
+    s1 = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2) + EPS  # (1, 0, 0): mean 1/3
+    s2 = math.sqrt(2 * 0.5**2) + EPS  # (1, 0): mean 0.5
+    summed = torch.tensor([(2 / 3) / s1 + 0.5 / s2, -(1 / 3) / s1, -(1 / 3) / s1 - 0.5 / s2], dtype=torch.float64)
+    expected = ((summed - summed.mean()) / (summed.std() + EPS)).tolist() + [0.0]  # all-None row: advantage 0
+
+    advantages = gdpo_advantages(rewards, torch.tensor([1.0, 1.0]), 4)
+
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-9)
+
+
+def test_gdpo_with_one_function_is_batch_normalized_grpo():
+    rewards = REWARDS_3.unsqueeze(1)
+    grpo = group_advantages(REWARDS_3, 3, "group")
+    expected = (grpo - grpo.mean()) / (grpo.std() + EPS)
+    assert gdpo_advantages(rewards, torch.tensor([1.0]), 3).tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+
+
 # --- score.run with built-in rewards ------------------------------------------------------------
 
 
@@ -229,13 +294,16 @@ def test_run_builtin_rewards_weighted(rollouts_path, out_dir):
     assert metrics["frac_reward_zero_std"] == 0.0
     assert metrics["rewards/accuracy/mean"] == pytest.approx(0.75)
     assert metrics["rewards/format/mean"] == pytest.approx(0.5)
+    assert metrics["rewards/accuracy/std"] == pytest.approx(0.5)  # unbiased std of (1, 0, 1, 1)
+    assert metrics["rewards/format/std"] == pytest.approx(math.sqrt(1 / 3))
+    assert metrics["score/errors"] == 0
 
     # The pool is cached: a second run with the same config reuses the same workers.
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
-    pids = [p.pid for p, _ in pool.workers]
+    pids = [w.proc.pid for w in pool.workers]
     metrics_again = score.run(cfg.model_copy(update={"scale_rewards": "none"}), rollouts_path, 2, out_dir)
     assert shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s) is pool
-    assert [p.pid for p, _ in pool.workers] == pids
+    assert [w.proc.pid for w in pool.workers] == pids
     assert metrics_again["reward_mean"] == pytest.approx(1.75)
     assert [r["advantage"] for r in _scored(out_dir)] == pytest.approx([1.25, -1.25, 0.25, -0.25])
 
@@ -263,6 +331,10 @@ def test_config_validation():
         ScoreConfig(reward_funcs=["accuracy", "format"], reward_weights=[1.0])
     with pytest.raises(ValueError):
         ScoreConfig(scale_rewards="std")
+    with pytest.raises(ValueError):
+        ScoreConfig(multi_objective_aggregation="gdpo")
+    assert ScoreConfig().multi_objective_aggregation == "sum_then_normalize"  # TRL's default
+    assert ScoreConfig().reward_on_error == 0.0
 
 
 def test_unknown_reward_fails_fast_in_parent(rollouts_path, out_dir):
@@ -271,6 +343,42 @@ def test_unknown_reward_fails_fast_in_parent(rollouts_path, out_dir):
     with pytest.raises(ValueError, match=r"reward_funcs: 'acc' is neither a built-in"):
         score.run(ScoreConfig(reward_funcs=["acc"]), rollouts_path, 2, out_dir)
     assert mp.active_children() == []
+
+
+# format and correctness, as in axolotl's GDPO example: (1, 0) and (0, 1) sum to the same total.
+GDPO_COMPLETIONS = [
+    ("p0", "<answer>6</answer>"),  # format 1, accuracy 0
+    ("p0", "<answer>5</answer> done"),  # format 0, accuracy 1
+    ("p0", "<answer>7</answer>"),  # format 1, accuracy 0
+    ("p0", "<answer>5</answer>"),  # format 1, accuracy 1
+] + [("p1", "<answer>0.5</answer>")] * 4  # both 1 everywhere: no signal from this group
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_gdpo_keeps_colliding_reward_combinations_apart(tmp_path, out_dir, aggregation):
+    path = _write_rollouts(tmp_path / "rollouts.parquet", GDPO_COMPLETIONS, num_generations=4)
+    cfg = ScoreConfig(reward_funcs=["format", "accuracy"], multi_objective_aggregation=aggregation)
+
+    metrics = score.run(cfg, path, num_generations=4, out_dir=out_dir)
+
+    rows = _scored(out_dir)
+    assert [r["reward"] for r in rows] == [1.0, 1.0, 1.0, 2.0] + [2.0] * 4  # the raw weighted total either way
+    advantages = [r["advantage"] for r in rows]
+    if aggregation == "sum_then_normalize":  # GRPO: collapsed, (1, 0) and (0, 1) look the same
+        assert advantages[0] == pytest.approx(advantages[1]) == pytest.approx(advantages[2])
+        assert advantages[0] == pytest.approx(-0.25 / (0.5 + EPS))
+    else:
+        f = [(x - 0.75) / (0.5 + EPS) for x in (1, 0, 1, 1)]  # format: mean 3/4, std 1/2
+        c = [(x - 0.5) / (1 / math.sqrt(3) + EPS) for x in (0, 1, 0, 1)]  # accuracy: mean 1/2, std 1/sqrt(3)
+        summed = torch.tensor([a + b for a, b in zip(f, c)] + [0.0] * 4, dtype=torch.float64)
+        expected = (summed - summed.mean()) / (summed.std() + EPS)
+        assert advantages == pytest.approx(expected.tolist())
+        assert advantages[0] == pytest.approx(advantages[2]) and advantages[0] != pytest.approx(advantages[1])
+        assert advantages[4:] == pytest.approx([advantages[4]] * 4)  # the flat group stays flat
+    assert metrics["rewards/format/mean"] == pytest.approx(7 / 8)
+    assert metrics["rewards/format/std"] == pytest.approx(torch.tensor([1.0, 0, 1, 1, 1, 1, 1, 1]).std().item())
+    assert metrics["rewards/accuracy/mean"] == pytest.approx(6 / 8)
+    assert metrics["score/errors"] == 0
 
 
 # --- user reward functions in spawned workers ---------------------------------------------------
@@ -291,42 +399,69 @@ def test_user_reward_receives_trl_keywords(rollouts_path, out_dir, user_rewards)
     assert metrics[f"rewards/length/mean"] == pytest.approx(sum(lengths) / 4)
 
 
-def test_raising_reward_names_function_and_sample(rollouts_path, out_dir, user_rewards):
+def test_raising_reward_scores_the_rest_of_its_batch(rollouts_path, out_dir, user_rewards, caplog):
+    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
     name = f"{user_rewards}.raises_on_done"
-    cfg = ScoreConfig(reward_funcs=[name], reward_batch_size=2)
+    cfg = ScoreConfig(reward_funcs=["format", name], reward_batch_size=2, reward_on_error=-1.0,
+                      scale_rewards="none")
 
-    with pytest.raises(RewardFunctionError) as info:
-        score.run(cfg, rollouts_path, 2, out_dir)
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
 
-    message = str(info.value)
-    # The failing sample is the second one of the second batch.
-    assert f"reward function {name!r} raised on sample {IDS[3]}" in message
-    assert "ValueError: cannot grade trailing text" in message
-    assert IDS[2] not in message
-    assert not (out_dir / "scored.parquet").exists()
-    # The failed pool killed its workers and is replaced on the next call.
-    assert mp.active_children() == []
-    broken = reward_workers._POOLS[((name,), cfg.reward_num_workers, cfg.reward_timeout_s, ())]
-    assert not broken.alive()
-    fresh = shared_pool([name], cfg.reward_num_workers, cfg.reward_timeout_s)
-    assert fresh is not broken and fresh.alive()
+    rows = _scored(out_dir)
+    # The batch [IDS[2], IDS[3]] raised; re-scored one by one, only IDS[3] fails and gets reward_on_error.
+    assert [dict(r["rewards"])[name] for r in rows] == [1.0, 1.0, 1.0, -1.0]
+    assert [r["reward"] for r in rows] == [2.0, 1.0, 2.0, -1.0]
+    assert [r["advantage"] for r in rows] == [0.5, -0.5, 1.5, -1.5]
+    assert [r["errors"] for r in rows] == [[], [], [], [f"{name}: ValueError: cannot grade trailing text"]]
+    assert metrics["score/errors"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert f"reward function {name!r} failed on sample {IDS[3]}: ValueError: cannot grade trailing text" in warnings[0]
+    assert "raise ValueError" in warnings[0]  # the traceback is in the log, not in the table
+    # The pool survives and is reused.
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
+    assert pool.alive() and all(w.proc.is_alive() for w in pool.workers)
 
 
-@pytest.mark.timeout(30)
-def test_hanging_reward_times_out(rollouts_path, out_dir, user_rewards):
-    name = f"{user_rewards}.hangs"
-    cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=3, reward_batch_size=2)
+@pytest.mark.timeout(60)
+def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewards, caplog):
+    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
+    name = f"{user_rewards}.hangs_on_guess"
+    cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=1, reward_batch_size=2)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
+    first_pids = {w.proc.pid for w in pool.workers}
 
     start = time.monotonic()
-    with pytest.raises(RewardFunctionError) as info:
-        score.run(cfg, rollouts_path, 2, out_dir)
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
     elapsed = time.monotonic() - start
 
-    message = str(info.value)
-    assert f"reward function {name!r} did not return within reward_timeout_s=3s" in message
-    assert f"samples {IDS[0]}..{IDS[1]}" in message or f"samples {IDS[2]}..{IDS[3]}" in message
-    assert 3 <= elapsed < 15
-    assert mp.active_children() == []  # hung workers were killed
+    rows = _scored(out_dir)
+    # IDS[0] shared its batch with the hanging IDS[1]: re-scored alone, it gets its real value.
+    assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0, 1.0]
+    assert [r["errors"] for r in rows] == [[], [f"{name}: TimeoutError after 1 s"], [], []]
+    assert metrics["score/errors"] == 1
+    assert f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 1 s" in caplog.text
+    assert 2 <= elapsed < 30  # the batch's timeout, then the sample's
+    # Both hung workers (the batch's and the sample's) were killed; the pool is back to full strength.
+    assert len(pool.workers) == 2 and all(w.proc.is_alive() for w in pool.workers)
+    assert {w.proc.pid for w in pool.workers} != first_pids
+    assert len(mp.active_children()) == 2
+
+
+def test_worker_death_is_attributed_to_its_sample(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.exits_on_done"
+    cfg = ScoreConfig(reward_funcs=["format", name], reward_num_workers=1, scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    rows = _scored(out_dir)
+    assert [dict(r["rewards"])[name] for r in rows] == [1.0, 1.0, 1.0, 0.0]  # reward_on_error defaults to 0
+    assert [r["errors"] for r in rows] == [[], [], [], [f"{name}: worker process died (exit code 3)"]]
+    assert metrics["score/errors"] == 1
+    # The same pool, its worker replaced, scores the next call.
+    again = score.run(cfg, rollouts_path, 2, out_dir)
+    assert again["score/errors"] == 1
+    assert [dict(r["rewards"])["format"] for r in _scored(out_dir)] == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_wrong_number_of_values_names_function(rollouts_path, out_dir, user_rewards):
@@ -337,17 +472,40 @@ def test_wrong_number_of_values_names_function(rollouts_path, out_dir, user_rewa
 
     assert f"reward function {name!r} returned 5 values for 4 completions (samples {IDS[0]}..{IDS[3]})" in str(
         info.value)
-    assert mp.active_children() == []
+    assert not (out_dir / "scored.parquet").exists()
+    assert mp.active_children() == []  # a failed pool kills its workers
+    broken = reward_workers._POOLS[((name,), 1, ScoreConfig().reward_timeout_s, ())]
+    assert not broken.alive()
+    fresh = shared_pool([name], 1, ScoreConfig().reward_timeout_s)
+    assert fresh is not broken and fresh.alive()
 
 
-def test_worker_death_is_reported(rollouts_path, out_dir, user_rewards):
-    name = f"{user_rewards}.exits"
+def test_not_a_list_names_function(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.returns_scalar"
 
-    with pytest.raises(RewardFunctionError) as info:
+    with pytest.raises(RewardFunctionError, match=rf"reward function {name!r} returned 1\.0 \(float\) for samples "
+                                                  rf"{IDS[0]}\.\.{IDS[3]}; it must return a list"):
         score.run(ScoreConfig(reward_funcs=[name], reward_num_workers=1), rollouts_path, 2, out_dir)
 
-    assert f"reward function {name!r}: its worker process died (exit code 3) while scoring samples " \
-           f"{IDS[0]}..{IDS[3]}" in str(info.value)
+
+def test_module_that_fails_to_load_in_worker_names_function(rollouts_path, out_dir, user_rewards, tmp_path):
+    module = f"{user_rewards}_parent_only"
+    (tmp_path / "user_code" / f"{module}.py").write_text(textwrap.dedent("""
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            raise ImportError("needs the parent's setup")
+
+
+        def ok(completions, **kwargs):
+            return [1.0] * len(completions)
+    """))
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[f"{module}.ok"]), rollouts_path, 2, out_dir)
+
+    assert f"reward function '{module}.ok' could not be loaded in a worker process" in str(info.value)
+    assert "needs the parent's setup" in str(info.value)
     assert mp.active_children() == []
 
 
@@ -391,6 +549,7 @@ def test_none_reward_is_excluded(rollouts_path, out_dir, user_rewards):
     assert [r["reward"] for r in rows] == [3.0, 0.0, 3.0, 2.0]
     assert [r["advantage"] for r in rows] == [1.5, -1.5, 0.5, -0.5]
     assert metrics["rewards/tagged_only/mean"] == 1.0  # nanmean over the 3 samples it applies to
+    assert metrics["rewards/tagged_only/std"] == 0.0
     assert metrics["reward_mean"] == pytest.approx(2.0)
 
 
@@ -400,6 +559,20 @@ def test_reward_using_signal_alarm(rollouts_path, out_dir, user_rewards):
     score.run(cfg, rollouts_path, 2, out_dir)
 
     assert [r["reward"] for r in _scored(out_dir)] == [2.0, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.timeout(60)
+def test_signal_alarm_works_in_replaced_workers(rollouts_path, out_dir, user_rewards):
+    hangs, guarded = f"{user_rewards}.hangs_on_guess", f"{user_rewards}.alarm_guarded"
+    cfg = ScoreConfig(reward_funcs=[hangs, guarded], reward_num_workers=1, reward_timeout_s=1, scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    # `hangs_on_guess` got the only worker killed twice; `alarm_guarded` then ran on its replacement.
+    rows = _scored(out_dir)
+    assert [dict(r["rewards"])[guarded] for r in rows] == [float(len(c)) for _, c in COMPLETIONS]
+    assert [r["errors"] for r in rows] == [[], [f"{hangs}: TimeoutError after 1 s"], [], []]
+    assert metrics["score/errors"] == 1
 
 
 def test_user_module_is_importable_here(user_rewards):
