@@ -8,7 +8,9 @@ which goes first, in one artifacts folder whose SFT policy is built once and the
 run uses its own rollout/grpo seeds, so no round is ever a cache hit. Reported: the
 median over repetitions of the rounds' wall time (summary.json's rounds_wall_s: from the first
 rollout submitted to the last optimize finished) and the async / sync ratio (goal <= 0.8).
-Extra arguments are passed on as overrides (e.g. rollout.engine=vllm).
+Extra arguments are passed on as overrides to both modes (e.g. rollout.engine=vllm);
+`--async-only OVERRIDE` (repeatable) applies to the async runs only, e.g. to compare the best
+synchronous setup with the best asynchronous one.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("--artifacts", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=None,
                         help="first rollout/grpo seed (default: from the clock, so no earlier run is a cache hit)")
+    parser.add_argument("--async-only", action="append", default=[], metavar="OVERRIDE",
+                        help="an override for the async runs only (repeatable)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="posttrain-prefetch-"))
@@ -55,11 +59,12 @@ def main() -> None:
             run_seed = seed + 2 * rep + (mode == "async")  # no run shares a cached round with another
             result = run(artifacts, [f"grpo.rounds={args.rounds}", f"rollout.seed={run_seed}",
                                      f"grpo.seed={run_seed}", f"rollout.async_prefetch={mode == 'async'}",
-                                     *args.overrides])
+                                     *args.overrides, *(args.async_only if mode == "async" else [])])
             times[mode].append(result["rounds_wall_s"])
             accuracy[mode].append(result["final_accuracy"])
     sync, asynchronous = statistics.median(times["sync"]), statistics.median(times["async"])
-    print(json.dumps({"rounds": args.rounds, "overrides": args.overrides, "first_seed": seed,
+    print(json.dumps({"rounds": args.rounds, "overrides": args.overrides, "async_only": args.async_only,
+                      "first_seed": seed,
                       "rounds_wall_s": {k: [round(v, 1) for v in vs] for k, vs in times.items()},
                       "median_sync_s": round(sync, 1), "median_async_s": round(asynchronous, 1),
                       "async_over_sync": round(asynchronous / sync, 3), "final_accuracy": accuracy}, indent=2))

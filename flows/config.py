@@ -29,6 +29,9 @@ from stages.reward_model import RewardModelConfig
 from stages.transform import TransformConfig
 
 
+ROUND_METHODS = ("grpo", "gdpo")
+
+
 class PipelineConfig(BaseModel):
     """A whole pipeline run: GRPO rounds, or (rl: dpo | ipo | kto | orpo | simpo) preference optimization."""
 
@@ -38,9 +41,10 @@ class PipelineConfig(BaseModel):
     """Run group: the MLflow experiment and the Prefect flow-run name prefix."""
     artifacts_dir: str = "artifacts"
     """Root of every stage folder, the MLflow sqlite store and Prefect's home."""
-    rl: Literal["grpo", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
+    rl: Literal["grpo", "gdpo", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
     """Post-training method (axolotl's `rl`). grpo: rollout/score/optimize rounds (sections rollout,
-    score, grpo). The others: one preference-optimization stage on the `preferences` table (section dpo)."""
+    score, grpo); gdpo: the same rounds with score.multi_objective_aggregation normalize_then_sum. The
+    others: one preference-optimization stage on the `preferences` table (section dpo)."""
     demo_data: DemoDataConfig = Field(default_factory=DemoDataConfig)
     transform: TransformConfig = Field(default_factory=TransformConfig)
     model: BaseModelConfig = Field(default_factory=BaseModelConfig)
@@ -58,10 +62,21 @@ class PipelineConfig(BaseModel):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
 
+    @property
+    def uses_rounds(self) -> bool:
+        """True for the rollout/score/optimize methods (grpo, gdpo); False for the DPO family."""
+        return self.rl in ROUND_METHODS
+
     @model_validator(mode="after")
-    def _preference_method_follows_rl(self):
-        if self.rl != "grpo" and self.dpo.rl != self.rl:
+    def _method_options_follow_rl(self):
+        if not self.uses_rounds and self.dpo.rl != self.rl:
             self.dpo = self.dpo.model_copy(update={"rl": self.rl})
+        if self.rl == "gdpo":  # as axolotl: gdpo means normalize_then_sum, and says so if told otherwise
+            if ("multi_objective_aggregation" in self.score.model_fields_set
+                    and self.score.multi_objective_aggregation != "normalize_then_sum"):
+                raise ValueError("rl: gdpo uses score.multi_objective_aggregation: normalize_then_sum; "
+                                 f"got {self.score.multi_objective_aggregation!r} (use rl: grpo for that)")
+            self.score = self.score.model_copy(update={"multi_objective_aggregation": "normalize_then_sum"})
         return self
 
     def hash(self) -> str:

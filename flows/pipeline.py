@@ -55,6 +55,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "train/reward_mean": ("score", "reward_mean"),
     "train/reward_std": ("score", "reward_std"),
     "train/frac_reward_zero_std": ("score", "frac_reward_zero_std"),
+    "train/reward_errors": ("score", "score/errors"),
     "train/kl": ("optimize", "kl"),
     "train/loss": ("optimize", "loss"),
     "train/clip_ratio": ("optimize", "clip_ratio"),
@@ -121,6 +122,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
                      "optimize": adapter.manifest["summary"]}
         metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
                    if key in summaries[stage]}
+        metrics.update({k: v for k, v in summaries["score"].items() if k.startswith("rewards/")})  # per function
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
                         "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
                         "time/waiting_s": waited})
@@ -243,7 +245,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         lineage.log_metrics(parent, {"eval/accuracy": base_eval.manifest["summary"]["accuracy"]}, step=0)
 
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}"}
-        if cfg.rl != "grpo":
+        if not cfg.uses_rounds:
             adapter, round_metrics, rounds_wall_s = optimize_preferences(ctx, parent, policy, lineage_keys)
         else:
             adapter, round_metrics, rounds_wall_s = grpo_rounds(ctx, parent, policy, prompts, lineage_keys)
@@ -252,7 +254,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         final_eval = eval_task(ctx, exported, prompts, label="final")
         base_acc = base_eval.manifest["summary"]["accuracy"]
         final_acc = final_eval.manifest["summary"]["accuracy"]
-        lineage.log_metrics(parent, {"eval/accuracy": final_acc}, step=cfg.grpo.rounds if cfg.rl == "grpo" else 1)
+        lineage.log_metrics(parent, {"eval/accuracy": final_acc}, step=cfg.grpo.rounds if cfg.uses_rounds else 1)
         lineage.log_metrics(parent, {"eval/accuracy_base": base_acc, "eval/accuracy_final": final_acc,
                                      "eval/accuracy_gain": final_acc - base_acc})
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
@@ -270,7 +272,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "rounds_wall_s": rounds_wall_s,
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
-               if cfg.rl != "grpo" else {}),
+               if not cfg.uses_rounds else {}),
             "stages": reporter.rows,
             "mlflow_ui": ui_command(root),
         }

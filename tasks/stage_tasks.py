@@ -154,7 +154,7 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
     """The sampling policy after `version` optimize rounds (adapter: that round's output)."""
     if adapter is None:
         return Policy(policy.path, version=version)
-    trained_with = ctx.config.grpo if ctx.config.rl == "grpo" else ctx.config.dpo
+    trained_with = ctx.config.grpo if ctx.config.uses_rounds else ctx.config.dpo
     if trained_with.adapter == "none":
         return Policy(policy.path, weights_dir=adapter.path, version=version)
     return Policy(policy.path, adapter_dir=adapter.path, version=version)

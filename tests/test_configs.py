@@ -81,3 +81,20 @@ def test_cli_overrides_may_follow_options(capsys):
     assert "grpo.rounds: got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", str(CONFIGS[0]), "--no-such-flag"])
+
+
+def test_rl_gdpo_sets_normalize_then_sum_and_rejects_the_other():
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    cfg = load_config(quickstart, ["rl=gdpo"])
+    assert cfg.uses_rounds and cfg.score.multi_objective_aggregation == "normalize_then_sum"
+    assert load_config(quickstart).score.multi_objective_aggregation == "sum_then_normalize"
+    with pytest.raises(ConfigError, match="rl: gdpo uses score.multi_objective_aggregation: normalize_then_sum"):
+        load_config(quickstart, ["rl=gdpo", "score.multi_objective_aggregation=sum_then_normalize"])
+
+
+def test_cpu_split_names_the_key():
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.worker_cpus: \[999\]"):
+        load_config(quickstart, ["rollout.worker_process=true", "rollout.worker_cpus=[999]"])
+    with pytest.raises(ConfigError, match="rollout.worker_cpus needs rollout.worker_process: true"):
+        load_config(quickstart, ["rollout.worker_cpus=[0]"])

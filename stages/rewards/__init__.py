@@ -1,13 +1,14 @@
 """Built-in reward functions with TRL's signature: fn(prompts, completions, **columns) -> list[float].
 
 `completions` are chat message lists for chat prompts (as in TRL) or plain strings.
-Config names them by key (`accuracy`, `format`); user functions are `module.fn`.
+Config names them by key (`accuracy`, `format`, `code_execution`); user functions are `module.fn`.
 """
 
+from stages.rewards.sandbox import code_execution
 from stages.rewards.common import completion_text
 from stages.rewards.math import accuracy_reward, format_reward
 
-BUILTIN_REWARDS = {"accuracy": accuracy_reward, "format": format_reward}
+BUILTIN_REWARDS = {"accuracy": accuracy_reward, "format": format_reward, "code_execution": code_execution}
 
-__all__ = ["BUILTIN_REWARDS", "accuracy_reward", "format_reward", "completion_text"]
+__all__ = ["BUILTIN_REWARDS", "accuracy_reward", "format_reward", "code_execution", "completion_text"]
 
