@@ -162,13 +162,11 @@ def test_lora_versions_and_logprobs(engine, tiny):
 
 
 def test_full_weight_update(engine, tiny):
-    """Full fine-tuning: a new weights folder changes the outputs, and the log-probs are the new model's.
-    GPU: in place (same LLM object). CPU: the engine restarts on the folder (stale pre-packed weights)."""
-    from vllm.platforms import current_platform
-
+    """Full fine-tuning: a new weights folder changes the outputs in place (same LLM object, no
+    restart), and the log-probs are the new model's."""
     from stages.engines import Policy
 
-    in_place = not current_platform.is_cpu()
+    in_place = True
 
     base_policy = Policy(tiny["base"])
     full = Policy(tiny["base"], weights_dir=tiny["full"], version=3)

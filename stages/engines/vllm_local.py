@@ -9,10 +9,10 @@
 - LoRA policies: a new `LoRARequest(name, id, adapter_dir)` for every adapter version
   (a new id when the folder or its weights file changes), so vLLM loads it afresh.
 - Full fine-tuning: when `policy.model_dir` differs from the weights the engine holds, the
-  engine takes the folder's weights: on GPU in place (vLLM's `reload_weights` through a
-  worker extension that also re-ties a tied lm_head; no restart; not yet run on a GPU here),
-  on CPU by restarting the engine on the folder, because vLLM 0.32's CPU linear layers keep
-  pre-packed copies of their start-up weights that an in-place reload leaves stale.
+  engine takes the folder's weights in place, without a restart: vLLM's layerwise
+  `reload_weights` through a worker extension that also re-ties a tied lm_head and, on CPU,
+  re-packs the GEMMs of the layers vLLM keeps weights for (tested on CPU; the GPU path is the
+  same minus the re-pack, not run here).
 - Prompts go in as token ids (chat template as in stages/engines/hf.py), each request with
   its own seed (sampling.seed, prompt index), so a call is reproducible.
 """
@@ -120,6 +120,30 @@ class WeightUpdateExtension:
             module_name, _, attr = alias.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
             setattr(module, attr, model.get_parameter(source))
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            repack_cpu_gemms(model)
+
+
+def repack_cpu_gemms(model) -> list[str]:
+    """CPU: rebuild the GEMM closures of layers that keep their weights (vocab embedding, lm_head).
+
+    vLLM 0.32 gives each CPU layer a `cpu_linear` closure over a packed copy of its weight.
+    Linear layers drop their weight after packing, and the layerwise reload re-packs them;
+    the vocab layers keep theirs and are not re-packed, so a tied lm_head would go on
+    multiplying by the start-up embedding. Re-dispatching them from the current weights
+    fixes that (checked: tokens and log-probs equal to a fresh engine on the new folder).
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    repacked = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked.append(name)
+    return repacked
 
 
 MAX_NUM_SEQS = 256  # sequences per engine step (vLLM's default on GPU)
@@ -193,24 +217,15 @@ class VLLMEngine:
     def _set_weights(self, model_dir: Path) -> None:
         """Make the engine sample from `model_dir`'s weights if it holds other ones.
 
-        GPU: the weights are reloaded in place (worker extension, no restart). CPU: vLLM 0.32's
-        CPU linear layers keep pre-packed copies of the weights they were started with, which an
-        in-place reload does not refresh (the outputs come out wrong), so the engine is restarted
-        on the new folder instead: correct, but an engine start (~30 s) per round.
+        In place, no restart (worker extension: layerwise reload, re-tie, CPU re-pack).
         """
-        from vllm.platforms import current_platform
-
         model_dir = Path(model_dir).resolve()
         if model_dir == self.loaded_weights:
             return
         if not any(model_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"vllm engine: no *.safetensors in {model_dir} to load the policy's weights from")
-        if current_platform.is_cpu():
-            self.close()
-            self._start(model_dir)
-        else:
-            self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loaded_weights = model_dir
         self.weight_reloads += 1
 
