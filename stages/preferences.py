@@ -530,17 +530,29 @@ def run(cfg: PreferenceConfig, out_dir: Path) -> dict:
 
 
 class DemoPairsConfig(BaseModel):
-    """Preference pairs for the built-in demo task: chosen is right, rejected is wrong."""
+    """Preference rows for the built-in demo task: pairs (chosen is right, rejected is wrong), or
+    stepwise solutions with a label per step (for a process reward model)."""
 
     model_config = ConfigDict(extra="forbid")
 
     num_train: int = Field(2000, ge=1)
     num_eval: int = Field(200, ge=1)
+    kind: Literal["pair", "stepwise"] = "pair"
+    """pair: a right and a wrong answer per question (DPO, `reward_model.kind: orm`); stepwise: a solution
+    as steps ("Compare 3 and 8: keep 8", ..., "<answer>8</answer>") with one label per step
+    (`reward_model.kind: prm`)."""
     rejected: Literal["first", "random", "second_largest", "mixed"] = "first"
-    """The wrong answer: the first number listed (the noisy teacher's mistake; another
+    """pair: the wrong answer: the first number listed (the noisy teacher's mistake; another
     number when the first is the largest), a random other number, the runner-up, or `mixed`:
     first / random / a larger number that is not in the question, in turn (what a reward
     model needs, or GRPO learns to answer "99")."""
+    mistake_rate: float = Field(0.5, ge=0, le=1)
+    """stepwise: fraction of solutions with a mistake (a comparison that keeps the smaller number, or a
+    wrong final answer) at a random step; that step and every later one are labelled bad (Math-Shepherd's
+    convention). Higher: more bad steps to learn from, fewer fully right solutions."""
+    answer_only_rate: float = Field(0.25, ge=0, le=1)
+    """stepwise: fraction of solutions that are only the answer step (`<answer>N</answer>`, what the demo
+    policy writes), so a PRM scoring GRPO rollouts has seen one-step solutions."""
     system_prompt: str | None = None
     """Prepended as a system message when set (match the prompts transform's)."""
     seed: int = 4321
@@ -557,9 +569,48 @@ def _question_text(numbers: tuple[int, ...]) -> str:
     return f"Which is the largest of {', '.join(map(str, numbers))}?"  # as stages/demo_data.py words it
 
 
+def demo_steps(numbers: tuple[int, ...], mistake_at: int | None = None,
+               wrong_answer: int | None = None) -> tuple[list[str], list[bool]]:
+    """A running-maximum solution of the demo task as steps, and its step labels.
+
+    Step i < len(numbers) - 1 compares the number kept so far with the next one; the last step is the
+    answer. With `mistake_at`, that step goes wrong (a comparison keeps the smaller number and the
+    solution carries on from it; the answer step says `wrong_answer`), and it and every later step are
+    labelled bad, even where the chain gets back to the right number.
+
+    >>> demo_steps((3, 8, 1))
+    (['Compare 3 and 8: keep 8', 'Compare 8 and 1: keep 8', '<answer>8</answer>'], [True, True, True])
+    >>> demo_steps((3, 8, 1), mistake_at=0)
+    (['Compare 3 and 8: keep 3', 'Compare 3 and 1: keep 3', '<answer>3</answer>'], [False, False, False])
+    """
+    steps, kept = [], numbers[0]
+    for i, n in enumerate(numbers[1:]):
+        new = min(kept, n) if i == mistake_at else max(kept, n)
+        steps.append(f"Compare {kept} and {n}: keep {new}")
+        kept = new
+    last = len(numbers) - 1
+    steps.append(format_answer(wrong_answer if mistake_at == last and wrong_answer is not None else kept))
+    labels = [mistake_at is None or i < mistake_at for i in range(len(steps))]
+    return steps, labels
+
+
+def _demo_stepwise(cfg: DemoPairsConfig, rng: random.Random, numbers: tuple[int, ...]) -> dict:
+    """One stepwise row (before _normalize): a full solution or, at `answer_only_rate`, just its answer."""
+    best = max(numbers)
+    answer_only = rng.random() < cfg.answer_only_rate
+    wrong = rng.random() < cfg.mistake_rate
+    wrong_answer = rng.choice([n for n in numbers if n != best])
+    if answer_only:
+        return {"prompt": _question_text(numbers), "completions": [format_answer(wrong_answer if wrong else best)],
+                "labels": [not wrong]}
+    mistake_at = rng.randrange(len(numbers)) if wrong else None
+    steps, labels = demo_steps(numbers, mistake_at, wrong_answer)
+    return {"prompt": _question_text(numbers), "completions": steps, "labels": labels}
+
+
 def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> dict[str, list[dict]]:
-    """Train/eval preference rows for the demo task, their questions disjoint from each other
-    and from the demo task's eval split under `demo` (same numbers per question and digits)."""
+    """Train/eval preference rows (of `cfg.kind`) for the demo task, their questions disjoint from each
+    other and from the demo task's eval split under `demo` (same numbers per question and digits)."""
     demo = demo or DemoDataConfig()
     excluded = demo_eval_questions(demo)
     rng = random.Random(cfg.seed)
@@ -575,6 +626,11 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             if question in excluded:
                 continue
             excluded.add(question)
+            if cfg.kind == "stepwise":
+                row = _normalize(_demo_stepwise(cfg, rng, numbers), system_prompt=cfg.system_prompt)
+                row["pair_id"] = f"{split}-{len(rows):06d}"
+                rows.append(row)
+                continue
             best = max(numbers)
             others = [n for n in numbers if n != best]
             kind = cfg.rejected
@@ -597,10 +653,10 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
 
 
 def write_demo_pairs(cfg: DemoPairsConfig, out_dir: Path, demo: DemoDataConfig | None = None) -> dict:
-    """Write demo pairs as out_dir/train.parquet and eval.parquet; return the same summary shape as `run`."""
+    """Write demo rows as out_dir/train.parquet and eval.parquet; return the same summary shape as `run`."""
     summary = {}
     for split, rows in demo_pair_rows(cfg, demo).items():
         write_split(rows, Path(out_dir) / f"{split}.parquet")
-        summary[split] = {"kinds": {"pair": len(rows)}, "kept": len(rows), "dropped": 0,
+        summary[split] = {"kinds": {cfg.kind: len(rows)}, "kept": len(rows), "dropped": 0,
                           "dropped_indices": [], "dropped_fields": {}}
     return summary

@@ -1,6 +1,9 @@
 """Reward models (stages/reward_model.py): a tiny ORM learns the demo preferences with TRL's RewardTrainer,
 the saved folder loads as a sequence classifier, the scorer ranks held-out answers as a TRL reward
-function, LoRA is merged into the saved folder, and PRM fails clearly on TRL 1.16."""
+function, LoRA is merged into the saved folder, and each kind names the rows it cannot train on.
+Process reward models (kind: prm): tests/test_prm.py."""
+
+import json
 
 import pytest
 import torch
@@ -71,6 +74,7 @@ def test_orm_learns_held_out_preferences(tiny, orm):
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
     assert tokenizer.chat_template
+    assert json.loads((out / "reward_model.json").read_text()) == {"kind": "orm", "max_length": 1024}
     eval_rows = read_rows(tiny / "prefs" / "eval.parquet")
     assert rm.pairwise_accuracy(model, tokenizer, eval_rows) == pytest.approx(summary["eval_pairwise_accuracy"])
 
@@ -78,7 +82,7 @@ def test_orm_learns_held_out_preferences(tiny, orm):
 def test_scorer_ranks_held_out_answers(tiny, orm):
     out, summary, _ = orm
     fn = rm.reward_model_function(out)
-    assert fn.__name__ == "reward_model"
+    assert fn.__name__ == "reward_model" and fn.scorer.kind == "orm"
     rows = read_rows(tiny / "prefs" / "eval.parquet")[:32]
     prompts = [r["prompt"] for r in rows] * 2
     completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]  # as TRL passes conversational data
@@ -113,8 +117,8 @@ def test_lora_is_merged_into_the_saved_folder(tiny, tmp_path):
     assert any(not torch.equal(p, body[n]) for n, p in scorer.model.named_parameters() if n != "score.weight")
 
 
-def test_prm_and_stepwise_rows_fail_clearly(tiny, tmp_path):
-    with pytest.raises(ValueError, match="PRMTrainer"):
+def test_each_kind_names_the_rows_it_cannot_train_on(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"needs kind stepwise.*train-000000 \(pair\)"):
         rm.run(rm.RewardModelConfig(kind="prm"), tiny / "model", tiny / "prefs", tmp_path)
     stepwise = {"pair_id": "train-000007", "kind": "stepwise", "prompt": [{"role": "user", "content": "q"}],
                 "completions": ["a", "b"], "labels": [True, False]}
