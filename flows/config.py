@@ -77,6 +77,14 @@ class PipelineConfig(BaseModel):
                 raise ValueError("rl: gdpo uses score.multi_objective_aggregation: normalize_then_sum; "
                                  f"got {self.score.multi_objective_aggregation!r} (use rl: grpo for that)")
             self.score = self.score.model_copy(update={"multi_objective_aggregation": "normalize_then_sum"})
+        if self.preferences is None and self.uses_rounds and "reward_model" in self.score.reward_funcs:
+            # demo rows of the kind the reward model trains on
+            wanted = "stepwise" if self.reward_model.kind == "prm" else "pair"
+            if "kind" in self.demo_pairs.model_fields_set and self.demo_pairs.kind != wanted:
+                raise ValueError(f"reward_model.kind: {self.reward_model.kind} trains on {wanted} rows; "
+                                 f"demo_pairs.kind is {self.demo_pairs.kind!r} (set it to {wanted!r} or leave it out)")
+            if self.demo_pairs.kind != wanted:
+                self.demo_pairs = self.demo_pairs.model_copy(update={"kind": wanted})
         return self
 
     def hash(self) -> str:

@@ -179,8 +179,9 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
         prefs = log_preferences(ctx, parent, preferences_task(ctx))
         ctx.reward_model = reward_model_task(ctx, policy, prefs)
         summary = ctx.reward_model.manifest["summary"]
-        if summary.get("eval_pairwise_accuracy") is not None:
-            ctx.lineage.log_metrics(parent, {"reward_model/eval_pairwise_accuracy": summary["eval_pairwise_accuracy"]})
+        for key in ("eval_pairwise_accuracy", "eval_step_accuracy"):  # ORM / PRM
+            if summary.get(key) is not None:
+                ctx.lineage.log_metrics(parent, {f"reward_model/{key}": summary[key]})
         lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
     try:
         adapter, round_keys, round_metrics = run_rounds(

@@ -98,3 +98,11 @@ def test_cpu_split_names_the_key():
         load_config(quickstart, ["rollout.worker_process=true", "rollout.worker_cpus=[999]"])
     with pytest.raises(ConfigError, match="rollout.worker_cpus needs rollout.worker_process: true"):
         load_config(quickstart, ["rollout.worker_cpus=[0]"])
+
+
+def test_prm_reward_model_trains_on_stepwise_demo_rows():
+    rm_grpo = Path(__file__).parent.parent / "configs" / "rm_grpo.yaml"
+    assert load_config(rm_grpo).demo_pairs.kind == "pair"
+    assert load_config(rm_grpo, ["reward_model.kind=prm"]).demo_pairs.kind == "stepwise"
+    with pytest.raises(ConfigError, match="reward_model.kind: prm trains on stepwise rows"):
+        load_config(rm_grpo, ["reward_model.kind=prm", "demo_pairs.kind=pair"])
