@@ -27,9 +27,74 @@ from stages.sft import SFTConfig
 from stages.preferences import DemoPairsConfig, PreferenceConfig
 from stages.reward_model import RewardModelConfig
 from stages.transform import TransformConfig
+from tasks.publish import TrackingConfig
 
 
 ROUND_METHODS = ("grpo", "gdpo")
+
+
+class ScheduleConfig(BaseModel):
+    """When `posttrain deploy` schedules the config's deployment (Prefect cron schedule)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cron: str = "0 3 * * *"
+    """Five-field cron expression (minute hour day month weekday); default 03:00 every day."""
+    timezone: str = "UTC"
+    """IANA time zone the cron is read in (e.g. Europe/Berlin); daylight-saving shifts follow it."""
+    data_version: str | None = "latest"
+    """Which registered data version scheduled runs train on: `latest` (the newest `posttrain data add`
+    for this config's name; the config's own data while none is registered), a version, or null (always
+    the config's own data)."""
+
+    @model_validator(mode="after")
+    def _valid_cron_and_zone(self):
+        from datetime import datetime
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        from cronsim import CronSim, CronSimError  # what Prefect's cron schedules use
+
+        try:
+            CronSim(self.cron, datetime.now())
+        except CronSimError as e:
+            raise ValueError(f"schedule.cron {self.cron!r} is not a cron expression ({e}); "
+                             "e.g. '0 3 * * *' is 03:00 daily") from None
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"schedule.timezone {self.timezone!r} is not an IANA time zone "
+                             "(e.g. UTC, Europe/Berlin, America/New_York)") from None
+        return self
+
+
+class PromotionConfig(BaseModel):
+    """Champion/challenger: which registered model version carries the `champion` alias."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: Literal["eval/accuracy", "eval/format_rate"] = "eval/accuracy"
+    """Held-out metric (higher is better) the new model and the champion are compared on, both measured
+    on this run's eval prompts."""
+    min_gain: float = 0.0
+    """The new model becomes champion when metric >= champion's metric + min_gain (otherwise challenger).
+    0: ties promote the newer model; higher: keep the champion unless clearly beaten; negative: always promote."""
+    start_from_champion: bool = False
+    """Start the GRPO/DPO rounds from the champion's exported model instead of the SFT output (retraining
+    continues from the best model so far). False keeps reruns of one config cached end to end."""
+
+
+class DataConfig(BaseModel):
+    """Registered training data versions (`posttrain data add`), under <artifacts_dir>/data/<name>/."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = None
+    """A registered data version (sha256 prefix) or `latest`: its rows replace the training prompts
+    (transform.type applies); the eval split stays the config's, so metrics stay comparable. Unset: the
+    config's own data. A deployment's data trigger sets it per run."""
+    inbox: str | None = None
+    """A folder `posttrain data watch` polls: each data file dropped there is registered as a version
+    (and announced with a `posttrain.data.added` event), then moved into <inbox>/registered/."""
 
 
 class PipelineConfig(BaseModel):
@@ -61,6 +126,15 @@ class PipelineConfig(BaseModel):
     """The reward model trained on the preferences when score.reward_funcs names `reward_model`."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """What each run publishes besides metrics (sample completions per round)."""
+    schedule: ScheduleConfig | None = None
+    """`posttrain deploy`: the deployment's cron schedule ({cron, timezone}); unset: no schedule (data
+    trigger and manual runs only)."""
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
+    """Champion/challenger aliases on the registered model after each run's final eval."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Registered training data versions: which one this run trains on, and the inbox folder to watch."""
 
     @property
     def uses_rounds(self) -> bool:

@@ -19,10 +19,11 @@ import yaml
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.config import PipelineConfig, load_config
+from flows.config import ConfigError, PipelineConfig, load_config
 from stages.engines import close_engines, import_eagerly
 from stages.rollout_worker import close_workers
-from tasks.lineage import Lineage, git_commit, ui_command
+from tasks.lineage import Lineage, flatten, git_commit, ui_command
+from tasks.publish import publish_round, publish_summary, sample_completions
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
     RunContext,
@@ -126,35 +127,69 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
                         "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
                         "time/waiting_s": waited})
-        log_round(metrics, r)
+        log_round(metrics, r, scored)
         lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
                                       "policy_version": summaries["rollout"].get("policy_version", r)}
     return adapter, lineage_keys, metrics
 
 
-def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, purpose: str = "train"):
-    """Load the config, open the MLflow parent run, save the resolved config: (ctx, parent run id, run dir)."""
+def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, purpose: str = "train",
+             resume: str | None = None, allow_config_change: bool = False):
+    """Load the config, open (or continue) the MLflow parent run, save the resolved config:
+    (ctx, parent run id, run dir).
+
+    A training run continues an unfinished one instead of opening a new run when `resume` names it
+    (`posttrain resume`), when this Prefect flow run opened it before (`prefect flow-run retry`), or
+    when the newest run of the same config failed or its process died (the same command again).
+    Finished stages and rounds are then cache hits; the parent run goes on where it stopped.
+    """
     override_list = normalize_overrides(overrides)
     cfg: PipelineConfig = load_config(config_path, override_list)
     root = Path(cfg.artifacts_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     lineage = Lineage(root, cfg.name)
+    flow_run_id = str(flow_run.get_id() or "")
+    if purpose == "train" and resume is None:
+        resume = lineage.unfinished_run(cfg.hash(), flow_run_id)
+    if resume:
+        previous = lineage.client.get_run(resume)
+        run_name = previous.info.run_name
+        run_dir = root / "runs" / run_name
+        changed = config_differences(yaml.safe_load((run_dir / "config.yaml").read_text()),
+                                     cfg.model_dump(mode="json"))
+        if changed and not allow_config_change:
+            raise ConfigError(f"resume {run_name}: the config differs from the run's in {', '.join(changed)}; "
+                              "resume with the run's own config, or pass --allow-config-change")
+        lineage.resume(resume)
+        lineage.set_tags(resume, {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
+                                  **({"posttrain.config_changed": ", ".join(changed)} if changed else {})})
+        if changed:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
     run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
     run_dir = root / "runs" / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_dir / "config.yaml"
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     tags = {
-        "prefect.flow_run_id": str(flow_run.get_id() or ""),
+        "prefect.flow_run_id": flow_run_id,
         "git_commit": git_commit(),
         "config_hash": cfg.hash(),
         "config_path": str(config_path),
         "overrides": " ".join(override_list),
         "artifact_root": str(root),
         "posttrain.purpose": purpose,
+        "posttrain.pid": str(os.getpid()),
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
+
+
+def config_differences(before: dict, after: dict) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs, as `key (old -> new)`."""
+    old, new = flatten(before), flatten(after)
+    return [f"{k} ({old.get(k, '-')} -> {new.get(k, '-')})" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
 
 
 def prepare_policy(ctx: RunContext, parent: str) -> tuple:
@@ -183,9 +218,17 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
             if summary.get(key) is not None:
                 ctx.lineage.log_metrics(parent, {f"reward_model/{key}": summary[key]})
         lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
+    history = ctx.round_history
+
+    def log_round(metrics: dict, r: int, scored) -> None:
+        ctx.lineage.log_metrics(parent, metrics, step=r + 1)
+        history.append({"round": r, **{k: v for k, v in metrics.items() if not k.startswith("time/")}})
+        if not ctx.lineage.already_logged("train/reward_mean", r + 1):  # a resumed run published it already
+            publish_round(ctx.lineage, parent, ctx.config.name, r,
+                          sample_completions(scored.file("scored.parquet"), ctx.config.tracking.completions_per_round))
+
     try:
-        adapter, round_keys, round_metrics = run_rounds(
-            ctx, policy, prompts, lambda metrics, r: ctx.lineage.log_metrics(parent, metrics, step=r + 1))
+        adapter, round_keys, round_metrics = run_rounds(ctx, policy, prompts, log_round)
     finally:
         close_engines()
         close_workers()
@@ -234,9 +277,12 @@ def prepare_policy_flow(config_path: str, overrides: list[str] | dict | None = N
 
 
 @flow(name="posttrain", flow_run_name="{config_path}")
-def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> dict:
-    """Run the GRPO pipeline for a YAML config (plus dotted overrides); return the results."""
-    ctx, parent, run_dir = open_run(config_path, overrides, quiet)
+def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False,
+                       resume: str | None = None, allow_config_change: bool = False) -> dict:
+    """Run the pipeline for a YAML config (plus dotted overrides); return the results. `resume`: the
+    MLflow run id of an unfinished run to continue (see `open_run` for when that happens by itself)."""
+    ctx, parent, run_dir = open_run(config_path, overrides, quiet, resume=resume,
+                                    allow_config_change=allow_config_change)
     cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
     root = Path(cfg.artifacts_dir).resolve()
     run_name = run_dir.name
@@ -278,6 +324,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "mlflow_ui": ui_command(root),
         }
         (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
+        publish_summary(cfg.name, results, ctx.round_history)
         lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
     except BaseException:
         lineage.finish("FAILED")

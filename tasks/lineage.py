@@ -52,6 +52,35 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _process_alive(pid: str) -> bool:
+    """Whether the process that opened a run (tag posttrain.pid, this host) still runs."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_run(client: MlflowClient, ref: str):
+    """A pipeline run by run name, MLflow run id or Prefect flow-run id; error naming a few known runs."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for condition in (f"attributes.run_name = '{ref}'", f"tags.`prefect.flow_run_id` = '{ref}'"):
+        found = [r for r in client.search_runs(experiments, condition, order_by=["attributes.start_time DESC"])
+                 if "mlflow.parentRunId" not in r.data.tags]
+        if found:
+            return found[0]
+    try:
+        return client.get_run(ref)
+    except Exception:
+        known = [r.info.run_name for r in client.search_runs(experiments, "", max_results=50,
+                                                             order_by=["attributes.start_time DESC"])
+                 if "mlflow.parentRunId" not in r.data.tags][:5]
+        raise LookupError(f"no pipeline run named {ref!r} (run name, MLflow run id or Prefect flow-run id) in "
+                          f"{client.tracking_uri}; newest runs: {', '.join(known) or 'none'}") from None
+
+
 class Lineage:
     """One pipeline run in MLflow: a parent run and nested runs per stage."""
 
@@ -68,6 +97,7 @@ class Lineage:
         else:
             self.experiment_id = found.experiment_id
         self.parent_id: str | None = None
+        self._logged: set[tuple[str, int]] = set()  # (metric, step) the parent had before a resume
 
     def start(self, run_name: str, tags: dict[str, str], config: dict, config_yaml: Path) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
@@ -78,13 +108,52 @@ class Lineage:
         self.client.log_artifact(self.parent_id, str(config_yaml))
         return self.parent_id
 
+    def resume(self, run_id: str) -> None:
+        """Continue an unfinished parent run: RUNNING again, tagged `posttrain.resumed`, its nested
+        stage runs left RUNNING by a killed process marked KILLED, and every (metric, step) it already
+        has skipped by `log_metrics` (cached rounds are not logged twice)."""
+        run = self.client.get_run(run_id)
+        self.parent_id = run_id
+        self._logged = {(key, m.step) for key in run.data.metrics
+                        for m in self.client.get_metric_history(run_id, key)}
+        count = int(run.data.tags.get("posttrain.resume_count", "0")) + 1
+        self.client.update_run(run_id, status="RUNNING")
+        self.set_tags(run_id, {"posttrain.resumed": "true", "posttrain.resume_count": count,
+                               "posttrain.pid": os.getpid()})
+        for child in self.client.search_runs([self.experiment_id],
+                                             f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'"):
+            self.client.set_terminated(child.info.run_id, status="KILLED")
+
+    def unfinished_run(self, config_hash: str, flow_run_id: str = "") -> str | None:
+        """The parent run a new start of the same pipeline should continue, or None: the one this
+        Prefect flow run already opened (a `prefect flow-run retry`), else the newest run of the same
+        config (hash) that failed or whose process died without finishing it."""
+        runs = self.client.search_runs([self.experiment_id], f"tags.config_hash = '{config_hash}'",
+                                       order_by=["attributes.start_time DESC"], max_results=20)
+        runs = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
+                and r.data.tags.get("posttrain.purpose", "train") == "train"]
+        for run in runs:
+            if flow_run_id and run.data.tags.get("prefect.flow_run_id") == flow_run_id:
+                return run.info.run_id
+        for run in runs:
+            if run.info.status == "FINISHED":
+                return None  # the newest attempt finished: a rerun is a new run (that computes nothing)
+            if run.info.status == "FAILED" or not _process_alive(run.data.tags.get("posttrain.pid", "")):
+                return run.info.run_id
+        return None
+
+    def already_logged(self, metric: str, step: int) -> bool:
+        """Whether the parent run had this (metric, step) before it was resumed."""
+        return (metric, step) in self._logged
+
     def finish(self, status: str = "FINISHED") -> None:
         if self.parent_id:
             self.client.set_terminated(self.parent_id, status=status)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))
+                 and not (run_id == self.parent_id and (k, step) in self._logged)]
         if batch:
             self.client.log_batch(run_id, metrics=batch)
 
@@ -121,3 +190,20 @@ class Lineage:
         version = self.client.create_model_version(name, source=source, run_id=run_id,
                                                    description="merged policy exported by posttrain")
         return version.version
+
+    def version_by_alias(self, name: str, alias: str):
+        """The registered model version carrying `alias` (e.g. champion), or None when there is none yet."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(name, alias)
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such model / alias
+                return None
+            raise
+
+    def set_alias(self, name: str, alias: str, version: str, tags: dict[str, str] | None = None) -> None:
+        """Point `alias` at this model version (MLflow moves it off any other version), and tag the version."""
+        self.client.set_registered_model_alias(name, alias, str(version))
+        for key, value in (tags or {}).items():
+            self.client.set_model_version_tag(name, str(version), key, str(value))

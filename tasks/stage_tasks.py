@@ -42,6 +42,7 @@ class RunContext:
         self.lineage = lineage
         self.reporter = reporter
         self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
+        self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
 
 
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],

@@ -72,6 +72,21 @@ def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config
     assert [d.dataset.name for d in parent.inputs.dataset_inputs] == ["prompts-train", "prompts-eval"]
     versions = client.search_model_versions("name='test-tiny'")
     assert len(versions) == 1 and versions[0].run_id == parent.info.run_id
+    assert len(client.get_metric_history(parent.info.run_id, "rewards/accuracy/mean")) == 2  # per reward function
+
+    # what a user sees of the completions: an MLflow table per round, Prefect table/markdown artifacts
+    tables = [f.path for f in client.list_artifacts(parent.info.run_id, "completions")]
+    assert tables == ["completions/round_000.json", "completions/round_001.json"]
+    table = json.loads(Path(client.download_artifacts(parent.info.run_id, tables[0], str(tmp_path))).read_text())
+    assert {"prompt", "completion", "reward", "advantage", "reward/accuracy", "errors"} <= set(table["columns"])
+    assert len(table["data"]) == 8
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as prefect:
+        keys = {a.key: a.type for a in prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="test-tiny")))}
+    assert keys == {"test-tiny-completions": "table", "test-tiny-rounds": "table", "test-tiny-summary": "markdown"}
 
     # the same command again computes nothing
     second = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)

@@ -1,0 +1,88 @@
+"""What a run shows besides metrics: sample completions per round, a per-round metrics table and a
+markdown summary, as MLflow tables/artifacts on the parent run and as Prefect artifacts.
+
+Prefect artifact keys are per pipeline name (`<name>-completions`, `<name>-rounds`, `<name>-summary`),
+so the Prefect UI keeps their history across runs of a config; MLflow gets one table per round
+(`completions/round_<r>.json`, viewable in the run's Artifacts and Evaluation tabs).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrackingConfig(BaseModel):
+    """What each run publishes beyond metrics."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    completions_per_round: int = Field(8, ge=0)
+    """Sample completions per round logged as a table (prompt, completion, each reward, advantage,
+    errors) to MLflow and Prefect; 0: none. Spread over the round's prompt groups."""
+
+
+def artifact_key(name: str, what: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) for a pipeline name."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{name}-{what}".lower()).strip("-")
+
+
+def _prompt_text(prompt) -> str:
+    users = [m["content"] for m in prompt if m.get("role") == "user"] if isinstance(prompt, list) else []
+    return users[-1] if users else str(prompt)
+
+
+def sample_completions(scored_path, count: int) -> list[dict]:
+    """`count` rows of a scored round, evenly spaced (so several prompt groups show), as flat dicts."""
+    table = pq.read_table(scored_path, columns=["round_index", "prompt_id", "group_index", "prompt", "completion",
+                                                "rewards", "reward", "advantage", "errors", "policy_version"])
+    if count <= 0 or table.num_rows == 0:
+        return []
+    step = max(1, table.num_rows // count)
+    rows = table.slice(0, step * count).to_pylist()[::step][:count]
+    out = []
+    for row in rows:
+        flat = {"round": row["round_index"], "policy_version": row["policy_version"], "prompt_id": row["prompt_id"],
+                "sample": row["group_index"], "prompt": _prompt_text(row["prompt"]), "completion": row["completion"],
+                "reward": round(row["reward"], 4), "advantage": round(row["advantage"], 4)}
+        for name, value in dict(row["rewards"] or {}).items():
+            flat[f"reward/{name}"] = None if value != value else round(value, 4)  # NaN: not applicable
+        flat["errors"] = "; ".join(row["errors"] or [])
+        out.append(flat)
+    return out
+
+
+def publish_round(lineage, parent: str, name: str, round_index: int, rows: list[dict]) -> None:
+    """One round's sample completions: an MLflow table on the parent run and a Prefect table artifact."""
+    if not rows:
+        return
+    from prefect.artifacts import create_table_artifact
+
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lineage.client.log_table(parent, data={c: [row.get(c) for row in rows] for c in columns},
+                             artifact_file=f"completions/round_{round_index:03d}.json")
+    create_table_artifact(table=rows, key=artifact_key(name, "completions"),
+                          description=f"{name}: sample completions of round {round_index} with their rewards")
+
+
+def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None:
+    """The run's markdown summary and per-round metrics table as Prefect artifacts."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    lines = [f"# {results['run_name']}", "",
+             f"eval/accuracy: **{results['base_accuracy']:.3f} -> {results['final_accuracy']:.3f}** "
+             f"on {results['eval_prompts']} held-out prompts", "",
+             f"- MLflow run: `{results['mlflow_run_id']}` (`{results['mlflow_ui']}`)",
+             f"- exported model: `{results['exported_model']}` (registered version {results['registered_model_version']})"]
+    if results.get("promotion"):
+        lines.append(f"- promotion: {results['promotion']}")
+    lines += ["", "| stage | status | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} |" for s in results["stages"]]
+    create_markdown_artifact(markdown="\n".join(lines), key=artifact_key(name, "summary"),
+                             description=f"{name}: run summary")
+    if round_metrics:
+        create_table_artifact(table=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+                                     for row in round_metrics],
+                              key=artifact_key(name, "rounds"), description=f"{name}: metrics per round")
