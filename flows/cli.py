@@ -3,6 +3,10 @@
   posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
   posttrain validate CONFIG [KEY.PATH=VALUE ...]  check a config and print it resolved
   posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
+  posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
+  posttrain compare RUN RUN... [--artifacts DIR] [--plot PATH]  runs side by side, plus a curves PNG
+  posttrain resume RUN [--artifacts DIR] [--allow-config-change]  continue a killed or failed run
+  posttrain server [--port 4200] [--artifacts DIR]  local Prefect server + process worker for prefect.yaml
 
 No Prefect server configured (PREFECT_API_URL unset): an ephemeral one, with
 PREFECT_HOME under the artifacts folder unless you set PREFECT_HOME. MLflow: the
@@ -33,6 +37,8 @@ def embedded_defaults(artifacts_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse argv and call the subcommand's handler. A new subcommand: add_parser + set_defaults(handler=...);
+    `extras_into` names the list argument that collects positionals found after options (or None)."""
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training pipeline (Prefect + MLflow).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run the pipeline"), ("validate", "validate a config and print it resolved"),
@@ -41,19 +47,48 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
+        p.set_defaults(handler=pipeline_command, extras_into="overrides")
         if name in ("run", "serve-vllm"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
         if name == "serve-vllm":
             p.add_argument("--port", type=int, default=None, help="default: the port of rollout.vllm.server_url")
             p.add_argument("--print", dest="print_only", action="store_true",
                            help="print the command and environment instead of starting the server")
-    # Overrides may come after options too (`run CONFIG --quiet grpo.rounds=2`).
+
+    p = sub.add_parser("runs", help="list pipeline runs (MLflow parent runs), newest first")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
+    p.add_argument("--experiment", default=None, help="only this experiment (the config's name)")
+    p.set_defaults(handler=runs_command, extras_into=None)
+
+    p = sub.add_parser("compare", help="compare runs side by side: config differences, final metrics, "
+                                      "wall time per stage, shared artifacts; writes a curves PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run name (e.g. quickstart-20261122-031500) or MLflow run id")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
+    p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
+    p.set_defaults(handler=compare_command, extras_into="runs")
+
+    from flows import resume, server
+
+    p = sub.add_parser("resume", help="continue a killed or failed run (same MLflow run, finished stages reused)")
+    resume.add_arguments(p)
+    p.set_defaults(handler=resume.resume_command, extras_into="overrides")
+
+    p = server.add_arguments(sub.add_parser("server", help="local Prefect server (SQLite under artifacts/) and a "
+                                                           "process worker for prefect.yaml's deployments"))
+    p.set_defaults(handler=server.serve, extras_into=None)
+
+    # Positionals may come after options too (`run CONFIG --quiet grpo.rounds=2`).
     args, extra = parser.parse_known_args(argv)
     unknown = [a for a in extra if a.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides += extra
+    if unknown or (extra and args.extras_into is None):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if args.extras_into:
+        getattr(args, args.extras_into).extend(extra)
+    return args.handler(args)
 
+
+def pipeline_command(args) -> int:
+    """run / validate / serve-vllm: load the config, then act on it."""
     from flows.config import ConfigError, load_config
 
     try:
@@ -71,6 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     from flows.pipeline import posttrain_pipeline
 
     posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
+    return 0
+
+
+def runs_command(args) -> int:
+    from flows import compare
+
+    try:
+        print(compare.runs_command(args.artifacts, args.experiment))
+    except compare.CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def compare_command(args) -> int:
+    from flows import compare
+
+    try:
+        print(compare.compare_command(args.runs, args.artifacts, args.plot))
+    except compare.CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,94 @@
+"""Resume: a run killed with SIGKILL mid-round finishes with the same metrics as an uninterrupted run,
+in the same MLflow parent run, with no round logged twice. Real `posttrain` processes, real kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+POSTTRAIN = str(Path(sys.executable).parent / "posttrain")
+ROUNDS = 4
+
+
+def own_env(artifacts: Path) -> dict:
+    """An ephemeral Prefect per artifacts folder, whatever server this test session uses."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
+    return {**env, "PREFECT_HOME": str(artifacts / "prefect")}
+
+
+def posttrain(*args: str, env_root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([POSTTRAIN, *args], capture_output=True, text=True, timeout=600, env=own_env(env_root))
+
+
+def run_until(config: Path, artifacts: Path, finished_rounds: int, *args: str) -> None:
+    """Start `posttrain` and SIGKILL its whole process group once `finished_rounds` optimize rounds exist."""
+    log = artifacts.parent / f"killed-{finished_rounds}.log"
+    process = subprocess.Popen([POSTTRAIN, *args], stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                               start_new_session=True, env=own_env(artifacts))
+    deadline = time.time() + 300
+    while len(list((artifacts / "optimize").glob("*/_manifest.json"))) < finished_rounds:
+        assert process.poll() is None, f"finished before the kill: {log.read_text()[-2000:]}"
+        assert time.time() < deadline, "no progress"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def parent_runs(client: MlflowClient, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return [r for r in client.search_runs([exp.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+
+
+def history(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+
+
+def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(tiny_config_text)
+    common = [f"grpo.rounds={ROUNDS}", "--quiet"]
+
+    straight = tmp_path / "straight"
+    done = posttrain("run", str(config), f"artifacts_dir={straight}", *common, env_root=straight)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    args = ["run", str(config), f"artifacts_dir={killed}", *common]
+    run_until(config, killed, 1, *args)  # killed during round 1
+    (run_name,) = [p.name for p in (killed / "runs").iterdir()]
+
+    # a resume with another config is refused, naming the key
+    changed = posttrain("resume", run_name, "--artifacts", str(killed), "grpo.learning_rate=0.5", env_root=killed)
+    assert changed.returncode == 2 and "grpo.learning_rate" in changed.stderr, changed.stderr[-2000:]
+
+    run_until(config, killed, 3, "resume", run_name, "--artifacts", str(killed), "--quiet")  # killed in round 3
+    again = posttrain(*args, env_root=killed)  # the same command again finishes it
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    a = json.loads(next((straight / "runs").glob("*/summary.json")).read_text())
+    b = json.loads((killed / "runs" / run_name / "summary.json").read_text())
+    assert b["final_accuracy"] == a["final_accuracy"] and b["base_accuracy"] == a["base_accuracy"]
+    assert [s["status"] for s in b["stages"] if s["stage"] == "optimize r0"] == ["cached"]
+
+    client_a = MlflowClient(f"sqlite:///{straight / 'mlflow.db'}")
+    client_b = MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
+    (run_a,), (run_b,) = parent_runs(client_a, "test-tiny"), parent_runs(client_b, "test-tiny")
+    assert run_b.info.run_id == b["mlflow_run_id"] and run_b.info.status == "FINISHED"
+    assert run_b.data.tags["posttrain.resumed"] == "true" and run_b.data.tags["posttrain.resume_count"] == "2"
+    for name in ("train/reward_mean", "train/loss", "eval/accuracy"):
+        ha, hb = history(client_a, run_a.info.run_id, name), history(client_b, run_b.info.run_id, name)
+        assert [s for s, _ in hb] == [s for s, _ in ha], name  # every round once, none twice
+        assert [v for _, v in hb] == pytest.approx([v for _, v in ha], abs=1e-6), name
+    # nested runs of stages the kills interrupted are closed, not left RUNNING
+    exp = client_b.get_experiment_by_name("test-tiny")
+    assert not client_b.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
