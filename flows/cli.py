@@ -5,6 +5,9 @@
   posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
   posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
   posttrain compare RUN RUN... [--artifacts DIR] [--plot PATH]  runs side by side, plus a curves PNG
+  posttrain data add FILE [--config CONFIG] [--emit]   register a training data version, announce it
+  posttrain data list|watch [--config CONFIG]          versions; register files dropped into data.inbox
+  posttrain deploy CONFIG [--name N] [--pool posttrain] deployment with the config's schedule + data trigger
   posttrain resume RUN [--artifacts DIR] [--allow-config-change]  continue a killed or failed run
   posttrain server [--port 4200] [--artifacts DIR]  local Prefect server + process worker for prefect.yaml
 
@@ -67,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
-    from flows import resume, server
+    from flows import resume, retrain, server
+
+    p = sub.add_parser("data", help="registered training data versions: add FILE, list, watch (data.inbox)")
+    retrain.add_data_arguments(p)
+    p.set_defaults(handler=retrain.data_command, extras_into=None)
+
+    p = sub.add_parser("deploy", help="register a config's deployment with its cron schedule and a new-data trigger")
+    retrain.add_deploy_arguments(p)
+    p.set_defaults(handler=retrain.deploy_command, extras_into=None)
 
     p = sub.add_parser("resume", help="continue a killed or failed run (same MLflow run, finished stages reused)")
     resume.add_arguments(p)

@@ -42,10 +42,6 @@ class ScheduleConfig(BaseModel):
     """Five-field cron expression (minute hour day month weekday); default 03:00 every day."""
     timezone: str = "UTC"
     """IANA time zone the cron is read in (e.g. Europe/Berlin); daylight-saving shifts follow it."""
-    data_version: str | None = "latest"
-    """Which registered data version scheduled runs train on: `latest` (the newest `posttrain data add`
-    for this config's name; the config's own data while none is registered), a version, or null (always
-    the config's own data)."""
 
     @model_validator(mode="after")
     def _valid_cron_and_zone(self):

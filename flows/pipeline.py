@@ -194,15 +194,19 @@ def config_differences(before: dict, after: dict) -> list[str]:
 
 def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts."""
+    from flows import retrain
+
     cfg = ctx.config
     raw = None if cfg.transform.paths else demo_data_task(ctx)
     prompts = transform_task(ctx, raw)
+    base = base_model_task(ctx, prompts)
+    champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
+    policy = champion or (sft_task(ctx, base, prompts) if cfg.sft.enabled else base)
+    prompts = retrain.data_version_prompts(ctx, parent, raw, prompts)  # data.version: its rows are the train split
     for split in ("train", "eval"):
         meta = prompts.manifest["files"][f"{split}.parquet"]
         ctx.lineage.log_dataset(parent, f"prompts-{split}", prompts.file(f"{split}.parquet"), meta["sha256"],
                                 context="training" if split == "train" else "evaluation", rows=meta["rows"])
-    base = base_model_task(ctx, prompts)
-    policy = sft_task(ctx, base, prompts) if cfg.sft.enabled else base
     return prompts, base, policy
 
 
@@ -307,6 +311,11 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
         lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
                                   "exported_model": str(exported.path)})
+        from flows import retrain
+
+        promotion = retrain.promote(ctx, parent, version, exported, final_eval, prompts)  # champion or challenger
+        if not quiet:
+            reporter.console.print(f"promotion: {promotion['reason']}", soft_wrap=True, markup=False)
         results = {
             "run_name": run_name,
             "mlflow_run_id": parent,
@@ -316,6 +325,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "eval_prompts": final_eval.manifest["summary"]["num_prompts"],
             "exported_model": str(exported.path),
             "registered_model_version": version,
+            "promotion": promotion,
             "rounds_wall_s": rounds_wall_s,
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}

@@ -26,6 +26,55 @@ def tracking_uri(artifacts_root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{artifacts_root / 'mlflow.db'}"
 
 
+def store_lock(uri: str):
+    """A context manager serializing, across processes, a process's first calls on a sqlite store.
+
+    MLflow creates a missing store's tables on the first call, and two processes doing it at once
+    break the schema ("table latest_metrics already exists", alembic "expected to match one row");
+    two get-or-create of one experiment race the same way. Hold this around both (the lock file is
+    `<db>.lock` beside the database). Concurrent writes after that need nothing: MLflow sets
+    `PRAGMA busy_timeout = 20000` on every session. Other stores: no lock."""
+    from contextlib import nullcontext
+
+    from tasks.store import key_lock
+
+    path = uri.removeprefix("sqlite:///").split("?")[0] if uri.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        return nullcontext()
+    return key_lock(Path(f"{path}.lock"), f"MLflow store {path}")
+
+
+def retry_busy(call, *args, attempts: int = 6, **kwargs):
+    """call(*args, **kwargs), repeated with jittered backoff (0.1 s doubling, ~3 s in all) while it
+    fails only because another process wrote the same store at the same moment: sqlite's
+    "database is locked" (past MLflow's busy timeout), or a UNIQUE constraint that a concurrent
+    insert of the same row won (MLflow's log_inputs looks the dataset up, then inserts it). The
+    failed call's transaction was rolled back, so repeating it is safe."""
+    import random
+
+    for attempt in range(attempts):
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            code = getattr(e, "error_code", "")
+            transient = "database is locked" in str(e) or (
+                code in ("TEMPORARILY_UNAVAILABLE", "BAD_REQUEST") and "UNIQUE constraint failed" in str(e))
+            if not transient or attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.5))
+
+
+class RetryingClient:
+    """An MlflowClient whose every method call goes through `retry_busy`."""
+
+    def __init__(self, client: MlflowClient):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        return (lambda *args, **kwargs: retry_busy(attr, *args, **kwargs)) if callable(attr) else attr
+
+
 def ui_command(artifacts_root: Path) -> str:
     uri = tracking_uri(artifacts_root)
     if uri.startswith("sqlite:"):

@@ -77,7 +77,8 @@ def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None
              f"- MLflow run: `{results['mlflow_run_id']}` (`{results['mlflow_ui']}`)",
              f"- exported model: `{results['exported_model']}` (registered version {results['registered_model_version']})"]
     if results.get("promotion"):
-        lines.append(f"- promotion: {results['promotion']}")
+        promotion = results["promotion"]
+        lines.append(f"- promotion: {promotion.get('reason', promotion) if isinstance(promotion, dict) else promotion}")
     lines += ["", "| stage | status | seconds |", "| --- | --- | --- |"]
     lines += [f"| {s['stage']} | {s['status']} | {s['seconds']:.1f} |" for s in results["stages"]]
     create_markdown_artifact(markdown="\n".join(lines), key=artifact_key(name, "summary"),
