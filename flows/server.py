@@ -1,6 +1,6 @@
 """`posttrain server`: a local Prefect server and a process worker, for running configs as deployments.
 
-  posttrain server [--port 4200] [--artifacts artifacts] [--pool posttrain]
+  posttrain server [--port 4200] [--artifacts artifacts] [--pool posttrain]   (or: make server, python -m flows.server)
 
 Starts `prefect server start --host 127.0.0.1 --port N` with PREFECT_HOME=<artifacts>/prefect-server
 (its SQLite database is <artifacts>/prefect-server/prefect.db, its log server.log beside it),
@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,22 +101,36 @@ def environments(home: Path, api_url: str) -> tuple[dict, dict]:
     return server, worker
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="posttrain server", description=__doc__.split("\n\n")[1].strip())
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of `posttrain server` (shared by flows/cli.py and `python -m flows.server`)."""
     parser.add_argument("--port", type=int, default=4200, help="server port on 127.0.0.1 (default 4200)")
     parser.add_argument("--artifacts", default="artifacts",
                         help="folder for the server's home and SQLite database (default: artifacts)")
     parser.add_argument("--pool", default=POOL, help=f"process work pool to create and serve (default {POOL})")
     parser.add_argument("--startup-timeout", type=float, default=180.0,
                         help="seconds to wait for the server, then the worker, to come up (default 180)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="posttrain server",
+                                     description="Local Prefect server + process worker for prefect.yaml's deployments.")
+    return serve(add_arguments(parser).parse_args(argv))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start the server and the worker, print how to deploy and run, block until Ctrl-C or SIGTERM."""
     home = Path(args.artifacts).resolve() / "prefect-server"
     home.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
     api_url = f"{base_url}/api"
     server_env, worker_env = environments(home, api_url)
     server_log = home / "server.log"
+    with socket.socket() as probe:  # else the health check could pass against whatever holds the port
+        if probe.connect_ex(("127.0.0.1", args.port)) == 0:
+            print(f"posttrain server: port {args.port} on 127.0.0.1 is in use; pick another with --port",
+                  file=sys.stderr)
+            return 1
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt

@@ -1,0 +1,180 @@
+"""prefect.yaml's deployments on a real Prefect server: `posttrain server` (flows/server.py) starts the
+server and a process worker on loopback, `prefect deploy --all` registers every shipped config, and
+`prefect deployment run 'posttrain/quickstart' --watch` runs a tiny pipeline through the worker to
+COMPLETED, every stage a task run of that flow run, its artifacts where the overrides say. Then
+SIGTERM stops the server and the worker, and nothing is left running.
+
+Needs no test harness: the server is its own process, PREFECT_API_URL is set only in the
+environments of the subprocesses (and the client below is pointed at the server explicitly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect", "--no-prompt"]
+
+# tests/conftest.py's tiny_config_text as dotted overrides of configs/quickstart.yaml, one round.
+TINY = {
+    "name": "deploy-tiny", "export.model_name": "deploy-tiny", "grpo.rounds": 1,
+    "demo_data.num_sft": 300, "demo_data.num_train": 64, "demo_data.num_eval": 24,
+    "model.hidden_size": 64, "model.num_attention_heads": 1, "model.num_key_value_heads": 1,
+    "model.intermediate_size": 128, "model.num_hidden_layers": 2, "model.vocab_size": 300,
+    "sft.num_train_epochs": 1, "sft.micro_batch_size": 32,
+    "rollout.num_generations": 4, "rollout.prompts_per_round": 8, "rollout.max_completion_length": 8,
+    "score.reward_num_workers": 1,
+    "grpo.micro_batch_size": 16, "grpo.gradient_accumulation_steps": 1,
+    "eval.max_completion_length": 8,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without any Prefect server or MLflow store it may point at."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_HOME", "MLFLOW_TRACKING_URI")}
+    return {**env, **extra}
+
+
+def processes_with_env(needle: str) -> list[int]:
+    """Pids (other than ours) whose environment contains `needle`: the server's worker and flow runs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+class Server:
+    """`python -m flows.server` in its own session; stop() sends SIGTERM like a service manager would."""
+
+    def __init__(self, tmp_path: Path):
+        self.port = free_port()
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.artifacts = tmp_path / "server-artifacts"
+        self.log = tmp_path / "server.out"
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "flows.server", "--port", str(self.port), "--artifacts", str(self.artifacts)],
+                cwd=ROOT, env=clean_env(PREFECT_WORKER_QUERY_SECONDS="2"), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 200.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "posttrain server: ready." not in self.output():
+            assert self.process.poll() is None, f"posttrain server exited early:\n{self.output()[-5000:]}"
+            assert time.monotonic() < deadline, f"posttrain server not ready after {timeout_s} s:\n{self.output()}"
+            time.sleep(1.0)
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        for pid in processes_with_env(f"PREFECT_API_URL={self.api_url}"):  # never leave a worker behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return self.process.returncode
+
+
+@pytest.fixture
+def server(tmp_path):
+    handle = Server(tmp_path)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def prefect(args: list[str], server: Server, tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    env = clean_env(PREFECT_API_URL=server.api_url, PREFECT_HOME=str(tmp_path / "cli-home"))
+    result = subprocess.run(PREFECT + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, (f"prefect {' '.join(args)} exited {result.returncode}:\n{result.stdout[-5000:]}\n"
+                                    f"{result.stderr[-5000:]}\n--- posttrain server ---\n{server.output()[-5000:]}")
+    return result
+
+
+async def read_run(api_url: str, deployment: str):
+    """(the deployment, its flow runs, the task runs of its single flow run) from the server's API."""
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterId
+
+    async with PrefectClient(api=api_url) as client:
+        dep = await client.read_deployment_by_name(deployment)
+        runs = await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+        tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
+        return dep, runs, tasks
+
+
+def test_deploy_all_and_run_quickstart_through_worker(server, tmp_path):
+    started = time.monotonic()
+    server.wait_ready()
+    assert (server.artifacts / "prefect-server" / "prefect.db").exists()  # the server's SQLite under --artifacts
+
+    deployed = prefect(["deploy", "--all"], server, tmp_path, timeout_s=180)
+    for name in ("posttrain/quickstart", "posttrain/dpo", "posttrain/rm_grpo"):
+        assert f"Deployment '{name}' successfully created" in deployed.stdout, deployed.stdout
+
+    run_artifacts = tmp_path / "run-artifacts"
+    overrides = {**TINY, "artifacts_dir": str(run_artifacts)}
+    ran = prefect(["deployment", "run", "posttrain/quickstart", "--param", f"overrides={json.dumps(overrides)}",
+                   "--param", "quiet=true", "--watch", "--watch-timeout", "300"], server, tmp_path, timeout_s=330)
+    assert "Flow run finished successfully in 'Completed'" in ran.stdout, ran.stdout
+
+    dep, runs, tasks = asyncio.run(read_run(server.api_url, "posttrain/quickstart"))
+    assert dep.work_pool_name == "posttrain" and dep.entrypoint == "flows/pipeline.py:posttrain_pipeline"
+    assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    assert len(runs) == 1 and runs[0].state.is_completed(), runs
+    assert runs[0].parameters["config_path"] == "configs/quickstart.yaml"
+    assert runs[0].parameters["overrides"]["grpo.rounds"] == 1
+
+    # every stage is a task run of that flow run; untemplated task names get Prefect's random suffix
+    names = {t.name for t in tasks}
+    assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.name) for t in tasks]
+    assert {"eval-base", "rollout-r0", "score-r0", "optimize-r0", "eval-final"} <= names, names
+    for stage in ("demo_data", "transform", "base_model", "sft", "export"):
+        assert any(n == stage or n.startswith(f"{stage}-") for n in names), (stage, names)
+    assert len(tasks) == 10, names
+
+    # the run wrote where the overrides said (the worker's folder is the project, per the pull step)
+    summary = json.loads(next((run_artifacts / "runs").glob("deploy-tiny-*/summary.json")).read_text())
+    assert Path(summary["exported_model"]).is_relative_to(run_artifacts)
+    assert (run_artifacts / "mlflow.db").exists()
+    assert not list((ROOT / "artifacts" / "runs").glob("deploy-tiny-*"))
+
+    assert server.stop() == 0, server.output()[-5000:]
+    assert "stopping the worker and the server" in server.output()
+    assert not processes_with_env(f"PREFECT_API_URL={server.api_url}")
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", server.port)) != 0, "the Prefect server still answers"
+    print(f"deployments test: {time.monotonic() - started:.0f} s")
