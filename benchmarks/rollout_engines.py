@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 
 def build_model(root: Path) -> Path:
     import torch
@@ -71,6 +73,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="transformers,vllm")
+    parser.add_argument("--vllm-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra rollout.vllm option for the vllm engine, e.g. enforce_eager=false (repeatable)")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="transformers engine: sequences per generate call (default: all at once)")
+    parser.add_argument("--no-lora", action="store_true", help="skip the LoRA measurements")
     args = parser.parse_args()
 
     from stages.engines import Policy, Sampling, get_engine
@@ -82,14 +89,18 @@ def main() -> None:
     prompts = [[{"role": "user", "content": f"Which is the largest of {i % 9 + 1}, 3, 7?"}]
                for i in range(args.sequences)]
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1)
-    report = {"parameters": params, "sequences": args.sequences, "max_new_tokens": args.max_new_tokens}
+    report = {"parameters": params, "vllm_options": args.vllm_option, "hf_batch_size": args.hf_batch_size,
+              "sequences": args.sequences,
+              "max_new_tokens": args.max_new_tokens}
     for kind in args.engines.split(","):
-        options = {"batch_size": args.sequences} if kind == "transformers" else {
-            "max_lora_rank": 16, "kv_cache_space_gib": 2.0, "max_model_len": 256}
+        options = {"batch_size": args.hf_batch_size or args.sequences} if kind == "transformers" else {
+            "max_lora_rank": 16, "kv_cache_space_gib": 2.0, "max_model_len": 256,
+            **{k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.vllm_option)}}
         engine = get_engine(kind, root / "model", options)
         report[kind] = time_engine(engine, Policy(root / "model"), prompts, sampling, args.repeats)
-        report[f"{kind}+lora"] = time_engine(engine, Policy(root / "model", adapter_dir=root / "adapter", version=1),
-                                             prompts, sampling, args.repeats)
+        if not args.no_lora:
+            report[f"{kind}+lora"] = time_engine(engine, Policy(root / "model", adapter_dir=root / "adapter", version=1),
+                                                 prompts, sampling, args.repeats)
         engine.close()
     print(json.dumps(report, indent=2))
 
