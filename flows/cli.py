@@ -115,8 +115,13 @@ def pipeline_command(args) -> int:
     if args.command == "serve-vllm":
         return serve_vllm(cfg, args)
     from flows.pipeline import posttrain_pipeline
+    from stages.health import TrainingUnhealthy
 
-    posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
+    try:
+        posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
+    except TrainingUnhealthy as e:  # a health check stopped the run: the message says what and where
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

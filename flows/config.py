@@ -21,6 +21,7 @@ from stages.dpo import PreferenceOptimizationConfig
 from stages.evaluate import EvalConfig
 from stages.export import ExportConfig
 from stages.grpo import GRPOConfig
+from stages.health import HealthConfig
 from stages.rollout import RolloutConfig
 from stages.score import ScoreConfig
 from stages.sft import SFTConfig
@@ -131,6 +132,9 @@ class PipelineConfig(BaseModel):
     """Champion/challenger aliases on the registered model after each run's final eval."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Registered training data versions: which one this run trains on, and the inbox folder to watch."""
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    """Healthy ranges of the per-round GRPO metrics (axolotl's training-stability red flags by default);
+    out of range: warn (tag + summary) or, with on_unhealthy: stop, end the run. NaN/Inf always ends it."""
 
     @property
     def uses_rounds(self) -> bool:

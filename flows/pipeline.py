@@ -11,6 +11,7 @@ computed stage, per-round metrics, the eval accuracies and the registered model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from prefect.runtime import flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from stages.engines import close_engines, import_eagerly
+from stages.health import TrainingUnhealthy, check_round, quarantine
 from stages.rollout_worker import close_workers
 from tasks.lineage import Lineage, flatten, git_commit, ui_command
 from tasks.publish import publish_round, publish_summary, sample_completions
@@ -41,6 +43,8 @@ from tasks.stage_tasks import (
     transform_task,
 )
 from tasks.store import ArtifactStore
+
+log = logging.getLogger("posttrain.health")
 
 
 def normalize_overrides(overrides: list[str] | dict | None) -> list[str]:
@@ -127,7 +131,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
                         "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
                         "time/waiting_s": waited})
-        log_round(metrics, r, scored)
+        log_round(metrics, r, scored, adapter)
         lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
                                       "policy_version": summaries["rollout"].get("policy_version", r)}
     return adapter, lineage_keys, metrics
@@ -224,12 +228,35 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
         lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
     history = ctx.round_history
 
-    def log_round(metrics: dict, r: int, scored) -> None:
+    def log_round(metrics: dict, r: int, scored, adapter) -> None:
         ctx.lineage.log_metrics(parent, metrics, step=r + 1)
         history.append({"round": r, **{k: v for k, v in metrics.items() if not k.startswith("time/")}})
         if not ctx.lineage.already_logged("train/reward_mean", r + 1):  # a resumed run published it already
             publish_round(ctx.lineage, parent, ctx.config.name, r,
                           sample_completions(scored.file("scored.parquet"), ctx.config.tracking.completions_per_round))
+        check_health(metrics, r, scored, adapter)
+
+    def check_health(metrics: dict, r: int, scored, adapter) -> None:
+        """Warn about (tag, list, log) out-of-range metrics; stop on NaN/Inf or with on_unhealthy: stop."""
+        cfg = ctx.config.health
+        rollouts = ctx.store.get(*scored.manifest["inputs"]["rollouts"].split("/", 1))
+        truncated = rollouts.manifest["summary"].get("truncated_frac") if rollouts else None
+        findings = check_round({**metrics, **({"rollout/truncated_frac": truncated} if truncated is not None else {})},
+                               cfg, ctx.config.rollout.max_completion_length)
+        if not findings:
+            return
+        for f in findings:
+            log.warning("round %d: %s = %.6g (healthy: %s): %s", r, f.metric, f.value, f.range, f.message)
+            if not ctx.reporter.quiet:
+                ctx.reporter.console.print(f"health: round {r}: {f.metric} = {f.value:.4g} (healthy: {f.range}): "
+                                           f"{f.message}", soft_wrap=True, markup=False, style="yellow")
+        ctx.health_findings.extend({"round": r, **f.as_dict()} for f in findings)
+        stop = [f for f in findings if f.fatal or cfg.on_unhealthy == "stop"]
+        ctx.lineage.set_tags(parent, {"health": "stopped" if stop else "warnings",
+                                      **{f"health.warning.{f.metric}": f"round {r}: {f.message}" for f in findings}})
+        if stop:
+            quarantined = quarantine(adapter.path) if any(f.fatal for f in stop) else None
+            raise TrainingUnhealthy(r, stop, quarantined)
 
     try:
         adapter, round_keys, round_metrics = run_rounds(ctx, policy, prompts, log_round)
@@ -327,6 +354,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "registered_model_version": version,
             "promotion": promotion,
             "rounds_wall_s": rounds_wall_s,
+            "health": ctx.health_findings,  # grpo_rounds' out-of-range metrics (stages/health.py)
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
                if not cfg.uses_rounds else {}),

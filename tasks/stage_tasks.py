@@ -43,6 +43,7 @@ class RunContext:
         self.reporter = reporter
         self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
         self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
+        self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
 
 
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
