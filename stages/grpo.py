@@ -1,7 +1,7 @@
 """optimize (GRPO): one round of policy-gradient updates on scored rollouts.
 
 Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping):
-  ratio_t   = exp(logp_t - old_logp_t)      old = the recorded sampling log-probs
+  ratio_t   = exp(logp_t - old_logp_t)      old = pi_old, the policy at the start of the round
   loss_t    = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
             + beta * KL_t,  KL_t = ratio_t * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
               (k3 estimator, importance-corrected: TRL's use_bias_correction_kl)
@@ -10,21 +10,34 @@ over the micro-batch), dr_grpo (sum / (batch * max_completion_length)), dapo (su
 completion tokens of the whole optimizer step). The reference policy is the base
 model with the LoRA adapter disabled (PEFT's `disable_adapter`).
 
-Departures from TRL: the old policy is always the sampler's recorded log-probs (TRL uses
-the trainer's own log-probs unless it samples with vLLM), so rollouts from any engine
-are treated alike; optimizer state is carried between rounds in the adapter folder.
+A round: shuffle the scored rows, cut them into optimizer steps of gradient_accumulation_steps
+micro-batches, compute pi_old once, then `num_iterations` passes over the steps (TRL's mu).
+Micro-batches with no signal (all advantages 0, or all masked by `mask_truncated_completions`)
+are skipped (`skip_zero_advantage_batches`); each step clips the gradient norm to
+`max_grad_norm` and sets the learning rate from a schedule over the whole run's steps
+(`lr_scheduler_type`, warmup, horizon `lr_schedule_rounds`).
+
+Departures from TRL: pi_old is always the trainer's own policy at the start of the round and
+the sampler's recorded log-probs enter only through the importance-sampling correction, so
+rollouts from any engine are treated alike; optimizer state is carried between rounds in the
+adapter folder; warmup step s uses (s + 1) / warmup_steps of the learning rate (HF: s / ...).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+ZERO_ADVANTAGE = 1e-8  # |A| below this is float noise of a group whose rewards are all equal
+
+log = logging.getLogger(__name__)
 
 
 class GRPOConfig(BaseModel):
@@ -38,7 +51,8 @@ class GRPOConfig(BaseModel):
     """lora: train a PEFT LoRA adapter (reference = adapter disabled). none: full fine-tuning
     (reference = the starting model, kept frozen in memory when beta > 0)."""
     learning_rate: float = Field(2e-4, gt=0)
-    """AdamW learning rate for the LoRA weights (constant)."""
+    """Peak learning rate of `optim` for the trainable weights (LoRA, or all with `adapter: none`); the
+    schedule (`lr_scheduler_type`, warmup) scales it per optimizer step."""
     beta: float = Field(0.0, ge=0)
     """KL coefficient against the reference (base, adapter disabled). TRL's default is 0.0."""
     epsilon: float = Field(0.2, gt=0)
@@ -50,9 +64,60 @@ class GRPOConfig(BaseModel):
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward pass."""
     gradient_accumulation_steps: int = Field(2, ge=1)
-    """Micro-batches per optimizer step; a round has rows / (micro_batch_size * this) steps."""
+    """Micro-batches per optimizer step; a round has rows / (micro_batch_size * this) steps per pass."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Clip the gradient's global L2 norm to this before each optimizer step (TRL's 1.0); the metric
+    `grad_norm` is the norm before clipping."""
     weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay of the optimizer (AdamW's, Adafactor's); 0 as TRL."""
+    optim: Literal["adamw", "adamw_8bit", "adafactor"] = "adamw"
+    """Optimizer (TRL/axolotl `optim`). adamw: torch AdamW, two fp32 moments per weight. adafactor:
+    transformers' Adafactor with a fixed learning rate (scale_parameter=False, relative_step=False):
+    factored second moment, no first moment: far less optimizer memory for full fine-tuning, noisier
+    steps. adamw_8bit: bitsandbytes' 8-bit AdamW (moments in 8 bits); needs bitsandbytes and the weights
+    on a CUDA GPU, which this stage (it trains on the CPU) does not give it: the stage stops with an error.
+    The optimizer state is carried from round to round (optimizer.pt); a round whose previous state was
+    made by another optimizer starts this one fresh, with a warning."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule over the whole run's optimizer steps (TRL `lr_scheduler_type`). constant
+    (default, as before): no decay, nothing depends on how many rounds the run has. linear / cosine: decay
+    to 0 at the end of `lr_schedule_rounds` rounds (HF's get_linear/cosine_schedule_with_warmup), which
+    must then be set."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps (counted from round 0) of linear warmup: step s < warmup_steps uses
+    learning_rate * (s + 1) / warmup_steps (HF uses s / warmup_steps, whose first step does nothing).
+    0: none. Needs no horizon, so it works with `constant`. Higher: gentler start of Adam's moments,
+    slower early learning. Exclusive with warmup_ratio."""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    """Warmup as a fraction of the schedule's horizon (TRL `warmup_ratio`): ceil(ratio * lr_schedule_rounds
+    * steps per round) steps. Needs lr_schedule_rounds."""
+    lr_schedule_rounds: int | None = Field(None, ge=1)
+    """Horizon of the schedule in rounds (linear/cosine reach 0 after it; warmup_ratio is a fraction of it).
+    Not taken from `rounds` on purpose: a round's artifact key leaves `rounds` out, so that raising
+    `rounds` reuses the rounds already trained; the horizon changes every round's learning rate, so it is a
+    field of its own and enters every key. Set it to `rounds` (raising it later retrains every round, as it
+    must); it may not be below `rounds` for linear/cosine (later rounds would train at 0). Unset: only
+    `constant` (with warmup_steps) is allowed. The schedule position of a step is round_index * steps per
+    round + its index in the round, assuming every round has as many rows as this one."""
+    num_iterations: int = Field(1, ge=1)
+    """Optimizer passes over a round's rollouts (TRL `num_iterations`, GRPO's mu). pi_old stays the policy
+    at the start of the round, so later passes are PPO-clipped against it; every pass goes through the
+    same micro-batches in the same order, as TRL's buffered generation batch. Higher: more updates per
+    generated sample (cheaper than generating), staler ratios, more clipping; 1 (TRL's default): one pass."""
+    skip_zero_advantage_batches: bool = True
+    """Skip micro-batches in which every row has advantage 0 (|A| < 1e-8: its group was all-correct or
+    all-wrong) or is masked out by mask_truncated_completions: no forward, no backward. A step
+    with only such micro-batches (or a whole round) takes no optimizer step: weights, optimizer state and
+    moments stay as they are, where AdamW would otherwise keep moving the weights on its momentum. With
+    beta = 0 a kept step's gradient is exactly what it would be without skipping (the loss normalizers
+    still count the skipped rows, as TRL's would); with beta > 0 the skipped rows' KL-only pull is dropped.
+    Counted in the metrics `skipped_batches` (micro-batches, per pass) and `skipped_steps`. True by
+    default: such micro-batches cost a forward and backward for no signal. False: step on them (TRL)."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length (finish_reason "length") out of the loss: their
+    tokens get mask 0 and do not count in dapo's normalizer (TRL `mask_truncated_completions`, DAPO's
+    overlong filtering). True: a cut-off answer is not punished or rewarded for being cut off; fewer tokens
+    train. False (TRL's default): every completion trains."""
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -76,6 +141,24 @@ class GRPOConfig(BaseModel):
     """Drop sequences with negative advantage whose mean KL(pi_sampling || pi_theta) per token exceeds this
     (DeepSeek-V3.2's off-policy sequence masking, TRL's off_policy_mask_threshold); unset: off."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _schedule_has_a_horizon(self):
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("warmup_steps and warmup_ratio are both set; set one (warmup_steps: optimizer steps, "
+                             "warmup_ratio: a fraction of lr_schedule_rounds)")
+        needs = ([f"lr_scheduler_type: {self.lr_scheduler_type}"] if self.lr_scheduler_type != "constant" else []) + (
+            [f"warmup_ratio: {self.warmup_ratio}"] if self.warmup_ratio else [])
+        if needs and self.lr_schedule_rounds is None:
+            raise ValueError(f"{' and '.join(needs)} {'need' if len(needs) > 1 else 'needs'} a horizon: set "
+                             f"lr_schedule_rounds (e.g. to rounds, {self.rounds}), or use warmup_steps with "
+                             "lr_scheduler_type: constant")
+        if (self.lr_scheduler_type != "constant" and self.lr_schedule_rounds is not None
+                and self.lr_schedule_rounds < self.rounds):
+            raise ValueError(f"lr_schedule_rounds is {self.lr_schedule_rounds} but rounds is {self.rounds}: the "
+                             f"{self.lr_scheduler_type} schedule reaches 0 after round {self.lr_schedule_rounds - 1} "
+                             "and later rounds would not learn; set lr_schedule_rounds >= rounds")
+        return self
 
 
 # ---------------------------------------------------------------- the math, pure functions
@@ -206,6 +289,33 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
     return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
 
 
+def scheduled_lr(step: int, learning_rate: float, scheduler_type: str, warmup_steps: int,
+                 total_steps: int | None) -> float:
+    """Learning rate of optimizer step `step` (0-based, counted over the whole run): linear warmup
+    lr * (step + 1) / warmup_steps, then constant, or linear / cosine decay reaching 0 at `total_steps`
+    (HF's get_{linear,cosine}_schedule_with_warmup after the warmup).
+
+    >>> [round(scheduled_lr(s, 1.0, "constant", 4, None), 2) for s in range(6)]
+    [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    >>> [round(scheduled_lr(s, 1.0, "linear", 2, 6), 2) for s in range(7)]
+    [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    >>> [round(scheduled_lr(s, 1.0, "cosine", 0, 4), 3) for s in range(5)]
+    [1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+    if step < warmup_steps:
+        return learning_rate * (step + 1) / warmup_steps
+    if scheduler_type == "constant":
+        return learning_rate
+    if total_steps is None:
+        raise ValueError(f"grpo.lr_scheduler_type: {scheduler_type} needs grpo.lr_schedule_rounds")
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    if scheduler_type == "linear":
+        return learning_rate * (1.0 - progress)
+    if scheduler_type == "cosine":
+        return learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"grpo.lr_scheduler_type: unknown {scheduler_type!r}; use constant, linear or cosine")
+
+
 def pad(rows: list[list], value, side: str, dtype) -> torch.Tensor:
     """Stack ragged lists into a (B, max_len) tensor padded on `side`."""
     width = max(len(r) for r in rows)
@@ -263,6 +373,56 @@ def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     return input_ids, attention_mask, batch["completion_ids"].size(1)
 
 
+def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer named by `grpo.optim` over `params`, at the peak learning rate."""
+    if cfg.optim == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=cfg.learning_rate, scale_parameter=False, relative_step=False,
+                         warmup_init=False, weight_decay=cfg.weight_decay)
+    if cfg.optim == "adamw_8bit":
+        device = params[0].device if params else torch.device("cpu")
+        if device.type != "cuda":
+            raise ValueError(f"grpo.optim: adamw_8bit is bitsandbytes' 8-bit AdamW, which needs a CUDA GPU; this "
+                             f"optimize stage trains on the {device.type}. Use grpo.optim: adamw (or adafactor for "
+                             "less optimizer memory).")
+        try:
+            import bitsandbytes
+        except ImportError as e:
+            raise ValueError(f"grpo.optim: adamw_8bit needs bitsandbytes, which does not import here ({e}); "
+                             "pip install bitsandbytes (its 8-bit optimizers need a CUDA GPU), "
+                             "or use grpo.optim: adamw") from e
+        return bitsandbytes.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    raise ValueError(f"grpo.optim: unknown {cfg.optim!r}; use adamw, adamw_8bit or adafactor")
+
+
+def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, prev_dir: Path | None) -> str:
+    """Continue from the previous round's optimizer.pt: 'loaded', 'new' (none there) or 'reset' (made by
+    another optimizer or for other weights: this one starts fresh, with a warning)."""
+    path = prev_dir / "optimizer.pt" if prev_dir is not None else None
+    if path is None or not path.exists():
+        return "new"
+    saved = torch.load(path, weights_only=True)
+    # {"optim", "state_dict"}; before grpo.optim existed the file was AdamW's bare state dict
+    saved_optim, state = (saved["optim"], saved["state_dict"]) if "optim" in saved else ("adamw", saved)
+    if saved_optim != cfg.optim:
+        log.warning("grpo.optim is %s but %s holds %s state; starting %s fresh", cfg.optim, path, saved_optim,
+                    cfg.optim)
+        return "reset"
+    try:
+        optimizer.load_state_dict(state)
+    except ValueError as e:  # another set of trainable weights
+        log.warning("%s does not fit these trainable weights (%s); starting %s fresh", path, e, cfg.optim)
+        return "reset"
+    return "loaded"
+
+
+def _is_truncated(row: dict) -> bool:
+    return row.get("finish_reason") == "length"
+
+
 def run(
     cfg: GRPOConfig,
     base_dir: Path,
@@ -273,10 +433,14 @@ def run(
     max_completion_length: int,
     out_dir: Path,
     on_step: Callable[[int, int], None] | None = None,
+    on_metrics: Callable[[dict, int], None] | None = None,
 ) -> dict:
     """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
     the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
-    round's output folder (None in round 0)."""
+    round's output folder (None in round 0). `on_step(done, total)` reports progress over the round's
+    optimizer steps (all passes, skipped ones included); `on_metrics(metrics, step)` receives each taken
+    step's loss, kl, clip_ratio, entropy, grad_norm, learning_rate, ... with its position in the run's
+    schedule (round_index * steps per round + step in the round)."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -288,94 +452,138 @@ def run(
         model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    if prev_adapter_dir is not None and (prev_adapter_dir / "optimizer.pt").exists():
-        optimizer.load_state_dict(torch.load(prev_adapter_dir / "optimizer.pt", weights_only=True))
+    optimizer = make_optimizer(cfg, params)
+    optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir)
 
     rows = pq.read_table(scored_path).to_pylist()
     random.Random(cfg.seed * 100_003 + round_index).shuffle(rows)
     step_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    steps = [rows[i : i + step_size] for i in range(0, len(rows), step_size)]
+    # steps[s]: the micro-batches of optimizer step s, the same in every pass
+    steps = [[step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
+             for step_rows in (rows[i : i + step_size] for i in range(0, len(rows), step_size))]
     epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    masked_out = {r["rollout_id"] for r in rows if cfg.mask_truncated_completions and _is_truncated(r)}
+
+    def trains(micro_batch: list[dict]) -> bool:
+        """False for a micro-batch with no signal: every row's advantage 0 or its loss masked."""
+        return not cfg.skip_zero_advantage_batches or any(
+            abs(r["advantage"]) >= ZERO_ADVANTAGE and r["rollout_id"] not in masked_out for r in micro_batch)
+
+    def loss_mask(micro_batch: list[dict], completion_mask: torch.Tensor) -> torch.Tensor:
+        keep = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
+        return completion_mask.float() * keep.unsqueeze(1)
 
     # pi_old: the policy at the start of the round, before any update (TRL computes it when a
-    # generation batch spans several optimizer steps, and always when it corrects for vLLM).
+    # generation batch spans several optimizer steps or num_iterations > 1, and always when it corrects
+    # for vLLM); every pass of the round is clipped against it.
     old_logps: dict[str, list[float]] = {}
     with torch.no_grad():
-        for i in range(0, len(rows), cfg.micro_batch_size):
-            chunk = rows[i : i + cfg.micro_batch_size]
+        for chunk in (mb for micro_batches in steps for mb in micro_batches if trains(mb)):
             ids, attn, keep = _inputs(collate(chunk, tokenizer.pad_token_id))
             logps, _ = completion_logps(model, ids, attn, keep, temperature)
             for row, lp in zip(chunk, logps):
                 old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
 
+    # the learning-rate schedule runs over the whole run's steps: this round's come after round_index rounds
+    steps_per_round = len(steps) * cfg.num_iterations
+    total_steps = cfg.lr_schedule_rounds * steps_per_round if cfg.lr_schedule_rounds is not None else None
+    warmup_steps = cfg.warmup_steps or (math.ceil(cfg.warmup_ratio * total_steps) if cfg.warmup_ratio else 0)
+
+    def lr_at(position: int) -> float:
+        return scheduled_lr(round_index * steps_per_round + position, cfg.learning_rate, cfg.lr_scheduler_type,
+                            warmup_steps, total_steps)
+
     history = []
-    for step_index, step_rows in enumerate(steps):
-        micro_batches = [step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
-        num_items = sum(len(r["completion_token_ids"]) for r in step_rows)
-        step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
-        for rows_mb in micro_batches:
-            batch = collate(rows_mb, tokenizer.pad_token_id)
-            mask = batch["completion_mask"].float()
-            sampling_logps = batch["old_per_token_logps"]
-            old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
-            input_ids, attention_mask, keep = _inputs(batch)
-            logps, entropy = completion_logps(model, input_ids, attention_mask, keep, temperature)
-            with torch.no_grad():
-                if ref_model is not None:
-                    ref_logps, _ = completion_logps(ref_model, input_ids, attention_mask, keep, temperature)
-                elif cfg.adapter == "lora":
-                    with model.disable_adapter():
-                        ref_logps, _ = completion_logps(model, input_ids, attention_mask, keep, temperature)
-                else:
-                    ref_logps = None
-            is_weights = keep_mask = None
-            if cfg.vllm_importance_sampling_correction:
-                is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
-                                                 cfg.vllm_importance_sampling_cap)
-                _track_is(step_stats, is_weights, mask)
-            if cfg.off_policy_mask_threshold is not None:
-                keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
-                                            cfg.off_policy_mask_threshold)
-            dropped = torch.zeros(len(rows_mb), dtype=torch.bool)
-            if is_weights is not None:
-                dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
-            if keep_mask is not None:
-                dropped |= keep_mask.squeeze(-1) == 0
-            step_stats["dropped"] = step_stats.get("dropped", 0.0) + float(dropped.sum())
-            loss, stats = grpo_loss(
-                logps, old, ref_logps, batch["advantages"], batch["completion_mask"],
-                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
-                max_completion_length=max_completion_length, num_items_in_batch=num_items,
-                gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
-                importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
-                off_policy_keep=keep_mask,
-            )
-            loss.backward()
-            step_stats["loss"] += float(loss.detach())
-            for key in ("kl", "clip_ratio"):
-                step_stats[key] += stats[key] * stats["tokens"]
-            step_stats["entropy"] += float((entropy * mask).sum())
-            step_stats["tokens"] += stats["tokens"]
-            step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"round {round_index} step {step_index}: gradient norm is {grad_norm}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        history.append(_step_metrics(step_stats, float(grad_norm)))
-        if on_step:
-            on_step(step_index + 1, len(steps))
+    skipped_batches = skipped_steps = 0
+    for iteration in range(cfg.num_iterations):
+        for step_index, micro_batches in enumerate(steps):
+            position = iteration * len(steps) + step_index
+            live = [mb for mb in micro_batches if trains(mb)]
+            skipped_batches += len(micro_batches) - len(live)
+            if not live:  # no signal in the whole step: no optimizer step, no state change
+                skipped_steps += 1
+                if on_step:
+                    on_step(position + 1, steps_per_round)
+                continue
+            # completion tokens of the whole step, skipped micro-batches included (dapo's normalizer)
+            num_items = sum(len(r["completion_token_ids"]) for mb in micro_batches for r in mb
+                            if r["rollout_id"] not in masked_out)
+            step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
+            for rows_mb in live:
+                batch = collate(rows_mb, tokenizer.pad_token_id)
+                mask = loss_mask(rows_mb, batch["completion_mask"])
+                sampling_logps = batch["old_per_token_logps"]
+                old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
+                input_ids, attention_mask, keep = _inputs(batch)
+                logps, entropy = completion_logps(model, input_ids, attention_mask, keep, temperature)
+                with torch.no_grad():
+                    if ref_model is not None:
+                        ref_logps, _ = completion_logps(ref_model, input_ids, attention_mask, keep, temperature)
+                    elif cfg.adapter == "lora":
+                        with model.disable_adapter():
+                            ref_logps, _ = completion_logps(model, input_ids, attention_mask, keep, temperature)
+                    else:
+                        ref_logps = None
+                is_weights = keep_mask = None
+                if cfg.vllm_importance_sampling_correction:
+                    is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
+                                                     cfg.vllm_importance_sampling_cap)
+                    _track_is(step_stats, is_weights, mask)
+                if cfg.off_policy_mask_threshold is not None:
+                    keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
+                                                cfg.off_policy_mask_threshold)
+                dropped = torch.zeros(len(rows_mb), dtype=torch.bool)
+                if is_weights is not None:
+                    dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
+                if keep_mask is not None:
+                    dropped |= keep_mask.squeeze(-1) == 0
+                step_stats["dropped"] = step_stats.get("dropped", 0.0) + float(dropped.sum())
+                loss, stats = grpo_loss(
+                    logps, old, ref_logps, batch["advantages"], mask,
+                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
+                    max_completion_length=max_completion_length, num_items_in_batch=num_items,
+                    gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
+                    importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
+                    off_policy_keep=keep_mask,
+                )
+                loss.backward()
+                step_stats["loss"] += float(loss.detach())
+                for key in ("kl", "clip_ratio"):
+                    step_stats[key] += stats[key] * stats["tokens"]
+                step_stats["entropy"] += float((entropy * mask).sum())
+                step_stats["tokens"] += stats["tokens"]
+                step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
+            learning_rate = lr_at(position)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            history.append({**_step_metrics(step_stats, float(grad_norm)), "learning_rate": learning_rate})
+            if on_metrics:
+                on_metrics(history[-1], round_index * steps_per_round + position)
+            if on_step:
+                on_step(position + 1, steps_per_round)
 
     model.save_pretrained(out_dir)
     if cfg.adapter == "none":
         tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-    torch.save(optimizer.state_dict(), out_dir / "optimizer.pt")
+    torch.save({"optim": cfg.optim, "state_dict": optimizer.state_dict()}, out_dir / "optimizer.pt")
     lengths = [len(r["completion_token_ids"]) for r in rows]
-    metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0] if k != "is_ratio_max"}
-    if "is_ratio_max" in history[0]:
-        metrics["is_ratio_max"] = max(h["is_ratio_max"] for h in history)
-    metrics.update(completion_length=sum(lengths) / len(lengths), optimizer_steps=len(steps))
+    metrics = {}
+    if history:  # means over the steps taken
+        metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]
+                   if k not in ("is_ratio_max", "learning_rate")}
+        if "is_ratio_max" in history[0]:
+            metrics["is_ratio_max"] = max(h["is_ratio_max"] for h in history)
+    metrics.update(completion_length=sum(lengths) / len(lengths), optimizer_steps=len(history),
+                   skipped_steps=skipped_steps, skipped_batches=skipped_batches,
+                   learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
+                   optimizer_state=optimizer_state)
+    if cfg.mask_truncated_completions:
+        metrics["truncated_masked"] = len(masked_out)  # completions left out of the loss
     return metrics
 
 

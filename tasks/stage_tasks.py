@@ -204,8 +204,8 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
     return materialize(
         ctx, "optimize", grpo, section, {"policy": policy, "adapter": adapter, "scored": scored},
-        lambda out, _: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
-                                round_index, temperature, max_len, out, on_step=bar),
+        lambda out, log: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
+                                  round_index, temperature, max_len, out, on_step=bar, on_metrics=log),
         label=f"optimize r{round_index}",
     )
 

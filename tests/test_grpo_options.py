@@ -1,0 +1,232 @@
+"""The optimize stage's options (issue 6 part 4): skip_zero_advantage_batches, mask_truncated_completions,
+num_iterations, optim, the learning-rate schedule, optimizer state across rounds.
+
+One tiny random policy (2 layers, width 64) samples one round of rollouts; each test rewrites that
+round's advantages / finish reasons by hand into a scored parquet and calls grpo.run directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from pydantic import ValidationError
+
+from stages import base_model, grpo, rollout, transform
+from stages.engines import Policy
+from stages.schemas import ROLLOUTS, SCORED, write_table
+
+ROWS = 32  # 8 prompts x 4 generations
+ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(root, rollout rows): a tiny policy and one round of its rollouts, unscored."""
+    root = tmp_path_factory.mktemp("grpo_options")
+    texts = [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>" for i in range(200)]
+    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
+                                     intermediate_size=128, num_hidden_layers=2)
+    base_model.run(cfg, texts, root / "model")
+    raw = [{"question": f"say {i}", "answer": str(i)} for i in range(16)]
+    (root / "raw.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    (root / "prompts").mkdir()
+    transform.run(transform.TransformConfig(), {"train": root / "raw.jsonl"}, root / "prompts")
+    (root / "rollouts").mkdir()
+    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=8, max_completion_length=6),
+                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
+    rows = pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
+    assert len(rows) == ROWS
+    return root, rows
+
+
+def _scored(root, name, rows, advantage=None, finish_reason=None):
+    """Write rows as a scored parquet; advantage(row) / finish_reason(row) set those columns."""
+    rows = [{**row, "finish_reason": finish_reason(row) if finish_reason else row["finish_reason"]} for row in rows]
+    values = [advantage(row) if advantage else ADVANTAGES[row["group_index"]] for row in rows]
+    table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
+             .append_column("rewards", pa.array([[("toy", a)] for a in values], type=SCORED.field("rewards").type))
+             .append_column("reward", pa.array(values, type=pa.float64()))
+             .append_column("advantage", pa.array(values, type=pa.float64()))
+             .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
+    path = root / f"{name}.parquet"
+    write_table(table, path, SCORED)
+    return path
+
+
+def _run(root, scored, name, prev=None, round_index=0, **options):
+    """grpo.run with small batches; returns (summary metrics, per-step metrics [(step, metrics)], out dir)."""
+    options = {"micro_batch_size": 8, "gradient_accumulation_steps": 2, "learning_rate": 1e-2, **options}
+    out = root / name
+    out.mkdir()
+    steps = []
+    metrics = grpo.run(grpo.GRPOConfig(**options), root / "model", prev, scored, round_index, 1.0, 6, out,
+                       on_metrics=lambda m, step: steps.append((step, m)))
+    return metrics, steps, out
+
+
+def _adapter(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+def _optimizer_state(out):
+    return torch.load(out / "optimizer.pt", weights_only=True)
+
+
+def test_zero_advantage_round_takes_no_step(tiny):
+    root, rows = tiny
+    trained, _, first = _run(root, _scored(root, "signal", rows), "zero_r0")
+    assert trained["optimizer_steps"] == 2 and trained["skipped_batches"] == 0
+    zero = _scored(root, "zero", rows, advantage=lambda r: 0.0)
+
+    skipped, steps, out = _run(root, zero, "zero_r1", prev=first, round_index=1)
+    assert skipped["optimizer_steps"] == 0 and steps == []
+    assert skipped["skipped_steps"] == 2 and skipped["skipped_batches"] == 4  # 32 rows / 8 per micro-batch
+    assert skipped["optimizer_state"] == "loaded"
+    before, after = _adapter(first), _adapter(out)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    old, new = _optimizer_state(first)["state_dict"], _optimizer_state(out)["state_dict"]
+    for i, state in old["state"].items():  # AdamW's step count and moments untouched
+        assert all(torch.equal(v, new["state"][i][k]) for k, v in state.items())
+
+    # Stepping on the zero gradients instead: AdamW's momentum from round 0 still moves the weights.
+    stepped, _, out = _run(root, zero, "zero_r1_stepped", prev=first, round_index=1,
+                           skip_zero_advantage_batches=False)
+    assert stepped["optimizer_steps"] == 2 and stepped["skipped_batches"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in _adapter(out).items())
+
+
+def test_skipping_a_zero_micro_batch_leaves_the_gradient_as_it_was(tiny):
+    """With beta = 0, a skipped micro-batch contributed exactly nothing: same gradient norm with and
+    without skipping (dapo's normalizer still counts its tokens)."""
+    root, rows = tiny
+    half = _scored(root, "half_zero", rows, advantage=lambda r: ADVANTAGES[r["group_index"]]
+                   if int(r["prompt_id"].rsplit("-", 1)[-1]) % 2 else 0.0)
+    options = dict(micro_batch_size=2, gradient_accumulation_steps=16)  # one step of 16 micro-batches
+    skipping, steps_a, _ = _run(root, half, "half_skip", **options)
+    stepping, steps_b, _ = _run(root, half, "half_step", skip_zero_advantage_batches=False, **options)
+    assert skipping["skipped_batches"] > 0 and stepping["skipped_batches"] == 0
+    assert skipping["optimizer_steps"] == stepping["optimizer_steps"] == 1
+    assert steps_a[0][1]["grad_norm"] == pytest.approx(steps_b[0][1]["grad_norm"], rel=1e-5)
+    assert steps_a[0][1]["loss"] == pytest.approx(steps_b[0][1]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_masked_truncated_completions_contribute_no_gradient(tiny):
+    """All rows in one optimizer step (dapo: the gradient does not depend on how rows fall into
+    micro-batches): masking the truncated rows gives the gradient of the other rows alone."""
+    root, rows = tiny
+    truncated = {r["rollout_id"] for r in rows[::3]}
+    reason = lambda r: "length" if r["rollout_id"] in truncated else "stop"  # noqa: E731
+    full = _scored(root, "trunc_full", rows, finish_reason=reason)
+    kept = _scored(root, "trunc_kept", [r for r in rows if r["rollout_id"] not in truncated], finish_reason=reason)
+    options = dict(micro_batch_size=8, gradient_accumulation_steps=4)
+
+    masked, masked_steps, masked_out = _run(root, full, "trunc_masked", mask_truncated_completions=True, **options)
+    alone, alone_steps, alone_out = _run(root, kept, "trunc_alone", **options)
+    unmasked, unmasked_steps, _ = _run(root, full, "trunc_unmasked", **options)
+    assert masked["truncated_masked"] == len(truncated) and "truncated_masked" not in unmasked
+    assert masked_steps[0][1]["grad_norm"] == pytest.approx(alone_steps[0][1]["grad_norm"], rel=1e-4)
+    assert masked_steps[0][1]["loss"] == pytest.approx(alone_steps[0][1]["loss"], rel=1e-4, abs=1e-7)
+    assert unmasked_steps[0][1]["grad_norm"] != pytest.approx(masked_steps[0][1]["grad_norm"], rel=1e-2)
+    a, b = _adapter(masked_out), _adapter(alone_out)
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)  # same update (lr 1e-2)
+
+    # truncated-only micro-batches carry no signal: skipped
+    all_truncated = _scored(root, "trunc_all", rows, finish_reason=lambda r: "length")
+    nothing, _, _ = _run(root, all_truncated, "trunc_nothing", mask_truncated_completions=True)
+    assert nothing["optimizer_steps"] == 0 and nothing["skipped_batches"] == 4
+
+
+def test_num_iterations_makes_more_passes_clipped_against_the_round_start(tiny):
+    root, rows = tiny
+    scored = _scored(root, "iterations", rows)
+    options = dict(micro_batch_size=16, gradient_accumulation_steps=1, learning_rate=5e-2)  # 2 steps per pass
+    one, one_steps, _ = _run(root, scored, "mu1", **options)
+    progress = []
+    out = root / "mu2"
+    out.mkdir()
+    two_steps = []
+    two = grpo.run(grpo.GRPOConfig(num_iterations=2, **options), root / "model", None, scored, 0, 1.0, 6, out,
+                   on_step=lambda done, total: progress.append((done, total)),
+                   on_metrics=lambda m, step: two_steps.append((step, m)))
+    assert one["optimizer_steps"] == 2 and two["optimizer_steps"] == 4
+    assert [s for s, _ in two_steps] == [0, 1, 2, 3] and progress[-1] == (4, 4)
+    assert two_steps[0][1]["clip_ratio"] == 0.0  # the first step is on-policy: ratio 1
+    # the second pass re-reads the same rollouts two updates later: ratios against pi_old leave the clip range
+    assert max(m["clip_ratio"] for _, m in two_steps[2:]) > 0.0
+    assert one_steps[0][1]["loss"] == pytest.approx(two_steps[0][1]["loss"], rel=1e-6)  # same first step
+
+
+def test_adafactor_trains_and_its_state_carries_to_the_next_round(tiny, caplog):
+    root, rows = tiny
+    scored = _scored(root, "optim", rows)
+    first, _, r0 = _run(root, scored, "adafactor_r0", optim="adafactor")
+    assert first["optimizer_steps"] == 2 and first["optimizer_state"] == "new"
+    assert any(torch.count_nonzero(w) > 0 for k, w in _adapter(r0).items() if "lora_B" in k)  # B starts at 0
+    assert _optimizer_state(r0)["optim"] == "adafactor"
+
+    second, _, r1 = _run(root, scored, "adafactor_r1", prev=r0, round_index=1, optim="adafactor")
+    assert second["optimizer_state"] == "loaded"
+    steps = [s["step"] for s in _optimizer_state(r1)["state_dict"]["state"].values()]
+    assert steps and all(float(s) == 4 for s in steps)  # 2 steps per round, continued
+
+    with caplog.at_level(logging.WARNING, logger="stages.grpo"):
+        switched, _, r2 = _run(root, scored, "adamw_r2", prev=r1, round_index=2, optim="adamw")
+    assert switched["optimizer_state"] == "reset" and switched["optimizer_steps"] == 2
+    assert "grpo.optim is adamw" in caplog.text and "holds adafactor state" in caplog.text
+    assert _optimizer_state(r2)["optim"] == "adamw"
+    assert all(float(s["step"]) == 2 for s in _optimizer_state(r2)["state_dict"]["state"].values())  # fresh
+
+
+def test_adamw_state_from_before_optim_existed_still_loads(tiny):
+    """optimizer.pt used to be AdamW's bare state dict."""
+    root, rows = tiny
+    scored = _scored(root, "legacy", rows)
+    _, _, r0 = _run(root, scored, "legacy_r0")
+    torch.save(_optimizer_state(r0)["state_dict"], r0 / "optimizer.pt")
+    again, _, _ = _run(root, scored, "legacy_r1", prev=r0, round_index=1)
+    assert again["optimizer_state"] == "loaded"
+
+
+def test_adamw_8bit_without_a_cuda_gpu_is_a_clear_error(tiny):
+    root, rows = tiny
+    with pytest.raises(ValueError, match=r"grpo.optim: adamw_8bit .*needs a CUDA GPU"):
+        _run(root, _scored(root, "bnb", rows), "bnb", optim="adamw_8bit")
+
+
+def test_warmup_starts_below_the_learning_rate_and_reaches_it(tiny):
+    root, rows = tiny
+    scored = _scored(root, "warmup", rows)
+    options = dict(micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=3)  # 4 steps per round
+    metrics, steps, _ = _run(root, scored, "warmup_r0", **options)
+    rates = [m["learning_rate"] for _, m in steps]
+    assert [s for s, _ in steps] == [0, 1, 2, 3]
+    assert rates == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])
+    assert all(m["grad_norm"] > 0 for _, m in steps)
+    assert metrics["learning_rate"] == pytest.approx(1e-2)
+    # round 1 continues the run's schedule: its steps are 4..7, past the warmup
+    _, steps, _ = _run(root, scored, "warmup_r1", round_index=1, **options)
+    assert [s for s, _ in steps] == [4, 5, 6, 7] and all(m["learning_rate"] == 1e-2 for _, m in steps)
+
+    # linear decay over 2 rounds with a quarter of warmup: 8 steps, 2 warming up, 0 after the last
+    _, steps, _ = _run(root, scored, "linear_r1", round_index=1, micro_batch_size=8, gradient_accumulation_steps=1,
+                       lr_scheduler_type="linear", warmup_ratio=0.25, lr_schedule_rounds=2, rounds=2)
+    assert [m["learning_rate"] for _, m in steps] == pytest.approx([1e-2 * f for f in (4 / 6, 3 / 6, 2 / 6, 1 / 6)])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(lr_scheduler_type="cosine"), "a horizon: set lr_schedule_rounds"),
+    (dict(warmup_ratio=0.1), "a horizon: set lr_schedule_rounds"),
+    (dict(lr_scheduler_type="linear", lr_schedule_rounds=4, rounds=6), "set lr_schedule_rounds >= rounds"),
+    (dict(warmup_steps=2, warmup_ratio=0.1), "set one"),
+])
+def test_schedule_options_are_checked(options, message):
+    with pytest.raises(ValidationError, match=message):
+        grpo.GRPOConfig(**options)
+    assert grpo.GRPOConfig(warmup_steps=5).lr_schedule_rounds is None  # constant + warmup_steps: no horizon
