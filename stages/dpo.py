@@ -329,6 +329,23 @@ def build_trainer(cfg: PreferenceOptimizationConfig, model, ref_model, tokenizer
     return quiet_trainer(trainer_class(**kwargs), cfg)
 
 
+def metrics_callback(prefix: str, on_metrics: Callable[[dict, int], None] | None, logged: list[dict]):
+    """A TrainerCallback passing each log's numeric entries to on_metrics (keys prefixed) and
+    keeping the training ones (those with a loss) in `logged`."""
+    from transformers import TrainerCallback
+
+    class ReportMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            numeric = {k: float(v) for k, v in (logs or {}).items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if numeric and "loss" in numeric:
+                logged.append(numeric)
+            if on_metrics and numeric:
+                on_metrics({prefix + k: v for k, v in numeric.items()}, state.global_step)
+
+    return ReportMetrics()
+
+
 def quiet_trainer(trainer, cfg):
     """After building a TRL trainer: no printed metric lines (they go to on_metrics), and the LoRA
     dropout TRL's disable_dropout zeroed set back to `cfg.lora_dropout`."""
@@ -367,7 +384,7 @@ def run(
     eval_accuracy_before, eval_accuracy_after}; the eval entries are None without an eval split
     of pairs.
     """
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
@@ -387,17 +404,9 @@ def run(
 
     logged: list[dict] = []
 
-    class ReportMetrics(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            numeric = {k: float(v) for k, v in (logs or {}).items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if numeric and "loss" in numeric:
-                logged.append(numeric)
-            if on_metrics and numeric:
-                on_metrics({METRIC_PREFIX + k: v for k, v in numeric.items()}, state.global_step)
-
     work_dir = out_dir / "_trainer"
-    trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir, [ReportMetrics()])
+    trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir,
+                            [metrics_callback(METRIC_PREFIX, on_metrics, logged)])
     result = trainer.train()
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None

@@ -537,23 +537,6 @@ def reward_model_function(model_dir: Path | str, batch_size: int = 32,
 # ---------------------------------------------------------------- training
 
 
-def _metrics_callback(on_metrics: Callable[[dict, int], None] | None, logged: list[dict]):
-    """A TrainerCallback passing each log's numeric entries to on_metrics (prefixed METRIC_PREFIX) and
-    keeping the training ones (those with a loss) in `logged`."""
-    from transformers import TrainerCallback
-
-    class ReportMetrics(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            numeric = {k: float(v) for k, v in (logs or {}).items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if numeric and "loss" in numeric:
-                logged.append(numeric)
-            if on_metrics and numeric:
-                on_metrics({METRIC_PREFIX + k: v for k, v in numeric.items()}, state.global_step)
-
-    return ReportMetrics()
-
-
 def _save(trained, tokenizer, cfg: RewardModelConfig, out_dir: Path) -> None:
     """The model folder: weights, tokenizer with its chat template, reward_model.json for the scorer."""
     trained.config.pad_token_id = tokenizer.pad_token_id
@@ -586,7 +569,7 @@ def run(
     from transformers import AutoTokenizer
     from trl import RewardTrainer
 
-    from stages.dpo import quiet_trainer, read_rows
+    from stages.dpo import metrics_callback, quiet_trainer, read_rows
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
@@ -609,7 +592,7 @@ def run(
     work_dir = out_dir / "_trainer"
     trainer = quiet_trainer(RewardTrainer(model=model, args=build_trl_config(cfg, work_dir),
                                           train_dataset=datasets.Dataset.from_list(train_rows),
-                                          processing_class=tokenizer, callbacks=[_metrics_callback(on_metrics, logged)],
+                                          processing_class=tokenizer, callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
                                           peft_config=lora_config(cfg)), cfg)
     if len(trainer.train_dataset) == 0:
         raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
@@ -686,7 +669,7 @@ def run_prm(
     import torch
     from transformers import AutoTokenizer, TrainingArguments
 
-    from stages.dpo import cpu_training_args, quiet_trainer, read_rows
+    from stages.dpo import cpu_training_args, metrics_callback, quiet_trainer, read_rows
 
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
@@ -729,7 +712,7 @@ def run_prm(
         model=model, args=TrainingArguments(**args, remove_unused_columns=False),
         train_dataset=datasets.Dataset.from_list(features),
         data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
-        callbacks=[_metrics_callback(on_metrics, logged)]), cfg)
+        callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)]), cfg)
     result = trainer.train()
 
     trained = trainer.model

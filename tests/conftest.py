@@ -37,6 +37,15 @@ export: {{model_name: test-tiny}}
 
 
 @pytest.fixture
+def tiny_config(tmp_path, tiny_config_text, monkeypatch):
+    """tiny_config_text written to a file, with MLflow on the sqlite store under its artifacts."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(tiny_config_text)
+    return path
+
+
+@pytest.fixture
 def out_dir(tmp_path):
     """An empty folder a stage writes into."""
     out = tmp_path / "out"

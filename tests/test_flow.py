@@ -14,14 +14,6 @@ from tasks.store import MANIFEST
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def tiny_config(tmp_path, tiny_config_text, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(tiny_config_text)
-    return path
-
-
 def computed(results):
     return [row["stage"] for row in results["stages"] if row["status"] == "computed"]
 

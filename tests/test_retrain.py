@@ -17,14 +17,6 @@ from mlflow import MlflowClient
 from tasks.store import MANIFEST
 
 
-@pytest.fixture
-def tiny_config(tmp_path, tiny_config_text, monkeypatch):
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    path = tmp_path / "tiny.yaml"
-    path.write_text(tiny_config_text)
-    return path
-
-
 def rows_file(path: Path, n: int, seed: int) -> Path:
     """Fresh question/answer rows of the demo task (the config's question_answer transform reads them)."""
     rng = random.Random(seed)
