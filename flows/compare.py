@@ -190,6 +190,7 @@ def stage_time_rows(runs: list[RunData], now_ms: int | None = None) -> list[list
 def artifact_rows(runs: list[RunData]) -> tuple[list[list[str]], list[str], list[str]]:
     """Per stage, each run's artifact content key and 'shared' / 'different':
     (rows, stages whose artifact is the same folder in every run, stages whose artifacts differ).
+    Folders are compared by path; where a run knows only the key (MLflow stage runs), by key.
     A stage one run never reached is neither; its cell is '-'."""
     by_run = [{s["stage"]: s for s in r.stages} for r in runs]
     rows, shared, different = [], [], []
@@ -198,7 +199,7 @@ def artifact_rows(runs: list[RunData]) -> tuple[list[list[str]], list[str], list
         keys = [s["key"] if s else MISSING for s in found]
         if any(s is None for s in found):
             verdict = "not in every run"
-        elif len({_folder(s) for s in found}) == 1:
+        elif len({s["path"] if all(f["path"] for f in found) else s["key"] for s in found}) == 1:
             verdict = "shared"
             shared.append(stage)
         else:
@@ -208,9 +209,35 @@ def artifact_rows(runs: list[RunData]) -> tuple[list[list[str]], list[str], list
     return rows, shared, different
 
 
-def _folder(stage: dict) -> str:
-    """The artifact folder; where only the key is known (MLflow stage runs), the key stands for it."""
-    return stage["path"] or stage["key"]
+def summarize_stages(labels: list[str]) -> str:
+    """Round stages folded into ranges: ["sft", "rollout r0", "rollout r1", "rollout r3"] -> "sft, rollout r0-r1, r3".
+
+    >>> summarize_stages(["sft", "rollout r0", "score r0", "rollout r1", "rollout r3"])
+    'sft, rollout r0-r1, r3, score r0'
+    """
+    groups: dict[str, list] = {}
+    for label in labels:
+        m = re.fullmatch(r"(.+) r(\d+)", label)
+        if m:
+            groups.setdefault(m[1], []).append(int(m[2]))
+        else:
+            groups.setdefault(label, None)
+    parts = []
+    for name, rounds in groups.items():
+        if rounds is None:
+            parts.append(name)
+            continue
+        spans, rounds = [], sorted(rounds)
+        start = prev = rounds[0]
+        for r in [*rounds[1:], None]:
+            if r is not None and r == prev + 1:
+                prev = r
+                continue
+            spans.append(f"r{start}" if start == prev else f"r{start}-r{prev}")
+            if r is not None:
+                start = prev = r
+        parts.append(f"{name} {', '.join(spans)}")
+    return ", ".join(parts) or "none"
 
 
 def default_plot_path(artifacts_dir: Path, runs: list[RunData]) -> Path:
@@ -281,8 +308,8 @@ def compare_report(runs: list[RunData], now_ms: int | None = None) -> str:
     out.append("artifacts (content key per stage)")
     if rows:
         out.append(format_table(["stage", *names, "same folder?"], rows, indent="  "))
-    out.append(f"  shared (reused, same folder in every run): {', '.join(shared) or 'none'}")
-    out.append(f"  different: {', '.join(different) or 'none'}")
+    out.append(f"  shared (reused, same folder in every run): {summarize_stages(shared)}")
+    out.append(f"  different: {summarize_stages(different)}")
     return "\n".join(out)
 
 
@@ -394,7 +421,7 @@ def resolve_runs(client, refs: list[str], artifacts_dir: Path) -> list[RunData]:
         if not matches and ref in by_id:
             matches = [by_id[ref]]
         if not matches and re.fullmatch(r"[0-9a-f]{32}", ref):
-            matches = [_get_parent(client, ref)] if _get_parent(client, ref) else []
+            matches = [run for run in [_get_parent(client, ref)] if run is not None]
         if not matches:
             known = ", ".join(r.info.run_name for r in parents[:5]) or "none (no pipeline runs in this store)"
             raise CompareError(f"unknown run {ref!r}: not a pipeline run name or MLflow run id in "
