@@ -176,8 +176,15 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
     run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
-    run_dir = root / "runs" / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    base, n = run_name, 1
+    while True:  # another run of this config started in the same second: <name>-2, -3, ...
+        run_dir = root / "runs" / run_name
+        try:
+            run_dir.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            run_name = f"{base}-{n}"
     resolved = run_dir / "config.yaml"
     resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     tags = {

@@ -136,15 +136,16 @@ class Lineage:
     def __init__(self, artifacts_root: Path, experiment: str):
         self.artifacts_root = artifacts_root
         self.uri = tracking_uri(artifacts_root)
-        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            location = None
-            if self.uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI"):
-                location = (artifacts_root / "mlruns").as_uri()
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = found.experiment_id
+        with store_lock(self.uri):  # one process at a time creates a fresh store's tables and the experiment
+            self.client = RetryingClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri))
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = None
+                if self.uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI"):
+                    location = (artifacts_root / "mlruns").as_uri()
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = found.experiment_id
         self.parent_id: str | None = None
         self._logged: set[tuple[str, int]] = set()  # (metric, step) the parent had before a resume
 

@@ -74,7 +74,7 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
                                      if isinstance(v, (int, float))})
     ctx.lineage.log_metrics(run_id, {"wall_time_s": artifact.manifest["wall_time_s"]})
     ctx.lineage.client.set_terminated(run_id)
-    ctx.reporter.done(label, stage, artifact.path, cached=False, started=started)
+    ctx.reporter.done(label, stage, artifact.path, cached=artifact.reused, started=started)
     return artifact
 
 

@@ -4,24 +4,38 @@
 canonical JSON of the stage's config section, input artifact keys). A folder is written
 in a temp folder beside it, `_manifest.json` last, then renamed into place; a folder
 without a valid manifest does not exist and is recomputed.
+
+Two runs sharing an artifacts folder compute each key once: `write` holds an exclusive lock
+per (stage, key) — `artifacts/<stage>/.locks/<key>.lock`, flock(2) across processes plus a
+threading.Lock across the threads of one process — and, once it has the lock, returns the
+artifact another run finished meanwhile instead of computing it again. A process that dies
+holding the lock releases it (the kernel drops flock locks with the process); its temp folder
+is never read and is deleted by the next writer of that key.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import inspect
 import json
+import logging
 import os
 import shutil
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
+LOCKS = ".locks"  # inside each stage folder: one <key>.lock file per key ever written
+
+log = logging.getLogger(__name__)
 
 
 def canonical_json(value: Any) -> str:
@@ -52,6 +66,9 @@ class Artifact:
     key: str
     path: Path
     manifest: dict
+    reused: bool = field(default=False, compare=False)
+    """True when `write` did not compute it: another run (process or thread) held the key's
+    lock, finished the folder, and this call returned that folder once the lock was free."""
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -85,10 +102,23 @@ class ArtifactStore:
 
     def write(self, stage: str, key: str, produce: Callable[[Path], dict], *, inputs: dict[str, str],
               config: Any) -> Artifact:
-        """Run produce(tmp_dir) -> summary dict, then publish the folder with its manifest."""
+        """Run produce(tmp_dir) -> summary dict, then publish the folder with its manifest.
+
+        Holds the (stage, key) lock throughout. If a valid folder exists once the lock is held
+        (another run computed it while this one waited), returns it with `reused=True` and does
+        not call produce."""
         final = self.path(stage, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        with key_lock(final.parent / LOCKS / f"{key}.lock", f"{stage}/{key}"):
+            found = self.get(stage, key)
+            if found is not None:
+                return replace(found, reused=True)
+            for stale in final.parent.glob(f".tmp-{key}-*"):  # left by a writer killed holding this lock
+                shutil.rmtree(stale, ignore_errors=True)
+            return self._write_locked(stage, key, final, produce, inputs, config)
+
+    def _write_locked(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict],
+                      inputs: dict[str, str], config: Any) -> Artifact:
+        tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         started = time.time()
         try:
@@ -105,8 +135,10 @@ class ArtifactStore:
                 "producers": {p: _version(p) for p in PRODUCERS},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-            if final.exists():  # an unfinished folder from a killed run: it never had a manifest
-                shutil.rmtree(final)
+            if final.exists():  # an unfinished folder from a killed run: moved aside in one step, then deleted
+                trash = final.parent / f".tmp-{key}-{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
+                os.replace(final, trash)
+                shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +157,60 @@ class ArtifactStore:
                 meta["schema"] = f.stem
             files[str(f.relative_to(folder))] = meta
         return files
+
+
+_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+_held = threading.local()  # .paths: the lock paths this thread holds (a nested key_lock is a no-op)
+_held_fds: set[int] = set()  # lock files this process holds, closed in forked children
+
+
+@contextmanager
+def key_lock(path: Path, what: str = "") -> Iterator[None]:
+    """Exclusive lock on `path` for the block: a threading.Lock per path serializes this process's
+    threads, flock(2) serializes processes; re-entering it in the thread that holds it is a no-op.
+    The kernel releases the flock when the holder exits or is killed; forked children close their
+    copy so they never keep it held (spawned and exec'd children do not inherit it at all)."""
+    held = _held.__dict__.setdefault("paths", set())
+    if str(path) in held:
+        yield
+        return
+    with _thread_locks_guard:
+        thread_lock = _thread_locks.setdefault(str(path), threading.Lock())
+    with thread_lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _held_fds.add(fd)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("%s: another run holds it; waiting (lock %s)", what or path, path)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            held.add(str(path))
+            try:
+                yield
+            finally:
+                held.discard(str(path))
+        finally:
+            _held_fds.discard(fd)
+            os.close(fd)  # releases the flock
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's locks: close its copies of the lock files and
+    start with fresh thread locks (one may have been held by a parent thread at the fork)."""
+    global _thread_locks, _thread_locks_guard, _held
+    for fd in list(_held_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_fds.clear()
+    _thread_locks, _thread_locks_guard, _held = {}, threading.Lock(), threading.local()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _version(package: str) -> str | None:

@@ -1,10 +1,12 @@
 """The artifact store: content keys, atomic writes, manifests as the only proof of existence."""
 
 import json
+import threading
+import time
 
 import pytest
 
-from tasks.store import MANIFEST, ArtifactStore
+from tasks.store import LOCKS, MANIFEST, ArtifactStore
 
 
 def produce_file(text):
@@ -64,4 +66,64 @@ def test_failed_producer_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         store.write("s", "k1", boom, inputs={}, config={})
     assert store.get("s", "k1") is None
-    assert list((tmp_path / "s").iterdir()) == []
+    assert [p.name for p in (tmp_path / "s").iterdir()] == [LOCKS]  # only the lock files
+
+
+def test_write_returns_a_folder_another_writer_finished_meanwhile(tmp_path):
+    """Two threads write one key at once: produce runs once, the second gets the first's folder."""
+    store = ArtifactStore(tmp_path)
+    calls, results = [], []
+
+    def produce(out):
+        calls.append(threading.get_ident())
+        time.sleep(0.3)
+        (out / "data.txt").write_text("once")
+        return {}
+
+    threads = [threading.Thread(target=lambda: results.append(store.write("s", "k1", produce, inputs={}, config={})))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert sorted(a.reused for a in results) == [False, True]
+    assert results[0] == results[1] and results[0].manifest == results[1].manifest
+
+
+def test_temp_folder_of_a_killed_writer_is_never_read_and_is_cleaned(tmp_path):
+    store = ArtifactStore(tmp_path)
+    stale = tmp_path / "s" / ".tmp-k1-99999-deadbeef"  # what a writer killed mid-produce leaves
+    stale.mkdir(parents=True)
+    (stale / "data.txt").write_text("half")
+    (stale / MANIFEST).write_text("{}")
+    assert store.get("s", "k1") is None
+    art = store.write("s", "k1", produce_file("whole"), inputs={}, config={})
+    assert not art.reused and (art.path / "data.txt").read_text() == "whole"
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [LOCKS, "k1"]
+
+
+def test_key_lock_is_reentrant_and_not_kept_by_forked_children(tmp_path):
+    import fcntl
+    import os
+
+    from tasks.store import key_lock
+
+    lock = tmp_path / "x.lock"
+    ready_r, ready_w = os.pipe()
+    with key_lock(lock):
+        with key_lock(lock):  # the same thread again: no deadlock
+            pass
+        child = os.fork()
+        if child == 0:  # a forked child (e.g. a worker pool) lives on after the parent lets go
+            os.write(ready_w, b"1")  # past the at-fork handlers
+            time.sleep(3)
+            os._exit(0)
+    os.read(ready_r, 1)
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if the child kept it
+    finally:
+        os.close(fd)
+        os.kill(child, 9)
+        os.waitpid(child, 0)
