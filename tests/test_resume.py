@@ -30,16 +30,18 @@ def posttrain(*args: str, env_root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([POSTTRAIN, *args], capture_output=True, text=True, timeout=600, env=own_env(env_root))
 
 
-def run_until(config: Path, artifacts: Path, finished_rounds: int, *args: str) -> None:
-    """Start `posttrain` and SIGKILL its whole process group once `finished_rounds` optimize rounds exist."""
-    log = artifacts.parent / f"killed-{finished_rounds}.log"
+def run_until(artifacts: Path, stage: str, finished_rounds: int, *args: str) -> None:
+    """Start `posttrain` and SIGKILL its whole process group while `stage` is being written (its temp
+    folder exists) once `finished_rounds` optimize rounds are done."""
+    log = artifacts.parent / f"killed-{stage}-{finished_rounds}.log"
     process = subprocess.Popen([POSTTRAIN, *args], stdout=subprocess.DEVNULL, stderr=open(log, "w"),
                                start_new_session=True, env=own_env(artifacts))
     deadline = time.time() + 300
-    while len(list((artifacts / "optimize").glob("*/_manifest.json"))) < finished_rounds:
+    while (len(list((artifacts / "optimize").glob("*/_manifest.json"))) < finished_rounds
+           or not list((artifacts / stage).glob(".tmp-*"))):
         assert process.poll() is None, f"finished before the kill: {log.read_text()[-2000:]}"
         assert time.time() < deadline, "no progress"
-        time.sleep(0.2)
+        time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -64,15 +66,17 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
 
     killed = tmp_path / "killed"
     args = ["run", str(config), f"artifacts_dir={killed}", *common]
-    run_until(config, killed, 1, *args)  # killed during round 1
+    run_until(killed, "rollout", 1, *args)  # killed while round 1 samples
     (run_name,) = [p.name for p in (killed / "runs").iterdir()]
 
     # a resume with another config is refused, naming the key
     changed = posttrain("resume", run_name, "--artifacts", str(killed), "grpo.learning_rate=0.5", env_root=killed)
     assert changed.returncode == 2 and "grpo.learning_rate" in changed.stderr, changed.stderr[-2000:]
 
-    run_until(config, killed, 3, "resume", run_name, "--artifacts", str(killed), "--quiet")  # killed in round 3
-    again = posttrain(*args, env_root=killed)  # the same command again finishes it
+    resume = ["resume", run_name, "--artifacts", str(killed), "--quiet"]
+    run_until(killed, "optimize", 2, *resume)  # killed mid-optimize of round 2
+    run_until(killed, "export", ROUNDS, *args)  # the same command again; killed while exporting
+    again = posttrain(*resume, env_root=killed)
     assert again.returncode == 0, again.stderr[-3000:]
 
     a = json.loads(next((straight / "runs").glob("*/summary.json")).read_text())
@@ -84,7 +88,7 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
     client_b = MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
     (run_a,), (run_b,) = parent_runs(client_a, "test-tiny"), parent_runs(client_b, "test-tiny")
     assert run_b.info.run_id == b["mlflow_run_id"] and run_b.info.status == "FINISHED"
-    assert run_b.data.tags["posttrain.resumed"] == "true" and run_b.data.tags["posttrain.resume_count"] == "2"
+    assert run_b.data.tags["posttrain.resumed"] == "true" and run_b.data.tags["posttrain.resume_count"] == "3"
     for name in ("train/reward_mean", "train/loss", "eval/accuracy"):
         ha, hb = history(client_a, run_a.info.run_id, name), history(client_b, run_b.info.run_id, name)
         assert [s for s, _ in hb] == [s for s, _ in ha], name  # every round once, none twice
