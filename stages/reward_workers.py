@@ -21,6 +21,7 @@ import multiprocessing as mp
 import numbers
 import reprlib
 import signal
+import threading
 import time
 import traceback
 from collections import deque
@@ -136,6 +137,7 @@ class RewardWorkerPool:
         self.ctx = mp.get_context("spawn")
         self.workers = [self._spawn() for _ in range(num_workers)]
         self.broken = False
+        self._lock = threading.Lock()
 
     def _spawn(self) -> _Worker:
         parent, child = self.ctx.Pipe()
@@ -179,7 +181,12 @@ class RewardWorkerPool:
 
         Returns per job, in order, (values, errors): one value per sample (a float, or None where the
         function said "not applicable" or failed) and {sample index: "<name>: <what went wrong>"}.
+        One call at a time: with async prefetch two rounds' score tasks share this pool from two threads.
         """
+        with self._lock:
+            return self._score(jobs)
+
+    def _score(self, jobs: list[tuple[str, dict, list[str]]]) -> list[tuple[list, dict[int, str]]]:
         values: list[list] = [[None] * len(ids) for _, _, ids in jobs]
         errors: list[dict[int, str]] = [{} for _ in jobs]
         pending = deque((j, 0, len(ids)) for j, (_, _, ids) in enumerate(jobs))  # whole batches first
@@ -272,16 +279,20 @@ class RewardWorkerPool:
 _POOLS: dict[tuple, RewardWorkerPool] = {}
 
 
+_POOLS_LOCK = threading.Lock()
+
+
 def shared_pool(names: list[str], num_workers: int, timeout_s: float,
                 sources: dict[str, str] | None = None) -> RewardWorkerPool:
     """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken."""
     key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
-    pool = _POOLS.get(key)
-    if pool is None or not pool.alive():
-        if pool is not None:
-            pool.close()
-        pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
-    return pool
+    with _POOLS_LOCK:  # score tasks of two rounds may ask at once (async prefetch)
+        pool = _POOLS.get(key)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close()
+            pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
+        return pool
 
 
 @atexit.register

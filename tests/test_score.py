@@ -579,3 +579,32 @@ def test_user_module_is_importable_here(user_rewards):
     # Sanity check of the fixture itself: the parent process imports it from tmp_path too.
     module = importlib.import_module(user_rewards)
     assert module.length(completions=["abc", [{"role": "assistant", "content": "de"}]]) == [3.0, 2.0]
+
+
+def test_two_threads_share_one_pool():
+    """Async prefetch scores two rounds from two threads on the process-wide pool: calls take turns."""
+    import threading
+
+    from stages.reward_workers import shared_pool
+
+    pool = shared_pool(["format"], 2, 30.0)
+    jobs = [("format", {"prompts": [[{"role": "user", "content": "?"}]] * 4,
+                        "completions": [[{"role": "assistant", "content": "<answer>1</answer>"}]] * 2
+                        + [[{"role": "assistant", "content": "1"}]] * 2}, ["a", "b", "c", "d"])] * 8
+    results, failures = [], []
+
+    def score():
+        try:
+            results.append(pool.score(jobs))
+        except Exception as e:  # noqa: BLE001 -- the test reports it
+            failures.append(e)
+
+    threads = [threading.Thread(target=score) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures and len(results) == 2
+    for result in results:
+        assert [values for values, _ in result] == [[1.0, 1.0, 0.0, 0.0]] * 8
+        assert all(errors == {} for _, errors in result)
