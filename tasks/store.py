@@ -6,7 +6,7 @@ in a temp folder beside it, `_manifest.json` last, then renamed into place; a fo
 without a valid manifest does not exist and is recomputed.
 
 Two runs sharing an artifacts folder compute each key once: `write` holds an exclusive lock
-per (stage, key) — `artifacts/<stage>/.locks/<key>.lock`, flock(2) across processes plus a
+per (stage, key) — `artifacts/.locks/<stage>/<key>.lock`, flock(2) across processes plus a
 threading.Lock across the threads of one process — and, once it has the lock, returns the
 artifact another run finished meanwhile instead of computing it again. A process that dies
 holding the lock releases it (the kernel drops flock locks with the process); its temp folder
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
-LOCKS = ".locks"  # inside each stage folder: one <key>.lock file per key ever written
+LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class ArtifactStore:
         (another run computed it while this one waited), returns it with `reused=True` and does
         not call produce."""
         final = self.path(stage, key)
-        with key_lock(final.parent / LOCKS / f"{key}.lock", f"{stage}/{key}"):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with key_lock(self.root / LOCKS / stage / f"{key}.lock", f"{stage}/{key}"):
             found = self.get(stage, key)
             if found is not None:
                 return replace(found, reused=True)

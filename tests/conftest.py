@@ -30,7 +30,8 @@ model: {{hidden_size: 64, num_attention_heads: 1, num_key_value_heads: 1, interm
 sft: {{num_train_epochs: 1, micro_batch_size: 32}}
 rollout: {{num_generations: 4, prompts_per_round: 8, max_completion_length: 8}}
 score: {{reward_num_workers: 1}}
-grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1}}
+grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1,
+       skip_zero_advantage_batches: false}}  # the tiny policy gets little reward signal; still step
 eval: {{max_completion_length: 8}}
 export: {{model_name: test-tiny}}
 """

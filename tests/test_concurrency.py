@@ -98,7 +98,7 @@ def test_writer_killed_holding_the_lock(tmp_path):
 
     b = SPAWN.Process(target=_write, args=(str(root), str(counter), "B", 0.0, None, queue))
     b.start()
-    assert _waiting_on(root / "s" / ".locks" / f"{KEY}.lock", 30), "B never blocked on A's lock"
+    assert _waiting_on(root / ".locks" / "s" / f"{KEY}.lock", 30), "B never blocked on A's lock"
     a.kill()
     a.join(10)
     (_, name, path, reused, manifest), = _results(queue, 1)

@@ -66,7 +66,8 @@ def test_failed_producer_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         store.write("s", "k1", boom, inputs={}, config={})
     assert store.get("s", "k1") is None
-    assert [p.name for p in (tmp_path / "s").iterdir()] == [LOCKS]  # only the lock files
+    assert [p.name for p in (tmp_path / "s").iterdir()] == []  # nothing half-written left
+    assert [p.name for p in (tmp_path / LOCKS / "s").iterdir()] == ["k1.lock"]
 
 
 def test_write_returns_a_folder_another_writer_finished_meanwhile(tmp_path):
@@ -100,7 +101,7 @@ def test_temp_folder_of_a_killed_writer_is_never_read_and_is_cleaned(tmp_path):
     assert store.get("s", "k1") is None
     art = store.write("s", "k1", produce_file("whole"), inputs={}, config={})
     assert not art.reused and (art.path / "data.txt").read_text() == "whole"
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [LOCKS, "k1"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["k1"]
 
 
 def test_key_lock_is_reentrant_and_not_kept_by_forked_children(tmp_path):
