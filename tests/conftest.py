@@ -52,3 +52,21 @@ def out_dir(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     return out
+
+
+def tiny_preference_model(root, num_train: int, num_eval: int):
+    """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
+    under root/prefs (shared by the DPO and reward-model tests)."""
+    from stages import base_model
+    from stages.demo_data import DemoDataConfig
+    from stages.preferences import DemoPairsConfig, write_demo_pairs
+
+    texts = [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
+             f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)]
+    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
+                                     intermediate_size=128, num_hidden_layers=2)
+    base_model.run(cfg, texts, root / "model")
+    (root / "prefs").mkdir()
+    write_demo_pairs(DemoPairsConfig(num_train=num_train, num_eval=num_eval), root / "prefs",
+                     DemoDataConfig(num_sft=10, num_train=10, num_eval=10))
+    return root

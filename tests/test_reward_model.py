@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 
-from stages import base_model
 from stages import reward_model as rm
-from stages.demo_data import DemoDataConfig
 from stages.dpo import read_rows
-from stages.preferences import DemoPairsConfig, write_demo_pairs, write_split
+from stages.preferences import write_split
+from conftest import tiny_preference_model
 
 FAST = dict(micro_batch_size=8, logging_steps=1, learning_rate=1e-3, lora_r=8, lora_alpha=16)
 
@@ -20,16 +19,7 @@ FAST = dict(micro_batch_size=8, logging_steps=1, learning_rate=1e-3, lora_r=8, l
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Qwen2 causal LM with the ChatML template and demo preference pairs (train 128, eval 64)."""
-    root = tmp_path_factory.mktemp("reward_model")
-    texts = [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
-             f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)]
-    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                                     intermediate_size=128, num_hidden_layers=2)
-    base_model.run(cfg, texts, root / "model")
-    (root / "prefs").mkdir()
-    write_demo_pairs(DemoPairsConfig(num_train=128, num_eval=64), root / "prefs",
-                     DemoDataConfig(num_sft=10, num_train=10, num_eval=10))
-    return root
+    return tiny_preference_model(tmp_path_factory.mktemp("reward_model"), num_train=128, num_eval=64)
 
 
 @pytest.fixture(scope="module")
