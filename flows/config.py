@@ -151,6 +151,10 @@ class PipelineConfig(BaseModel):
                 raise ValueError("rl: gdpo uses score.multi_objective_aggregation: normalize_then_sum; "
                                  f"got {self.score.multi_objective_aggregation!r} (use rl: grpo for that)")
             self.score = self.score.model_copy(update={"multi_objective_aggregation": "normalize_then_sum"})
+        if self.grpo.reroll_max_groups > self.rollout.prompts_per_round:
+            raise ValueError(f"grpo.reroll_max_groups is {self.grpo.reroll_max_groups} but a round samples "
+                             f"rollout.prompts_per_round = {self.rollout.prompts_per_round} prompts; re-rolled "
+                             "prompts take the place of the round's own, so set it at most that")
         if self.preferences is None and self.uses_rounds and "reward_model" in self.score.reward_funcs:
             # demo rows of the kind the reward model trains on
             wanted = "stepwise" if self.reward_model.kind == "prm" else "pair"

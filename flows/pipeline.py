@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from flows.config import ConfigError, PipelineConfig, load_config
 from stages.engines import close_engines, import_eagerly
 from stages.health import TrainingUnhealthy, check_round, quarantine
+from stages.replay import RoundSignals
 from stages.rollout_worker import close_workers
 from tasks.lineage import Lineage, flatten, git_commit, ui_command
 from tasks.publish import publish_round, publish_summary, sample_completions
@@ -37,6 +38,7 @@ from tasks.stage_tasks import (
     eval_task,
     export_task,
     optimize_task,
+    replay_task,
     rollout_task,
     score_task,
     sft_task,
@@ -78,6 +80,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/staleness": ("rollout", "staleness"),
     "rollout/tokens_per_s": ("rollout", "tokens_per_s"),
     "rollout/tokens": ("rollout", "tokens"),
+    "train/replayed_rows": ("optimize", "replayed_rows"),
 }
 
 
@@ -110,9 +113,12 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
 def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
     cfg = ctx.config
     in_flight: dict[int, tuple] = {}
+    # replay buffer + re-roll queue: rebuilt from the (cached) scored rounds on every run, in round order
+    signals = RoundSignals.from_config(cfg.grpo, cfg.grpo.rounds)
 
     def submit(r: int, adapter, version: int) -> None:
-        rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version)
+        reroll = signals.prompts_to_reroll(r) if signals else []
+        rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version, reroll)
         in_flight[r] = (rollouts, score_task.submit(ctx, rollouts, r))
 
     for r in range(min(lag + 1, cfg.grpo.rounds)):
@@ -124,7 +130,12 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         rollouts, scored = rollouts_future.result(), scored_future.result()
         waited = time.perf_counter() - waited
         started = time.perf_counter()
-        adapter = optimize_task(ctx, policy, adapter, scored, r)
+        train_on, replaced = scored, []
+        if signals:
+            replaced = signals.after_scoring(r, scored.file("scored.parquet"), f"{scored.stage}/{scored.key}")
+            if replaced:
+                train_on = replay_task(ctx, scored, replaced, r)
+        adapter = optimize_task(ctx, policy, adapter, train_on, r)
         optimize_s = time.perf_counter() - started
         if r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
@@ -133,12 +144,15 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
                    if key in summaries[stage]}
         metrics.update({k: v for k, v in summaries["score"].items() if k.startswith("rewards/")})  # per function
+        if signals:
+            metrics.update(signals.metrics(len(replaced), summaries["rollout"].get("rerolled_prompts", 0)))
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
                         "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
                         "time/waiting_s": waited})
         log_round(metrics, r, scored, adapter)
         lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
-                                      "policy_version": summaries["rollout"].get("policy_version", r)}
+                                      "policy_version": summaries["rollout"].get("policy_version", r),
+                                      **({"replay": train_on.key} if replaced else {})}
     return adapter, lineage_keys, metrics
 
 

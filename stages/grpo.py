@@ -113,6 +113,23 @@ class GRPOConfig(BaseModel):
     still count the skipped rows, as TRL's would); with beta > 0 the skipped rows' KL-only pull is dropped.
     Counted in the metrics `skipped_batches` (micro-batches, per pass) and `skipped_steps`. True by
     default: such micro-batches cost a forward and backward for no signal. False: step on them (TRL)."""
+    replay_buffer_size: int = Field(0, ge=0)
+    """Cache up to this many groups with signal (nonzero advantages) and swap them, in later rounds, for the
+    round's zero-signal groups (axolotl `replay_buffer_size`; stages/replay.py says how groups are kept and
+    drawn). The swapped-in rows are marked `replayed` in the round's replay artifact. Higher: fewer rounds
+    whose batch is mostly empty, more training on stale samples. 0 (default): off."""
+    replay_recompute_logps: bool = True
+    """For replayed rows, take the trainer's round-start log-probs as their sampling log-probs (axolotl
+    `replay_recompute_logps`): the stale sample is treated as on-policy, its importance-sampling weight is 1
+    and off-policy masking never drops it. False: keep the log-probs of the policy that sampled it, so the
+    correction (vllm_importance_sampling_*) and off_policy_mask_threshold weigh it by how stale it is."""
+    reroll_start_fraction: float = Field(1.0, gt=0, le=1)
+    """Re-roll prompts where every completion failed (all rewards 0) in later rounds, from round
+    max(1, int(rounds * this)) on (axolotl `reroll_start_fraction`): the model may solve them after some
+    training. Rolled-out rows are marked `rerolled`. 1.0 (default): off."""
+    reroll_max_groups: int = Field(1, ge=1)
+    """Prompts re-rolled per round at most, taken first-failed first; they replace the last prompts of the
+    round's slice (axolotl `reroll_max_groups`). At most rollout.prompts_per_round."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length (finish_reason "length") out of the loss: their
     tokens get mask 0 and do not count in dapo's normalizer (TRL `mask_truncated_completions`, DAPO's
@@ -483,6 +500,11 @@ def run(
             logps, _ = completion_logps(model, ids, attn, keep, temperature)
             for row, lp in zip(chunk, logps):
                 old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
+    replayed = [r for r in rows if r.get("replayed")]
+    if cfg.replay_recompute_logps:  # the stale sample counts as drawn from pi_old (docstring of the option)
+        for row in replayed:
+            if row["rollout_id"] in old_logps:
+                row["sampling_logprobs"] = old_logps[row["rollout_id"]]
 
     # the learning-rate schedule runs over the whole run's steps: this round's come after round_index rounds
     steps_per_round = len(steps) * cfg.num_iterations
@@ -582,6 +604,8 @@ def run(
                    skipped_steps=skipped_steps, skipped_batches=skipped_batches,
                    learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
                    optimizer_state=optimizer_state)
+    if replayed:
+        metrics["replayed_rows"] = len(replayed)
     if cfg.mask_truncated_completions:
         metrics["truncated_masked"] = len(masked_out)  # completions left out of the loss
     return metrics

@@ -132,6 +132,19 @@ def select_prompts(rows: list[dict], round_index: int, per_round: int, seed: int
     return [rows[i] for i in picked]
 
 
+def with_rerolls(picked: list[dict], rows: list[dict], reroll_prompt_ids: list[str]) -> tuple[list[dict], set[str]]:
+    """The round's prompts with the re-rolled ones (stages/replay.py) in place of the last of the slice:
+    (prompts, ids of the re-rolled). A re-rolled prompt already in the slice replaces nothing."""
+    by_id = {row["prompt_id"]: row for row in rows}
+    unknown = [p for p in reroll_prompt_ids if p not in by_id]
+    if unknown:
+        raise ValueError(f"rollout: re-roll prompt(s) {unknown} are not in the prompts table")
+    present = {row["prompt_id"] for row in picked}
+    extra = [by_id[p] for p in reroll_prompt_ids if p not in present][: len(picked)]
+    kept = picked[: len(picked) - len(extra)]
+    return kept + extra, set(reroll_prompt_ids)
+
+
 def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
     """Call the user's rollout_func and check what it returns, naming the function and the row."""
     from transformers import AutoTokenizer
@@ -168,8 +181,10 @@ def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sam
 
 
 def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
-        engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """Sample the round's completions into out_dir/rollouts.parquet; return a summary."""
+        engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
+        reroll_prompt_ids: list[str] = ()) -> dict:
+    """Sample the round's completions into out_dir/rollouts.parquet; return a summary.
+    `reroll_prompt_ids`: prompts sampled again in place of the last of the round's slice."""
     import time
 
     import pyarrow as pa
@@ -177,6 +192,7 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
 
     rows = pq.read_table(prompts_path).to_pylist()
     picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
+    picked, rerolled = with_rerolls(picked, rows, list(reroll_prompt_ids))
     expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
     total = len(expanded)
     done = 0
@@ -209,13 +225,14 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         rec.update(gen)
         rec.update(rollout_id=f"r{round_index}-{row['prompt_id']}-g{g}", prompt_id=row["prompt_id"],
                    group_index=g, prompt=row["prompt"], round_index=round_index, policy_version=policy.version,
-                   engine=engine_name)
+                   engine=engine_name, rerolled=row["prompt_id"] in rerolled)
         records.append(rec)
     write_table(pa.Table.from_pylist(records), out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
     lengths = [len(r["completion_token_ids"]) for r in records]
     return {
         "rows": len(records),
         "prompts": len(picked),
+        "rerolled_prompts": len(rerolled),
         "completion_length_mean": sum(lengths) / len(lengths),
         "truncated_frac": sum(r["finish_reason"] == "length" for r in records) / len(records),
         "tokens": sum(lengths),

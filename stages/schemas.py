@@ -37,6 +37,7 @@ ROLLOUTS = pa.schema(
         ("policy_version", pa.int32()),  # 0 = base policy, v = after v optimize rounds; staleness = round - version
         ("engine", pa.string()),  # transformers | vllm | vllm_server, or "<engine>+<rollout_func>"
         ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length"
+        ("rerolled", pa.bool_()),  # the prompt was re-queued after all its completions failed (stages/replay.py)
     ]
 )
 
@@ -48,6 +49,9 @@ SCORED_EXTRA = [
     ("errors", pa.list_(pa.string())),  # "<reward function>: <what failed>" per reward_on_error; [] when fine
 ]
 SCORED = pa.schema(list(ROLLOUTS) + [pa.field(n, t) for n, t in SCORED_EXTRA])
+
+# replay -> scored.parquet: what a round trains on when the replay buffer swapped groups in (stages/replay.py).
+REPLAYED = pa.schema(list(SCORED) + [pa.field("replayed", pa.bool_())])  # rows of an earlier round's group
 
 # preferences -> <split>.parquet: one schema for every kind of preference row (see stages/preferences.py).
 PREFERENCES = pa.schema(

@@ -19,6 +19,7 @@ from stages import (
     export,
     grpo,
     preferences,
+    replay,
     reward_model,
     rollout,
     schemas,
@@ -164,18 +165,21 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
 
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
-                 round_index: int, policy_version: int) -> Artifact:
+                 round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
     section["vllm"] = {k: v for k, v in section["vllm"].items() if k not in ("server_url", "server_timeout_s")}
     section = {**_round_section(section, round_index), "policy_version": policy_version}
+    if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
+        section["reroll_prompt_ids"] = list(reroll_prompt_ids)
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
     sampler = policy_for(ctx, policy, adapter, policy_version)
     options = rollout.engine_options(cfg, ctx.config.grpo.lora_r)
     run = shared_worker(cfg.worker_cpus, cfg.prefetch_torch_threads).run if cfg.worker_process else rollout.run
     return materialize(
         ctx, "rollout", rollout, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
-        lambda out, _: run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options, on_progress=bar),
+        lambda out, _: run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options, on_progress=bar,
+                           reroll_prompt_ids=list(reroll_prompt_ids)),
         label=f"rollout r{round_index}",
     )
 
@@ -193,13 +197,30 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
     )
 
 
+@task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)
+def replay_task(ctx: RunContext, scored: Artifact, replacements: list, round_index: int) -> Artifact:
+    """The round's scored rows with zero-signal groups swapped for cached groups of earlier rounds."""
+    section = {"round": round_index, "replacements": [r.as_key() for r in replacements]}
+    return materialize(
+        ctx, "replay", replay, section, {"scored": scored},
+        lambda out, _: replay.run(scored.file("scored.parquet"), replacements, round_index, out),
+        label=f"replay r{round_index}",
+    )
+
+
+ROUND_STATE_KEYS = ("replay_buffer_size", "reroll_start_fraction", "reroll_max_groups")
+"""grpo options that act across rounds, through the optimize stage's inputs (the replay artifact, the
+rollouts' re-rolled prompts), not inside it: not part of an optimize key."""
+
+
 @task(name="optimize", task_run_name="optimize-r{round_index}", cache_policy=NO_CACHE)
 def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, scored: Artifact,
                   round_index: int) -> Artifact:
     cfg = ctx.config.grpo
     temperature = ctx.config.rollout.temperature
     max_len = ctx.config.rollout.max_completion_length
-    section = {**_round_section(cfg.model_dump(mode="json"), round_index), "temperature": temperature,
+    options = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ROUND_STATE_KEYS}
+    section = {**_round_section(options, round_index), "temperature": temperature,
                "max_completion_length": max_len}
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
     return materialize(

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from stages import base_model, grpo, rollout, transform
 from stages.engines import Policy
-from stages.schemas import ROLLOUTS, SCORED, write_table
+from stages.schemas import REPLAYED, ROLLOUTS, SCORED, write_table
 
 ROWS = 32  # 8 prompts x 4 generations
 ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
@@ -115,6 +115,35 @@ def test_skipping_a_zero_micro_batch_leaves_the_gradient_as_it_was(tiny):
     assert skipping["optimizer_steps"] == stepping["optimizer_steps"] == 1
     assert steps_a[0][1]["grad_norm"] == pytest.approx(steps_b[0][1]["grad_norm"], rel=1e-5)
     assert steps_a[0][1]["loss"] == pytest.approx(steps_b[0][1]["loss"], rel=1e-5, abs=1e-7)
+
+
+def _replayed(root, name, rows, replayed: bool, logp_shift: float):
+    """A scored parquet whose rows are marked replayed (or not) and were sampled by a policy whose
+    log-probs were `logp_shift` below this one's: a stale group from the replay buffer."""
+    path = _scored(root, f"{name}_scored", rows)
+    table = pq.read_table(path)
+    shifted = [[lp + logp_shift for lp in lps] for lps in table.column("sampling_logprobs").to_pylist()]
+    table = (table.set_column(table.schema.get_field_index("sampling_logprobs"), "sampling_logprobs",
+                              pa.array(shifted, type=pa.list_(pa.float32())))
+             .append_column("replayed", pa.array([replayed] * len(rows), type=pa.bool_())))
+    out = root / f"{name}.parquet"
+    write_table(table, out, REPLAYED)
+    return out
+
+
+def test_replay_recompute_logps_treats_replayed_rows_as_on_policy(tiny):
+    """The round-start policy's log-probs are the sampling log-probs of replayed rows: correction
+    weights 1. Without recompute (or for fresh rows) the stale sampler's log-probs are kept, and the
+    pi_old / pi_sampling = e^2 ratio is truncated at the cap."""
+    root, rows = tiny
+    stale = _replayed(root, "stale_replayed", rows, replayed=True, logp_shift=-2.0)
+    recomputed, _, _ = _run(root, stale, "replay_recompute")
+    assert recomputed["replayed_rows"] == ROWS
+    assert recomputed["is_ratio_mean"] == pytest.approx(1.0) and recomputed["is_ratio_max"] == pytest.approx(1.0)
+    kept, _, _ = _run(root, stale, "replay_kept", replay_recompute_logps=False)
+    assert kept["is_ratio_max"] == pytest.approx(3.0) and kept["is_ratio_mean"] == pytest.approx(3.0)
+    fresh, _, _ = _run(root, _replayed(root, "stale_fresh", rows, replayed=False, logp_shift=-2.0), "replay_fresh")
+    assert "replayed_rows" not in fresh and fresh["is_ratio_mean"] == pytest.approx(3.0)
 
 
 def test_masked_truncated_completions_contribute_no_gradient(tiny):
