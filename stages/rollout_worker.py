@@ -42,11 +42,12 @@ def _main(conn, cpus: list[int] | None, torch_threads: int | None) -> None:
             job = conn.recv()
             if job is None:
                 break
-            cfg_json, policy, prompts_path, round_index, out_dir, engine_settings = job
+            cfg_json, policy, prompts_path, round_index, out_dir, engine_settings, reroll_prompt_ids = job
             try:
                 summary = rollout.run(rollout.RolloutConfig.model_validate(cfg_json), policy, Path(prompts_path),
                                       round_index, Path(out_dir), engine_settings,
-                                      on_progress=lambda done, total: conn.send(("progress", done, total)))
+                                      on_progress=lambda done, total: conn.send(("progress", done, total)),
+                                      reroll_prompt_ids=reroll_prompt_ids)
                 conn.send(("done", summary))
             except Exception as exc:  # sent back whole: the flow re-raises it with the worker's traceback
                 conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
@@ -73,13 +74,14 @@ class RolloutWorker:
         self._conn = parent
 
     def run(self, cfg, policy, prompts_path: Path, round_index: int, out_dir: Path,
-            engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None) -> dict:
+            engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
+            reroll_prompt_ids: list[str] = ()) -> dict:
         """Sample the round's rollouts in the worker process; return the stage summary."""
         with self._lock:
             if self._process is None or not self._process.is_alive():
                 self._start()
             self._conn.send((cfg.model_dump(mode="json"), policy, str(prompts_path), round_index, str(out_dir),
-                             engine_settings))
+                             engine_settings, list(reroll_prompt_ids)))
             while True:
                 try:
                     message = self._conn.recv()

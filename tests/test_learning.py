@@ -167,8 +167,9 @@ def test_broken_rollout_func_is_named(tiny_policy, fn, message):
 
 
 def test_rollout_worker_process_writes_what_the_flow_process_writes(tiny_policy):
-    """rollout.worker_process: same rollouts table (same seeds), progress forwarded, worker errors
-    and a killed worker surface as clear errors, and the next call starts a new worker."""
+    """rollout.worker_process: same rollouts table (same seeds, same re-rolled prompts), progress
+    forwarded, worker errors and a killed worker surface as clear errors, and the next call starts a
+    new worker."""
     from stages.rollout_worker import RolloutWorker, RolloutWorkerError
 
     root = tiny_policy
@@ -176,14 +177,16 @@ def test_rollout_worker_process_writes_what_the_flow_process_writes(tiny_policy)
     prompts = root / "prompts" / "train.parquet"
     here, there = root / "worker_here", root / "worker_there"
     here.mkdir(), there.mkdir()
-    rollout.run(cfg, Policy(root / "model", version=1), prompts, 2, here)
+    reroll = [pq.read_table(prompts, columns=["prompt_id"]).column("prompt_id")[-1].as_py()]
+    rollout.run(cfg, Policy(root / "model", version=1), prompts, 2, here, reroll_prompt_ids=reroll)
     worker = RolloutWorker(torch_threads=1)
     seen = []
     try:
         summary = worker.run(cfg, Policy(root / "model", version=1), prompts, 2, there,
-                             on_progress=lambda done, total: seen.append((done, total)))
+                             on_progress=lambda done, total: seen.append((done, total)), reroll_prompt_ids=reroll)
         assert summary["rows"] == 8 and summary["staleness"] == 1 and seen[-1] == (8, 8)
-        columns = ["rollout_id", "completion_token_ids", "policy_version", "engine"]
+        assert summary["rerolled_prompts"] == 1
+        columns = ["rollout_id", "completion_token_ids", "policy_version", "engine", "rerolled"]
         assert pq.read_table(there / "rollouts.parquet", columns=columns).to_pylist() == \
             pq.read_table(here / "rollouts.parquet", columns=columns).to_pylist()
         for a, b in zip(pq.read_table(there / "rollouts.parquet").column("sampling_logprobs").to_pylist(),
