@@ -234,3 +234,31 @@ def test_a_run_trains_on_replayed_groups_and_rerolls_failed_prompts(prefect_harn
     # the choices are rebuilt the same on a rerun: every artifact is found, nothing is computed
     second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
     assert [r["stage"] for r in second["stages"] if r["status"] == "computed"] == []
+
+
+@pytest.mark.slow
+def test_with_async_prefetch_in_a_worker_process_rerolls_follow_the_lag(prefect_harness, tiny_config, tmp_path,
+                                                                       monkeypatch):
+    """Lag 1: round r's rollout is submitted once round r-2 is scored, so the first re-rolls come in
+    round 2 (round 1 was already sampling when round 0's failures were known); the rollout worker
+    process samples them; a rerun makes the same choices."""
+    from flows.pipeline import posttrain_pipeline
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    overrides = ["grpo.rounds=3", "score.reward_funcs=[toy_rewards.by_prompt]", "grpo.replay_buffer_size=8",
+                 "grpo.reroll_start_fraction=0.34", "grpo.reroll_max_groups=2", "rollout.async_prefetch=true",
+                 "rollout.worker_process=true"]
+    posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    root = tmp_path / "artifacts"
+    rounds = _round_artifacts(root)
+
+    def table(r: int, stage: str, name: str) -> list[dict]:
+        return pq.read_table(root / stage / rounds[r][stage] / name).to_pylist()
+
+    failed0 = [s.prompt_id for s in group_signals(table(0, "score", "scored.parquet")) if s.all_failed]
+    assert not any(r["rerolled"] for r in table(1, "rollout", "rollouts.parquet"))
+    rerolled2 = sorted({r["prompt_id"] for r in table(2, "rollout", "rollouts.parquet") if r["rerolled"]})
+    assert rerolled2 == sorted(failed0[:2])
+    assert "replay" in rounds[1] and "replay" in rounds[2]
+    second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert [r["stage"] for r in second["stages"] if r["status"] == "computed"] == []
