@@ -54,18 +54,40 @@ def out_dir(tmp_path):
     return out
 
 
-def tiny_preference_model(root, num_train: int, num_eval: int):
-    """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
-    under root/prefs (shared by the DPO and reward-model tests)."""
+def tiny_model(root, texts: list[str]):
+    """A tiny Qwen2 causal LM (2 layers, width 64, vocab 300) with the ChatML template under root/model,
+    its tokenizer trained on `texts`."""
     from stages import base_model
-    from stages.demo_data import DemoDataConfig
-    from stages.preferences import DemoPairsConfig, write_demo_pairs
 
-    texts = [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
-             f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)]
     cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
                                      intermediate_size=128, num_hidden_layers=2)
     base_model.run(cfg, texts, root / "model")
+
+
+def tiny_say_policy(root, num_prompts: int):
+    """tiny_model on "say i" chats under root/model and `num_prompts` "say i" prompts under
+    root/prompts/train.parquet (shared by the GRPO tests)."""
+    import json
+
+    from stages import transform
+
+    tiny_model(root, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>"
+                      for i in range(200)])
+    raw = [{"question": f"say {i}", "answer": str(i)} for i in range(num_prompts)]
+    (root / "raw.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    (root / "prompts").mkdir()
+    transform.run(transform.TransformConfig(), {"train": root / "raw.jsonl"}, root / "prompts")
+    return root
+
+
+def tiny_preference_model(root, num_train: int, num_eval: int):
+    """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
+    under root/prefs (shared by the DPO and reward-model tests)."""
+    from stages.demo_data import DemoDataConfig
+    from stages.preferences import DemoPairsConfig, write_demo_pairs
+
+    tiny_model(root, [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
+                      f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)])
     (root / "prefs").mkdir()
     write_demo_pairs(DemoPairsConfig(num_train=num_train, num_eval=num_eval), root / "prefs",
                      DemoDataConfig(num_sft=10, num_train=10, num_eval=10))

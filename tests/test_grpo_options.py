@@ -7,16 +7,16 @@ round's advantages / finish reasons by hand into a scored parquet and calls grpo
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import tiny_say_policy
 from pydantic import ValidationError
 
-from stages import base_model, grpo, rollout, transform
+from stages import grpo, rollout
 from stages.engines import Policy
 from stages.schemas import REPLAYED, ROLLOUTS, SCORED, write_table
 
@@ -27,15 +27,7 @@ ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(root, rollout rows): a tiny policy and one round of its rollouts, unscored."""
-    root = tmp_path_factory.mktemp("grpo_options")
-    texts = [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>" for i in range(200)]
-    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                                     intermediate_size=128, num_hidden_layers=2)
-    base_model.run(cfg, texts, root / "model")
-    raw = [{"question": f"say {i}", "answer": str(i)} for i in range(16)]
-    (root / "raw.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
-    (root / "prompts").mkdir()
-    transform.run(transform.TransformConfig(), {"train": root / "raw.jsonl"}, root / "prompts")
+    root = tiny_say_policy(tmp_path_factory.mktemp("grpo_options"), num_prompts=16)
     (root / "rollouts").mkdir()
     rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=8, max_completion_length=6),
                 Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")

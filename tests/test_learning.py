@@ -4,25 +4,15 @@ weights and raise the mean reward. Stages are called directly (no Prefect, no ML
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import tiny_say_policy
 
-from stages import base_model, grpo, rollout, score, transform
+from stages import grpo, rollout, score
 from stages.engines import Policy
 
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("learning")
-    texts = [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>" for i in range(200)]
-    cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
-                                     intermediate_size=128, num_hidden_layers=2)
-    base_model.run(cfg, texts, root / "model")
-    rows = [{"question": f"say {i}", "answer": str(i)} for i in range(32)]
-    (root / "prompts").mkdir()
-    import json
-
-    (root / "raw.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    transform.run(transform.TransformConfig(), {"train": root / "raw.jsonl"}, root / "prompts")
-    return root
+    return tiny_say_policy(tmp_path_factory.mktemp("learning"), num_prompts=32)
 
 
 def test_grpo_rounds_change_weights_and_raise_reward(tiny_policy):
