@@ -35,9 +35,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages.grpo import ZERO_ADVANTAGE
 from stages.schemas import REPLAYED, write_table
 
-ZERO_ADVANTAGE = 1e-8  # as stages/grpo.py: |A| below this is float noise of an all-equal group
 FAILED_REWARD = 1e-6  # |reward| below this counts as a failure for re-roll (axolotl's test)
 
 
@@ -173,17 +173,17 @@ def run(scored_path: Path, replacements: list[Replacement], round_index: int, ou
     """Write out_dir/scored.parquet: round `round_index`'s scored rows with each replaced group's rows
     swapped, in place, for its cached group's rows (as scored in their own round, `replayed` true)."""
     table = pq.read_table(scored_path)
-    cached: dict[tuple[Path, str], list[dict]] = {}
+    sources: dict[Path, list[dict]] = {}  # each earlier round's table read once
+    by_replaced = {}
     for rep in replacements:
-        where = (rep.group.source_path, rep.group.prompt_id)
-        if where not in cached:
-            found = [r for r in pq.read_table(where[0]).to_pylist() if r["prompt_id"] == where[1]]
-            if not found:
-                raise ValueError(f"replay: {where[0]} has no rows of prompt {where[1]!r} "
-                                 f"(cached from round {rep.group.round_index})")
-            cached[where] = found
-    by_replaced = {rep.replaced_prompt_id: cached[(rep.group.source_path, rep.group.prompt_id)]
-                   for rep in replacements}
+        path, prompt_id = rep.group.source_path, rep.group.prompt_id
+        if path not in sources:
+            sources[path] = pq.read_table(path).to_pylist()
+        found = [r for r in sources[path] if r["prompt_id"] == prompt_id]
+        if not found:
+            raise ValueError(f"replay: {path} has no rows of prompt {prompt_id!r} "
+                             f"(cached from round {rep.group.round_index})")
+        by_replaced[rep.replaced_prompt_id] = found
     out, done = [], set()
     for row in table.to_pylist():
         pid = row["prompt_id"]
