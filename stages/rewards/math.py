@@ -10,7 +10,12 @@ ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 FORMAT = re.compile(r"^\s*<answer>[^<]*</answer>\s*$", re.DOTALL)
 
 
-def _extract(text: str) -> str:
+def extract_answer(text: str) -> str:
+    """The text inside the first `<answer>...</answer>`, stripped; the whole text, stripped, without one.
+
+    >>> extract_answer("I think <answer> 7 </answer>"), extract_answer("7")
+    ('7', '7')
+    """
     match = ANSWER_TAG.search(text)
     return match.group(1).strip() if match else text.strip()
 
@@ -32,7 +37,7 @@ def accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> li
         raise ValueError("accuracy_reward needs an `answer` column in the prompts table")
     scores = []
     for completion, gold in zip(completions, answer):
-        predicted = _extract(completion_text(completion))
+        predicted = extract_answer(completion_text(completion))
         gold_text = str(gold)
         if predicted == gold_text:
             scores.append(1.0)
