@@ -32,6 +32,8 @@ from tasks.publish import TrackingConfig
 
 
 ROUND_METHODS = ("grpo", "gdpo")
+SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
+"""Sections whose `seed` the top-level `seed` sets."""
 
 
 class ScheduleConfig(BaseModel):
@@ -103,6 +105,11 @@ class PipelineConfig(BaseModel):
     """Run group: the MLflow experiment and the Prefect flow-run name prefix."""
     artifacts_dir: str = "artifacts"
     """Root of every stage folder, the MLflow sqlite store and Prefect's home."""
+    seed: int | None = None
+    """One seed for every random choice of training (TRL `seed`): sets model.seed (initialization),
+    sft.seed, rollout.seed, grpo.seed, dpo.seed and reward_model.seed. The demo data keep their own
+    demo_data.seed, so runs with different seeds evaluate on the same held-out prompts. Unset: each
+    section's own seed (all 0 by default)."""
     rl: Literal["grpo", "gdpo", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
     """Post-training method (axolotl's `rl`). grpo: rollout/score/optimize rounds (sections rollout,
     score, grpo); gdpo: the same rounds with score.multi_objective_aggregation normalize_then_sum. The
@@ -140,6 +147,13 @@ class PipelineConfig(BaseModel):
     def uses_rounds(self) -> bool:
         """True for the rollout/score/optimize methods (grpo, gdpo); False for the DPO family."""
         return self.rl in ROUND_METHODS
+
+    @model_validator(mode="after")
+    def _seed_reaches_every_section(self):
+        if self.seed is not None:
+            for section in SEEDED_SECTIONS:
+                setattr(self, section, getattr(self, section).model_copy(update={"seed": self.seed}))
+        return self
 
     @model_validator(mode="after")
     def _method_options_follow_rl(self):

@@ -1,7 +1,8 @@
 """The GRPO pipeline flow: which tasks run, in which order, per round.
 
 demo_data -> transform -> base_model -> sft -> eval(base)
-  -> [rollout(r) -> score(r) -> optimize(r)] x grpo.rounds -> export -> eval(final)
+  -> [rollout(r) -> score(r) -> optimize(r) (-> eval(r) every eval.every_rounds)] x grpo.rounds
+  -> export -> eval(final)
 
 Every stage is a cached artifact (tasks/store.py): running the same config again
 computes nothing. MLflow gets one parent run per pipeline run, a nested run per
@@ -21,7 +22,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.config import ConfigError, PipelineConfig, load_config
-from stages.engines import close_engines, import_eagerly
+from stages.engines import close_engines
 from stages.health import TrainingUnhealthy, check_round, quarantine
 from stages.replay import RoundSignals
 from stages.rollout_worker import close_workers
@@ -81,7 +82,22 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/tokens_per_s": ("rollout", "tokens_per_s"),
     "rollout/tokens": ("rollout", "tokens"),
     "train/replayed_rows": ("optimize", "replayed_rows"),
+    # policy collapse, from the round's completions (stages/health.py collapse_metrics)
+    "rollout/distinct_completions_per_group": ("score", "rollout/distinct_completions_per_group"),
+    "rollout/frac_identical_groups": ("score", "rollout/frac_identical_groups"),
+    "rollout/distinct_answers": ("score", "rollout/distinct_answers"),
+    "rollout/top_answer_frac": ("score", "rollout/top_answer_frac"),
+    "rollout/gold_top_answer_frac": ("score", "rollout/gold_top_answer_frac"),
 }
+
+
+EVAL_METRICS = ("accuracy", "constant_baseline", "distinct_answers", "answer_entropy", "format_rate")
+"""eval summary keys (stages/evaluate.py) logged to the parent run as eval/<key> at each evaluated step."""
+
+
+def eval_metrics(summary: dict) -> dict:
+    """The parent-run eval/* metrics of one eval artifact's summary."""
+    return {f"eval/{k}": summary[k] for k in EVAL_METRICS if k in summary}
 
 
 def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
@@ -96,7 +112,6 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     import torch
 
     cfg = ctx.config.rollout
-    import_eagerly()  # rollout tasks run in worker threads, beside the optimizer
     threads_before, cpus_before = torch.get_num_threads(), os.sched_getaffinity(0)
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
@@ -139,6 +154,10 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         optimize_s = time.perf_counter() - started
         if r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
+        if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
+            # eval.every_rounds: the policy after r + 1 rounds; base (step 0) and final are evaluated by the flow
+            evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
+            ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
         summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
                      "optimize": adapter.manifest["summary"]}
         metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
@@ -267,7 +286,9 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
         cfg = ctx.config.health
         rollouts = ctx.store.get(*scored.manifest["inputs"]["rollouts"].split("/", 1))
         truncated = rollouts.manifest["summary"].get("truncated_frac") if rollouts else None
-        findings = check_round({**metrics, **({"rollout/truncated_frac": truncated} if truncated is not None else {})},
+        top_answer = scored.manifest["summary"].get("top_answer")  # text, for the collapse finding's message
+        findings = check_round({**metrics, **({"rollout/truncated_frac": truncated} if truncated is not None else {}),
+                                **({"rollout/top_answer": top_answer} if top_answer is not None else {})},
                                cfg, ctx.config.rollout.max_completion_length)
         if not findings:
             return
@@ -346,7 +367,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
     try:
         prompts, base, policy = prepare_policy(ctx, parent)
         base_eval = eval_task(ctx, policy, prompts, label="base")
-        lineage.log_metrics(parent, {"eval/accuracy": base_eval.manifest["summary"]["accuracy"]}, step=0)
+        lineage.log_metrics(parent, eval_metrics(base_eval.manifest["summary"]), step=0)
 
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}"}
         if not cfg.uses_rounds:
@@ -356,11 +377,14 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
 
         exported = export_task(ctx, policy, adapter, lineage_keys, round_metrics)
         final_eval = eval_task(ctx, exported, prompts, label="final")
-        base_acc = base_eval.manifest["summary"]["accuracy"]
-        final_acc = final_eval.manifest["summary"]["accuracy"]
-        lineage.log_metrics(parent, {"eval/accuracy": final_acc}, step=cfg.grpo.rounds if cfg.uses_rounds else 1)
+        base_summary, final_summary = base_eval.manifest["summary"], final_eval.manifest["summary"]
+        base_acc, final_acc = base_summary["accuracy"], final_summary["accuracy"]
+        constant_baseline = final_summary.get("constant_baseline")  # same prompts as base: same baseline
+        lineage.log_metrics(parent, eval_metrics(final_summary), step=cfg.grpo.rounds if cfg.uses_rounds else 1)
         lineage.log_metrics(parent, {"eval/accuracy_base": base_acc, "eval/accuracy_final": final_acc,
-                                     "eval/accuracy_gain": final_acc - base_acc})
+                                     "eval/accuracy_gain": final_acc - base_acc,
+                                     **({"eval/gain_over_baseline": final_acc - constant_baseline}
+                                        if constant_baseline is not None else {})})
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
         lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
                                   "exported_model": str(exported.path)})
@@ -375,7 +399,14 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "experiment": cfg.name,
             "base_accuracy": base_acc,
             "final_accuracy": final_acc,
-            "eval_prompts": final_eval.manifest["summary"]["num_prompts"],
+            "eval_prompts": final_summary["num_prompts"],
+            # a constant answer's accuracy on the same prompts, and how spread the predicted answers are
+            "constant_baseline": constant_baseline,
+            "baseline_answer": final_summary.get("baseline_answer"),
+            "gain_over_baseline": final_acc - constant_baseline if constant_baseline is not None else None,
+            **{f"{which}_{k}": summary.get(k) for which, summary in (("base", base_summary), ("final", final_summary))
+               for k in ("format_rate", "distinct_answers", "answer_entropy", "top_answer", "top_answer_frac",
+                         "constant_policy")},
             "exported_model": str(exported.path),
             "registered_model_version": version,
             "promotion": promotion,

@@ -11,7 +11,8 @@ Three disjoint splits of raw rows {question, answer, teacher_completion}:
 - `eval`: held-out prompts for accuracy.
 
 The numbers of one question are distinct (with `number_digits: 2`, their tens digits
-are), so "largest" never hinges on a tie. Run `python -m stages.demo_data` to print a few rows.
+are), so "largest" never hinges on a tie. With `balanced_answers` (default) every possible
+largest number is equally likely, so no constant answer scores above ~1/5. Run `python -m stages.demo_data` to print a few rows.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class DemoDataConfig(BaseModel):
     """Held-out prompts for eval/accuracy (at least 200 for a meaningful number)."""
     teacher_accuracy: float = Field(0.4, ge=0.0, le=1.0)
     """How often the noisy teacher picks the largest number. Lower: weaker base policy."""
+    teacher_mistake: Literal["first", "second_largest", "random"] = "first"
+    """What the teacher says when it is wrong: the first number listed, the second largest, or a
+    random other number of the question."""
+    balanced_answers: bool = True
+    """true: each digit that can lead the largest number (5..9 for five numbers) does so for an equal
+    share of every split's rows, so the best constant answer is right on only ~1/5 of the prompts. false: numbers
+    drawn uniformly, so 9 is the answer of ~56% of the questions and "always 9" looks like skill."""
     seed: int = 1234
 
 
@@ -55,32 +63,51 @@ def format_answer(value: int | str) -> str:
     return f"<answer>{value}</answer>"
 
 
-def _question(rng: random.Random, k: int, digits: int) -> tuple[int, ...]:
-    leading = rng.sample(range(1, 10), k)
+def _question(rng: random.Random, k: int, digits: int, top: int | None) -> tuple[int, ...]:
+    """k numbers with distinct leading digits; `top`: the largest one's leading digit (None: any)."""
+    if top is not None:  # the others below it, then shuffled
+        leading = [top, *rng.sample(range(1, top), k - 1)]
+        rng.shuffle(leading)
+    else:
+        leading = rng.sample(range(1, 10), k)
     if digits == 1:
         return tuple(leading)
     return tuple(10 * t + rng.randrange(10) for t in leading)
 
 
+def _mistake(rng: random.Random, numbers: tuple[int, ...], kind: str) -> int:
+    if kind == "first":
+        return numbers[0]
+    if kind == "second_largest":
+        return sorted(numbers)[-2]
+    return rng.choice([n for n in numbers if n != max(numbers)])
+
+
 def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
-    """Write sft/train/eval raw-row Parquet files into out_dir; return row counts."""
+    """Write sft/train/eval raw-row Parquet files into out_dir; return row counts.
+
+    Eval questions are distinct and never appear in sft or train; sft and train questions may
+    repeat (five balanced one-digit numbers have only 120 questions whose largest is 5)."""
     rng = random.Random(cfg.seed)
     sizes = {"eval": cfg.num_eval, "sft": cfg.num_sft, "train": cfg.num_train}  # eval first: stable held-out set
-    seen: set[tuple[int, ...]] = set()
+    held_out: set[tuple[int, ...]] = set()
     counts = {}
     for split, size in sizes.items():
-        rows = []
-        attempts = 0
+        rows, seen, attempts = [], set(), 0
         while len(rows) < size:
-            attempts += 1
-            if attempts > 50 * (size + 10):
-                raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions; lower the counts")
-            numbers = _question(rng, cfg.numbers_per_question, cfg.number_digits)
-            if numbers in seen:
-                continue
+            k = cfg.numbers_per_question  # balanced: the largest leading digit cycles through k..9
+            top = k + len(rows) % (10 - k) if cfg.balanced_answers else None
+            while True:  # rejection keeps `top`, so held-out questions do not unbalance the answers
+                attempts += 1
+                if attempts > 50 * (size + 10):
+                    raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions outside the eval "
+                                     "split; lower demo_data.num_eval or raise demo_data.numbers_per_question")
+                numbers = _question(rng, cfg.numbers_per_question, cfg.number_digits, top)
+                if numbers not in held_out and not (split == "eval" and numbers in seen):
+                    break
             seen.add(numbers)
             answer = max(numbers)
-            teacher = answer if rng.random() < cfg.teacher_accuracy else numbers[0]
+            teacher = answer if rng.random() < cfg.teacher_accuracy else _mistake(rng, numbers, cfg.teacher_mistake)
             rows.append(
                 {
                     "question": f"Which is the largest of {', '.join(map(str, numbers))}?",
@@ -88,6 +115,9 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
                     "teacher_completion": format_answer(teacher),
                 }
             )
+        if split == "eval":
+            held_out = seen
+        rng.shuffle(rows)
         write_table(rows, out_dir / f"{split}.parquet", RAW)
         counts[split] = len(rows)
     return counts

@@ -13,6 +13,11 @@ is narrower -- tighten a bound to be warned earlier. Departure from the guide: i
 these checks read one value per round (the mean over the round's optimizer steps), so a single spiky
 step is averaged in rather than seen on its own.
 
+Collapse checks read what the policy wrote rather than how it trained (`collapse_metrics`, computed by the
+score stage from the round's completions): a policy that gives one answer to every prompt can still raise
+the reward when that answer is often right (measured: `<answer>9</answer>` to every "Which is the largest
+of ...?" prompt, where 9 is the gold answer of 59% of them), so its reward curve looks like learning.
+
     posttrain run configs/demo.yaml health.on_unhealthy=stop health.max_kl=0.5
 """
 
@@ -21,16 +26,25 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.rewards.math import extract_answer
+
 
 NOT_APPLICABLE_NAN = "rewards/"
 """Metric names starting with this may be NaN in a healthy run: a reward function's mean/std over the
 completions it applies to, NaN when it applies to none (score.py, as TRL's nanmean/nanstd)."""
+
+GOLD_MARGIN = 0.1
+"""A round's top answer is a collapse only if its share of the completions exceeds the share of prompts
+whose gold answer is the most common one by more than this: a policy that is right on a task whose gold
+answers are concentrated (all "yes", 85% "9") is not collapsed."""
 
 
 class HealthConfig(BaseModel):
@@ -70,6 +84,20 @@ class HealthConfig(BaseModel):
     """rollout/truncated_frac (share of completions cut at rollout.max_completion_length) at most this.
     axolotl (completions/clipped_ratio): healthy < 0.3; > 0.8 means most completions hit the cap. Without
     that metric, a mean completion_length at the cap counts as all truncated."""
+    max_top_answer_frac: float = Field(0.9, ge=0, le=1)
+    """rollout/top_answer_frac (share of the round's completions giving its single most common answer,
+    `extract_answer`) at most this -- or, where the prompts have gold answers, at most their own
+    concentration (rollout/gold_top_answer_frac) + 0.1 if that is higher. Above both: the policy gives one
+    answer regardless of the prompt (policy collapse), which a reward that is often right for that answer
+    does not see. 0.9: a healthy policy on a task with varied answers stays well below; lower it to be
+    warned earlier, at the risk of warning on tasks whose answers are few (yes/no, small integers) and have
+    no gold column to compare with; 1 turns it off."""
+    max_frac_identical_groups: float = Field(0.9, ge=0, le=1)
+    """rollout/frac_identical_groups (share of prompt groups whose completions are all the same text, so
+    the same reward, zero advantage and no gradient) at most this. 0.9: GRPO learns only from groups with
+    variation; above it the round is (nearly) all collapsed groups. A fully converged policy (right on
+    every prompt, the same way every time) can reach it too, so read it as a warning, not proof of a fault;
+    raise it to 1 to turn it off."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,15 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int) ->
     [('train/loss', True)]
     >>> check_round({"rollout/truncated_frac": 0.9}, cfg, 256)[0].message
     'completions are cut at rollout.max_completion_length (256 tokens): raise it, or look for reward hacking by length'
+
+    A top answer is a collapse above max_top_answer_frac and the gold answers' own concentration + 0.1;
+    its text travels as `rollout/top_answer`:
+
+    >>> collapsed = {"rollout/top_answer_frac": 0.97, "rollout/gold_top_answer_frac": 0.59, "rollout/top_answer": "9"}
+    >>> check_round(collapsed, cfg, 256)[0].message[:96]
+    "policy collapse: 97% of completions answer '9' (gold answers: at most 59% share one answer); the"
+    >>> check_round({**collapsed, "rollout/gold_top_answer_frac": 0.95}, cfg, 256)  # gold is that concentrated
+    []
     """
     numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     findings = [Finding(k, v, "finite", "not a number: the weights of this round cannot be trusted "
@@ -173,7 +210,82 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int) ->
     elif values.get("train/completion_length", 0.0) >= max_completion_length:  # a mean at the cap: all cut
         findings.append(Finding("train/completion_length", values["train/completion_length"],
                                 f"< {max_completion_length}", cut))
+
+    if "rollout/top_answer_frac" in values:  # collapse: one answer whatever the prompt
+        top, gold = values["rollout/top_answer_frac"], values.get("rollout/gold_top_answer_frac")
+        bound = cfg.max_top_answer_frac if gold is None else max(cfg.max_top_answer_frac, gold + GOLD_MARGIN)
+        if top > bound:
+            answer = metrics.get("rollout/top_answer")
+            answer = f"answer {_short(answer)}" if isinstance(answer, str) else "give one answer"
+            compared = ("no gold answers to compare" if gold is None
+                        else f"gold answers: at most {gold:.0%} share one answer")
+            findings.append(Finding(
+                "rollout/top_answer_frac", top, f"<= {bound:g}",
+                f"policy collapse: {top:.0%} of completions {answer} ({compared}); the policy gives one answer "
+                "regardless of the prompt, and the reward rewards it as often as that answer is right (check "
+                "the rewards for that shortcut; raise rollout.temperature or grpo.beta, lower grpo.learning_rate)"))
+    check("rollout/frac_identical_groups", None, cfg.max_frac_identical_groups,
+          why_high="(almost) every prompt group's completions are one identical text: no variation within "
+                   "the group, zero advantages (mode collapse, or a fully converged policy; raise "
+                   "rollout.temperature, lower grpo.learning_rate, or add a KL penalty with grpo.beta)")
     return findings
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """repr of a text, cut to `limit` characters for a one-line message."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def collapse_metrics(prompt_ids: Sequence, completions: Sequence[str],
+                     gold_answers: Sequence | None = None) -> dict:
+    """Signs of a collapsed policy in one round's completions (one row per completion, as the rollouts
+    table; rows of one prompt id form its group). An answer is `stages.rewards.math.extract_answer` of the
+    completion: the text in `<answer>...</answer>`, else the whole completion.
+
+    - `rollout/distinct_completions_per_group`: mean over the groups of the number of distinct texts.
+    - `rollout/frac_identical_groups`: share of the groups (of 2+ completions) whose texts are all one;
+      absent where no group has 2.
+    - `rollout/distinct_answers`: distinct answers across the round.
+    - `rollout/top_answer_frac`: share of the completions giving the most common answer, `top_answer`
+      (the text, cut to 200 characters; not a metric).
+    - `rollout/gold_top_answer_frac` (with `gold_answers`, a row's gold answer, e.g. the prompts'
+      `answer` column): share of the prompts whose gold answer is the most common one. None is left out.
+
+    >>> m = collapse_metrics(["a", "a", "b", "b"], ["<answer>9</answer>"] * 3 + ["<answer> 9 </answer>"],
+    ...                      gold_answers=["9", "9", "7", "7"])
+    >>> m["rollout/top_answer_frac"], m["top_answer"], m["rollout/gold_top_answer_frac"]
+    (1.0, '9', 0.5)
+    >>> m["rollout/distinct_completions_per_group"], m["rollout/frac_identical_groups"]
+    (1.5, 0.5)
+    """
+    if len(prompt_ids) != len(completions) or (gold_answers is not None and len(gold_answers) != len(completions)):
+        raise ValueError(f"collapse_metrics: {len(prompt_ids)} prompt ids, {len(completions)} completions"
+                         + ("" if gold_answers is None else f", {len(gold_answers)} gold answers")
+                         + "; expected one of each per rollout row")
+    if not completions:
+        return {}
+    groups: dict = {}
+    for pid, text in zip(prompt_ids, completions):
+        groups.setdefault(pid, []).append(text)
+    distinct = [len(set(texts)) for texts in groups.values()]
+    multi = [len(set(texts)) == 1 for texts in groups.values() if len(texts) > 1]
+    answers = Counter(extract_answer(text) for text in completions)
+    top_answer, top_count = answers.most_common(1)[0]
+    metrics = {
+        "rollout/distinct_completions_per_group": sum(distinct) / len(distinct),
+        **({"rollout/frac_identical_groups": sum(multi) / len(multi)} if multi else {}),
+        "rollout/distinct_answers": len(answers),
+        "rollout/top_answer_frac": top_count / len(completions),
+        "top_answer": top_answer[:200],
+    }
+    if gold_answers is not None:
+        gold = {}
+        for pid, answer in zip(prompt_ids, gold_answers):
+            if answer is not None:
+                gold.setdefault(pid, str(answer).strip())
+        if gold:
+            metrics["rollout/gold_top_answer_frac"] = Counter(gold.values()).most_common(1)[0][1] / len(gold)
+    return metrics
 
 
 def quarantine(folder: Path) -> Path:

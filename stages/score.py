@@ -15,6 +15,9 @@ Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
 A reward function may return None for a sample it does not apply to; that sample counts as 0 in
 the weighted sum, as TRL's nansum does, and is left out of GDPO's per-function group statistics
 and of the `rewards/<name>/mean|std` metrics.
+
+The summary also holds the round's collapse metrics (`rollout/top_answer_frac`, distinct answers,
+identical groups; stages/health.py `collapse_metrics`), which the health checks read.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stages.health import collapse_metrics
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
 from stages.schemas import ROLLOUTS, SCORED, write_table
 
@@ -207,4 +211,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     for f, name in enumerate(cfg.reward_funcs):  # None (NaN) left out, as TRL's rewards/<name>/mean|std
         metrics[f"rewards/{_metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
         metrics[f"rewards/{_metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
+    # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for stages/health.py
+    metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
+                                    [r["answer"] for r in rows] if "answer" in table.column_names else None))
     return metrics

@@ -74,6 +74,34 @@ class Reporter:
             f"gain: {results['final_accuracy'] - results['base_accuracy']:+.3f}  "
             f"({results['eval_prompts']} held-out prompts)"
         )
+        for line in accuracy_notes(results):
+            warning = line.startswith("WARNING")
+            self.console.print(line, soft_wrap=True, markup=False, style="yellow" if warning else None)
         self.console.print(f"MLflow run: {results['mlflow_run_id']}  (experiment {results['experiment']!r})")
         self.console.print(f"exported model: {results['exported_model']}")
         self.console.print(f"open the MLflow UI: {results['mlflow_ui']}")
+
+
+BASELINE_MARGIN = 0.05
+"""Final accuracy below constant baseline + this is no evidence of learning the task."""
+
+
+def accuracy_notes(results: dict) -> list[str]:
+    """The constant baseline beside the accuracies, and plain warnings when the final policy answers
+    (nearly) the same thing to every prompt or does not beat always giving the most common answer."""
+    baseline = results.get("constant_baseline")
+    if baseline is None:  # a summary written before the eval recorded it
+        return []
+    final = results["final_accuracy"]
+    lines = [f"constant baseline: {baseline:.3f} (always answering {results.get('baseline_answer')!r})   "
+             f"gain over it: {final - baseline:+.3f}   final answers: {results.get('final_distinct_answers')} "
+             f"distinct, entropy {results.get('final_answer_entropy') or 0.0:.2f} nats"]
+    if results.get("final_constant_policy"):
+        lines.append(f"WARNING: the final policy gives the answer {results['final_top_answer']!r} to "
+                     f"{results['final_top_answer_frac']:.0%} of held-out prompts (a constant answer); its accuracy "
+                     f"{final:.3f} is what a constant answer scores (constant baseline {baseline:.3f}), not learning.")
+    elif final < baseline + BASELINE_MARGIN:
+        lines.append(f"WARNING: final accuracy {final:.3f} is below the constant baseline {baseline:.3f} + "
+                     f"{BASELINE_MARGIN}: always answering {results.get('baseline_answer')!r} scores about as well; "
+                     "no evidence the policy learned the task.")
+    return lines

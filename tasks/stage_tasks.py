@@ -27,7 +27,7 @@ from stages import (
     sft,
     transform,
 )
-from stages.engines import Policy
+from stages.engines import Policy, import_eagerly
 from stages.rollout_worker import shared_worker
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
@@ -59,6 +59,7 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
         ctx.reporter.done(label, stage, found.path, cached=True)
         return found
     started = ctx.reporter.start(label)
+    import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 
@@ -132,14 +133,21 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     )
 
 
+EVAL_SCHEDULE_KEYS = ("every_rounds",)  # when to evaluate, not what: not part of an eval's key
+
+
 @task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
-def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str) -> Artifact:
+def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
+              adapter: Artifact | None = None, version: int = -1) -> Artifact:
+    """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round."""
     cfg = ctx.config.eval
+    section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in EVAL_SCHEDULE_KEYS}
+    evaluated = policy_for(ctx, model, adapter, version)
     bar = ctx.reporter.progress(f"eval {label}", "prompt")
     return materialize(
-        ctx, "eval", evaluate, cfg.model_dump(mode="json"), {"model": model, "prompts": prompts},
-        lambda out, _: evaluate.run(cfg, model.path, None, prompts.file(f"{cfg.split}.parquet"), out,
-                                    on_progress=bar),
+        ctx, "eval", evaluate, section, {"model": model, "prompts": prompts, "adapter": adapter},
+        lambda out, _: evaluate.run(cfg, evaluated.model_dir, evaluated.adapter_dir,
+                                    prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar),
         label=f"eval {label}",
     )
 

@@ -1,6 +1,7 @@
-"""Health checks: each range on hand-written metric dicts, NaN/Inf always fatal, and the pipeline's
-warnings (MLflow tags, summary.json, Prefect summary) and stops (TrainingUnhealthy, checkpoints kept,
-a NaN round's optimize folder set aside)."""
+"""Health checks: each range on hand-written metric dicts, NaN/Inf always fatal, the collapse metrics on
+hand-made completions (and in the score stage's summary), and the pipeline's warnings (MLflow tags,
+summary.json, Prefect summary) and stops (TrainingUnhealthy, checkpoints kept, a NaN round's optimize
+folder set aside)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from stages.health import Finding, HealthConfig, TrainingUnhealthy, check_round, quarantine
+from stages.health import Finding, HealthConfig, TrainingUnhealthy, check_round, collapse_metrics, quarantine
 
 HEALTHY = {  # inside every default range (axolotl's healthy values)
     "train/reward_mean": 0.4, "train/reward_std": 0.3, "train/frac_reward_zero_std": 0.5, "train/entropy": 0.3,
@@ -100,6 +101,146 @@ def test_training_unhealthy_names_round_metric_value_and_the_checkpoint(tmp_path
     (nan,) = check_round({"train/loss": math.nan}, HealthConfig(), 256)
     err = str(TrainingUnhealthy(0, [nan], moved))
     assert "round 0" in err and "train/loss = nan" in err and str(moved) in err
+
+
+# --- policy collapse ---------------------------------------------------------------------------------
+# The measured failure: the demo task "Which is the largest of 3, 8, 1, 6, 4?", where 9 is the gold answer
+# of most prompts, and a policy that answers <answer>9</answer> to every one of them.
+
+GOLD = ["9", "9", "7", "9", "8", "9", "6", "9", "5", "9"]  # 10 prompts, 60% "9"
+
+
+def round_of(answers_per_prompt: list[list[str]], gold: list[str] | None = GOLD) -> dict:
+    """collapse_metrics of a round laid out as the rollouts table: one row per completion, group by group."""
+    ids = [f"p{i}" for i, group in enumerate(answers_per_prompt) for _ in group]
+    completions = [f"<answer>{a}</answer>" for group in answers_per_prompt for a in group]
+    golds = None if gold is None else [gold[i] for i, group in enumerate(answers_per_prompt) for _ in group]
+    return collapse_metrics(ids, completions, golds)
+
+
+def test_collapse_metrics_on_hand_made_completions():
+    m = collapse_metrics(["a", "a", "a", "b", "b", "b", "c", "c", "c"],
+                         ["<answer>9</answer>", "<answer>9</answer>", "<answer> 9 </answer>",  # 2 texts, 1 answer
+                          "<answer>7</answer>", "<answer>7</answer>", "<answer>9</answer>",  # 2 texts, 2 answers
+                          "<answer>7</answer>", "6", "x <answer>6</answer>"],  # 3 texts, 2 answers
+                         gold_answers=["9"] * 3 + ["7"] * 3 + [6] * 3)  # non-strings are compared as text
+    assert m == {
+        "rollout/distinct_completions_per_group": pytest.approx((2 + 2 + 3) / 3),
+        "rollout/frac_identical_groups": 0.0,
+        "rollout/distinct_answers": 3,  # 9, 7, 6
+        "rollout/top_answer_frac": pytest.approx(4 / 9),  # "9" 4 times, "7" 3 times, "6" twice
+        "top_answer": "9",
+        "rollout/gold_top_answer_frac": pytest.approx(1 / 3),  # one gold answer per prompt, not per row
+    }
+    same = collapse_metrics(["a", "a", "b", "b"], ["<answer>9</answer>"] * 4)
+    assert same["rollout/frac_identical_groups"] == 1.0 and same["rollout/distinct_completions_per_group"] == 1.0
+    assert same["rollout/top_answer_frac"] == 1.0 and "rollout/gold_top_answer_frac" not in same
+    # one completion per prompt: no group to be identical; a gold answer None is left out
+    single = collapse_metrics(["a", "b"], ["1", "2"], [None, "2"])
+    assert "rollout/frac_identical_groups" not in single and single["rollout/gold_top_answer_frac"] == 1.0
+    assert collapse_metrics([], []) == {}
+    with pytest.raises(ValueError, match="3 prompt ids, 2 completions"):
+        collapse_metrics(["a", "a", "b"], ["1", "2"])
+
+
+def collapse_findings(metrics: dict, cfg: HealthConfig | None = None) -> list[Finding]:
+    """check_round as the pipeline calls it: the top answer's text travels as rollout/top_answer."""
+    numbers = {k: v for k, v in metrics.items() if k != "top_answer"}
+    return check_round({**HEALTHY, **numbers, "rollout/top_answer": metrics["top_answer"]}, cfg or HealthConfig(), 256)
+
+
+def test_constant_answer_is_a_collapse_even_when_it_is_often_right():
+    collapsed = round_of([["9", "9", "9", "9"]] * len(GOLD))
+    assert collapsed["rollout/top_answer_frac"] == 1.0 and collapsed["rollout/gold_top_answer_frac"] == 0.6
+    findings = collapse_findings(collapsed)
+    assert metrics_of(findings) == ["rollout/top_answer_frac", "rollout/frac_identical_groups"]
+    top = findings[0]
+    assert (top.value, top.range, top.fatal) == (1.0, "<= 0.9", False)
+    assert top.message.startswith("policy collapse: 100% of completions answer '9' (gold answers: at most 60% share "
+                                  "one answer); the policy gives one answer regardless of the prompt")
+    # no gold column: the bound alone decides, and the message says so
+    (no_gold,) = [f for f in collapse_findings(round_of([["9"] * 4] * 10, gold=None))
+                  if f.metric == "rollout/top_answer_frac"]
+    assert "no gold answers to compare" in no_gold.message
+    # a long answer (no <answer> tag: the whole completion) is cut in the message
+    long = collapse_metrics(["a", "b"], ["x" * 500] * 2)
+    assert len(long["top_answer"]) == 200 and "'xxx" in collapse_findings(long)[0].message
+    assert len(collapse_findings(long)[0].message) < 400
+
+
+def test_healthy_rounds_are_not_a_collapse():
+    # diverse, mostly right answers: the top answer is about as common as among the gold answers
+    right = round_of([[g, g, g, "1"] for g in GOLD])
+    assert right["rollout/top_answer_frac"] == pytest.approx(0.45)
+    assert collapse_findings(right) == []
+    # a policy that has learned the task: every completion right (and identical in its group) -- the identical
+    # groups warn, the answers do not
+    perfect = round_of([[g] * 4 for g in GOLD])
+    assert metrics_of(collapse_findings(perfect)) == ["rollout/frac_identical_groups"]
+    # gold answers all the same, and the policy gives it: right, not collapsed
+    yes = round_of([["yes", "yes", "yes", "yes "]] * 10, gold=["yes"] * 10)
+    assert yes["rollout/top_answer_frac"] == 1.0 and collapse_findings(yes) == []
+    # gold answers concentrated (90% "9") and the policy a bit more so (92.5%): within gold + 0.1
+    leaning = round_of([["9", "9", "9", "9 "]] * 9 + [["9", "7", "7", "7"]], gold=["9"] * 9 + ["7"])
+    assert leaning["rollout/top_answer_frac"] == pytest.approx(0.925) and collapse_findings(leaning) == []
+
+
+def test_collapse_bounds_are_overridable_and_edges_are_healthy():
+    edge = {"rollout/top_answer_frac": 0.9, "rollout/frac_identical_groups": 0.9, "rollout/top_answer": "9"}
+    assert check_round(edge, HealthConfig(), 256) == []
+    assert check_round({**edge, "rollout/gold_top_answer_frac": 0.5}, HealthConfig(), 256) == []
+    strict = HealthConfig(max_top_answer_frac=0.5, max_frac_identical_groups=0.5)
+    assert metrics_of(check_round(edge, strict, 256)) == ["rollout/top_answer_frac", "rollout/frac_identical_groups"]
+    # the gold answers' concentration raises the bound (0.85 + 0.1), never lowers it
+    (finding,) = check_round({"rollout/top_answer_frac": 0.97, "rollout/gold_top_answer_frac": 0.85}, strict, 256)
+    assert finding.range == "<= 0.95" and "give one answer" in finding.message  # no top answer text given
+    off = HealthConfig(max_top_answer_frac=1, max_frac_identical_groups=1)
+    assert check_round({**edge, "rollout/top_answer_frac": 1.0, "rollout/frac_identical_groups": 1.0}, off, 256) == []
+
+
+def test_identical_groups_finding():
+    (finding,) = check_round({**HEALTHY, "rollout/frac_identical_groups": 0.95}, HealthConfig(), 256)
+    assert (finding.metric, finding.value, finding.range, finding.fatal) == \
+        ("rollout/frac_identical_groups", 0.95, "<= 0.9", False)
+    assert "identical" in finding.message and "zero advantages" in finding.message
+
+
+def test_collapsed_round_stops_the_run_with_on_unhealthy_stop():
+    """As flows/pipeline.py check_health: with stop, every finding stops the run; the weights are kept."""
+    cfg = HealthConfig(on_unhealthy="stop")
+    findings = collapse_findings(round_of([["9", "9", "9", "9"]] * len(GOLD)), cfg)
+    stop = [f for f in findings if f.fatal or cfg.on_unhealthy == "stop"]
+    assert metrics_of(stop) == ["rollout/top_answer_frac", "rollout/frac_identical_groups"]
+    err = str(TrainingUnhealthy(2, stop))
+    assert "round 2" in err and "rollout/top_answer_frac = 1 (healthy: <= 0.9): policy collapse: 100%" in err
+    assert "answer '9'" in err and "intact" in err
+    assert not any(f.fatal for f in findings)  # warn (the default): logged and tagged, the run goes on
+
+
+def test_score_summary_carries_the_collapse_metrics(tmp_path, out_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages import reward_workers, score
+    from stages.schemas import ROLLOUTS
+
+    rows = [{"rollout_id": f"r0-p{p}-g{g}", "prompt_id": f"p{p}", "group_index": g,
+             "prompt": [{"role": "user", "content": f"Which is the largest of {gold}, 1?"}],
+             "completion": "<answer>9</answer>", "prompt_token_ids": [1], "completion_token_ids": [1, 2],
+             "sampling_logprobs": [-0.5, -0.5], "round_index": 0, "policy_version": 0, "engine": "hf",
+             "finish_reason": "stop", "rerolled": False, "answer": gold}
+            for p, gold in enumerate(["9", "9", "7"]) for g in range(2)]
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema(list(ROLLOUTS) + [pa.field("answer", pa.string())])),
+                   path)
+    try:
+        metrics = score.run(score.ScoreConfig(reward_funcs=["format"], reward_num_workers=1), path, 2, out_dir)
+    finally:
+        reward_workers._close_pools()
+    assert metrics["rollout/top_answer_frac"] == 1.0 and metrics["top_answer"] == "9"
+    assert metrics["rollout/gold_top_answer_frac"] == pytest.approx(2 / 3)
+    assert metrics["rollout/frac_identical_groups"] == 1.0 and metrics["rollout/distinct_answers"] == 1
+    json.dumps(metrics)  # the manifest summary is JSON
 
 
 @pytest.mark.slow

@@ -107,16 +107,27 @@ def _make(kind: str, base_dir: Path, options: dict) -> RolloutEngine:
     raise ValueError(f"rollout.engine: unknown engine {kind!r}; use transformers, vllm or vllm_server")
 
 
-def import_eagerly() -> None:
-    """Resolve transformers' and peft's lazy imports now, from one thread. Two threads resolving
-    the same lazy attribute at once (an async rollout beside an optimize step) can fail with
-    "cannot import name 'AutoTokenizer' from 'transformers'"."""
-    import peft  # noqa: F401
-    import transformers
+_IMPORTED = threading.Event()
+_IMPORT_LOCK = threading.Lock()
 
-    for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel"):
-        getattr(transformers, name)
-    from peft import LoraConfig, PeftModel, get_peft_model  # noqa: F401
+
+def import_eagerly() -> None:
+    """Resolve transformers' and peft's lazy imports once per process, one thread at a time. Two
+    threads resolving the same lazy attribute at once (an async rollout beside an optimize step)
+    can fail with "cannot import name 'AutoTokenizer' from 'transformers'". Called before a stage
+    computes (tasks/stage_tasks.py), so a fully cached run never pays for these imports."""
+    if _IMPORTED.is_set():
+        return
+    with _IMPORT_LOCK:
+        if _IMPORTED.is_set():
+            return
+        import peft  # noqa: F401
+        import transformers
+
+        for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoConfig", "PreTrainedModel"):
+            getattr(transformers, name)
+        from peft import LoraConfig, PeftModel, get_peft_model  # noqa: F401
+        _IMPORTED.set()
 
 
 def close_engines() -> None:

@@ -1,0 +1,106 @@
+"""Honest eval metrics: what a constant answer scores on the same prompts, how spread the predicted
+answers are, the run summary's warnings, and eval.every_rounds' intermediate evals in the flow."""
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from stages.evaluate import answer_stats
+from stages.rewards import accuracy_reward
+from tasks.reporting import accuracy_notes
+from tasks.store import MANIFEST
+
+
+def tagged(answers):
+    return [f"<answer>{a}</answer>" for a in answers]
+
+
+def test_a_constant_policy_has_one_answer_and_zero_entropy():
+    stats = answer_stats(tagged(["9"] * 20), ["9"] * 12 + ["4"] * 5 + [3] * 3)
+    assert stats["distinct_answers"] == 1 and stats["answer_entropy"] == 0.0
+    assert stats["top_answer"] == "9" and stats["top_answer_frac"] == 1.0 and stats["constant_policy"] is True
+    assert stats["constant_baseline"] == pytest.approx(12 / 20) and stats["baseline_answer"] == "9"
+
+
+def test_two_answers_half_and_half_have_entropy_ln2():
+    stats = answer_stats(tagged(["1", "2"] * 5), ["1"] * 10)
+    assert stats["distinct_answers"] == 2 and stats["answer_entropy"] == pytest.approx(math.log(2))
+    assert stats["top_answer_frac"] == 0.5 and stats["constant_policy"] is False
+    assert stats["constant_baseline"] == 1.0
+
+
+def test_all_right_is_accuracy_one_and_the_baseline_comes_from_gold_frequencies():
+    gold = [7, 7, 7, " 3", "3", 5, 8, 7]  # answers compared as str(answer).strip(): "3" twice
+    completions = tagged([str(a).strip() for a in gold])
+    assert accuracy_reward(completions=completions, answer=[str(a).strip() for a in gold]) == [1.0] * len(gold)
+    stats = answer_stats(completions, gold)
+    assert stats["constant_baseline"] == 4 / 8 and stats["baseline_answer"] == "7"
+    assert stats["distinct_answers"] == 4 and stats["top_answer"] == "7" and stats["top_answer_frac"] == 0.5
+    assert stats["answer_entropy"] == pytest.approx(-(0.5 * math.log(0.5) + 0.25 * math.log(0.25)
+                                                      + 2 * 0.125 * math.log(0.125)))
+
+
+def test_untagged_and_chat_completions_count_their_whole_stripped_text():
+    stats = answer_stats([" 4 ", [{"role": "assistant", "content": "<answer>4</answer>"}], "five"], ["4", "4", "5"])
+    assert stats["distinct_answers"] == 2 and stats["top_answer"] == "4"
+    assert stats["top_answer_frac"] == pytest.approx(2 / 3) and stats["constant_baseline"] == pytest.approx(2 / 3)
+
+
+def test_95_percent_one_answer_is_a_constant_policy():
+    assert answer_stats(tagged(["9"] * 19 + ["1"]), ["1"] * 20)["constant_policy"] is True
+    assert answer_stats(tagged(["9"] * 18 + ["1"] * 2), ["1"] * 20)["constant_policy"] is False
+    assert answer_stats([], [])["distinct_answers"] == 0
+
+
+def results(final, baseline, constant=False, top="9", frac=0.97):
+    return {"final_accuracy": final, "constant_baseline": baseline, "baseline_answer": "9",
+            "final_distinct_answers": 1 if constant else 5, "final_answer_entropy": 0.0 if constant else 1.2,
+            "final_constant_policy": constant, "final_top_answer": top, "final_top_answer_frac": frac}
+
+
+def test_summary_says_plainly_when_the_final_policy_is_a_constant_answer():
+    lines = accuracy_notes(results(0.594, 0.594, constant=True))
+    assert "constant baseline: 0.594" in lines[0] and "gain over it: +0.000" in lines[0]
+    assert lines[1].startswith("WARNING: the final policy gives the answer '9' to 97% of held-out prompts")
+    assert "not learning" in lines[1]
+
+
+def test_summary_warns_below_baseline_plus_margin_and_not_above_it():
+    assert accuracy_notes(results(0.62, 0.594))[1].startswith("WARNING: final accuracy 0.620 is below")
+    assert len(accuracy_notes(results(0.70, 0.594))) == 1
+    assert accuracy_notes({"final_accuracy": 0.5}) == []  # a summary from before the baseline existed
+
+
+@pytest.mark.slow
+def test_every_rounds_logs_intermediate_evals_and_a_rerun_computes_nothing(prefect_harness, tiny_config, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.pipeline import posttrain_pipeline
+
+    overrides = ["grpo.rounds=2", "eval.every_rounds=1"]
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    stages = [row["stage"] for row in first["stages"]]
+    assert stages.index("optimize r0") < stages.index("eval r0") < stages.index("optimize r1")
+    assert "eval r1" not in stages  # the last round is the final eval's
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}")
+    for name in ("eval/accuracy", "eval/constant_baseline", "eval/distinct_answers", "eval/answer_entropy",
+                 "eval/format_rate"):
+        assert sorted(m.step for m in client.get_metric_history(first["mlflow_run_id"], name)) == [0, 1, 2], name
+    summary = json.loads((tmp_path / "artifacts" / "runs" / first["run_name"] / "summary.json").read_text())
+    assert summary["gain_over_baseline"] == pytest.approx(summary["final_accuracy"] - summary["constant_baseline"])
+    assert 0 < summary["constant_baseline"] <= 1 and summary["final_distinct_answers"] >= 1
+    metrics = client.get_run(first["mlflow_run_id"]).data.metrics
+    assert metrics["eval/gain_over_baseline"] == pytest.approx(summary["gain_over_baseline"])
+    round_eval = Path(first["stages"][stages.index("eval r0")]["path"])
+    table = pq.read_table(round_eval / "eval.parquet")
+    assert {"answer", "predicted_answer", "completion", "correct"} <= set(table.column_names)
+    assert json.loads((round_eval / MANIFEST).read_text())["inputs"]["adapter"].startswith("optimize/")
+
+    second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert [row["stage"] for row in second["stages"] if row["status"] == "computed"] == []
+    # when to evaluate is not part of an eval's key: without every_rounds, base and final evals are cached
+    third = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    assert [row["stage"] for row in third["stages"] if row["status"] == "computed"] == []
