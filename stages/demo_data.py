@@ -3,10 +3,10 @@
 Three disjoint splits of raw rows {question, answer, teacher_completion}:
 
 - `sft`: demonstrations from a *noisy teacher* that answers correctly only
-  `teacher_accuracy` of the time and otherwise just repeats the first number listed.
-  The SFT warm start imitates it, so the base policy is right on some prompts (those
-  whose first number is the largest, and a few more) while still sampling the right
-  answer now and then: the signal GRPO with a verifier reward amplifies.
+  `teacher_accuracy` of the time and otherwise names the second largest number.
+  The SFT warm start imitates it: greedy, the base policy mostly says the runner-up;
+  sampled, it names the largest number about a third of the time: the signal GRPO
+  with a verifier reward amplifies.
 - `train`: prompts for RL rollouts.
 - `eval`: held-out prompts for accuracy.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,9 +48,12 @@ class DemoDataConfig(BaseModel):
     """Held-out prompts for eval/accuracy (at least 200 for a meaningful number)."""
     teacher_accuracy: float = Field(0.4, ge=0.0, le=1.0)
     """How often the noisy teacher picks the largest number. Lower: weaker base policy."""
-    teacher_mistake: Literal["first", "second_largest", "random"] = "first"
-    """What the teacher says when it is wrong: the first number listed, the second largest, or a
-    random other number of the question."""
+    teacher_mistake: Literal["second_largest", "first", "random"] = "second_largest"
+    """What the teacher says when it is wrong. second_largest (default): the runner-up; both of the
+    teacher's answers depend on which numbers the question holds, so SFT learns to compare them on
+    every seed (measured, BENCHMARKS.md). first: the first number listed; learning that takes a
+    positional lookup the small model found on some seeds and not on others (then its policy ignored
+    the question). random: another number of the question."""
     balanced_answers: bool = True
     """true: each digit that can lead the largest number (5..9 for five numbers) does so for an equal
     share of every split's rows, so the best constant answer is right on only ~1/5 of the prompts. false: numbers
@@ -75,6 +78,22 @@ def _question(rng: random.Random, k: int, digits: int, top: int | None) -> tuple
     return tuple(10 * t + rng.randrange(10) for t in leading)
 
 
+def draw_question(rng: random.Random, cfg: DemoDataConfig, row_index: int,
+                  rejected: Callable[[tuple[int, ...]], bool], max_tries: int) -> tuple[int, ...]:
+    """The numbers of row `row_index`'s question, redrawn while `rejected(numbers)`. Balanced: the
+    largest number's leading digit cycles through k..9 with the row index; once a digit's questions
+    run out (100 tries) any digit may lead. ValueError after `max_tries`."""
+    k = cfg.numbers_per_question
+    top = k + row_index % (10 - k) if cfg.balanced_answers else None
+    for tries in range(max_tries):
+        if cfg.balanced_answers and tries >= 100:
+            top = rng.randrange(k, 10)
+        numbers = _question(rng, k, cfg.number_digits, top)
+        if not rejected(numbers):
+            return numbers
+    raise ValueError(f"gave up after {max_tries} tries")
+
+
 def _mistake(rng: random.Random, numbers: tuple[int, ...], kind: str) -> int:
     if kind == "first":
         return numbers[0]
@@ -93,18 +112,14 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
     held_out: set[tuple[int, ...]] = set()
     counts = {}
     for split, size in sizes.items():
-        rows, seen, attempts = [], set(), 0
+        rows, seen = [], set()
         while len(rows) < size:
-            k = cfg.numbers_per_question  # balanced: the largest leading digit cycles through k..9
-            top = k + len(rows) % (10 - k) if cfg.balanced_answers else None
-            while True:  # rejection keeps `top`, so held-out questions do not unbalance the answers
-                attempts += 1
-                if attempts > 50 * (size + 10):
-                    raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions outside the eval "
-                                     "split; lower demo_data.num_eval or raise demo_data.numbers_per_question")
-                numbers = _question(rng, cfg.numbers_per_question, cfg.number_digits, top)
-                if numbers not in held_out and not (split == "eval" and numbers in seen):
-                    break
+            try:
+                numbers = draw_question(rng, cfg, len(rows),
+                                        lambda q: q in held_out or (split == "eval" and q in seen), 50 * (size + 10))
+            except ValueError:
+                raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions outside the eval "
+                                 "split; lower demo_data.num_eval or raise demo_data.numbers_per_question") from None
             seen.add(numbers)
             answer = max(numbers)
             teacher = answer if rng.random() < cfg.teacher_accuracy else _mistake(rng, numbers, cfg.teacher_mistake)

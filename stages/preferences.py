@@ -609,23 +609,24 @@ def _demo_stepwise(cfg: DemoPairsConfig, rng: random.Random, numbers: tuple[int,
 
 
 def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> dict[str, list[dict]]:
-    """Train/eval preference rows (of `cfg.kind`) for the demo task, their questions disjoint from each
-    other and from the demo task's eval split under `demo` (same numbers per question and digits)."""
+    """Train/eval preference rows (of `cfg.kind`) for the demo task, drawn as `demo` draws its questions
+    (numbers per question, digits, balanced answers). Eval questions are distinct and disjoint from the
+    train rows and from the demo task's eval split; train questions avoid both and may repeat."""
     demo = demo or DemoDataConfig()
     excluded = demo_eval_questions(demo)
     rng = random.Random(cfg.seed)
     out: dict[str, list[dict]] = {}
-    for split, size in (("train", cfg.num_train), ("eval", cfg.num_eval)):
-        rows, attempts = [], 0
+    for split, size in (("eval", cfg.num_eval), ("train", cfg.num_train)):  # eval first: held out of train
+        rows = []
         while len(rows) < size:
-            attempts += 1
-            if attempts > 50 * (size + 10):
-                raise ValueError(f"demo pairs: cannot draw {size} new {split} questions; lower the counts")
-            numbers = demo_data._question(rng, demo.numbers_per_question, demo.number_digits)
+            try:
+                numbers = demo_data.draw_question(rng, demo, len(rows), lambda q: _question_text(q) in excluded,
+                                                  50 * (size + 10))
+            except ValueError:
+                raise ValueError(f"demo pairs: cannot draw {size} new {split} questions; lower the counts") from None
             question = _question_text(numbers)
-            if question in excluded:
-                continue
-            excluded.add(question)
+            if split == "eval":
+                excluded.add(question)
             if cfg.kind == "stepwise":
                 row = _normalize(_demo_stepwise(cfg, rng, numbers), system_prompt=cfg.system_prompt)
                 row["pair_id"] = f"{split}-{len(rows):06d}"
@@ -649,7 +650,7 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             row["pair_id"] = f"{split}-{len(rows):06d}"
             rows.append(row)
         out[split] = rows
-    return out
+    return {"train": out["train"], "eval": out["eval"]}
 
 
 def write_demo_pairs(cfg: DemoPairsConfig, out_dir: Path, demo: DemoDataConfig | None = None) -> dict:

@@ -79,6 +79,11 @@ def run(
         report_to=[],
         seed=cfg.seed,
         use_cpu=True,
+        # TRL's SFTConfig defaults to bf16 autocast. On a CPU without AVX512-BF16/AMX that is emulated
+        # (measured: ~25x slower per step) and its rounding differs between CPU models, so the warm start
+        # was a different policy on another machine. float32 is the same everywhere.
+        bf16=False,
+        fp16=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
     )

@@ -71,9 +71,12 @@ def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None
     """The run's markdown summary and per-round metrics table as Prefect artifacts."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+    from tasks.reporting import accuracy_notes
+
     lines = [f"# {results['run_name']}", "",
              f"eval/accuracy: **{results['base_accuracy']:.3f} -> {results['final_accuracy']:.3f}** "
              f"on {results['eval_prompts']} held-out prompts", "",
+             *[f"{line}  " for line in accuracy_notes(results)], "",
              f"- MLflow run: `{results['mlflow_run_id']}` (`{results['mlflow_ui']}`)",
              f"- exported model: `{results['exported_model']}` (registered version {results['registered_model_version']})"]
     if results.get("promotion"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 import textwrap
 import uuid
 from pathlib import Path
@@ -465,7 +466,9 @@ def test_demo_pairs_are_correct_and_disjoint_from_demo_eval(tmp_path, digits):
     assert not set(questions["train"]) & eval_questions
     assert not set(questions["eval"]) & eval_questions
     assert not set(questions["train"]) & set(questions["eval"])
-    assert len(set(questions["train"])) == 400
+    assert len(set(questions["eval"])) == 100, "eval pairs are distinct; train pairs may repeat a question"
+    largest = Counter(max(_numbers(q)) // 10 ** (digits - 1) for q in questions["train"])
+    assert set(largest.values()) == {80}, f"balanced answers, as the demo task: {largest}"
     first_is_wrong = 0
     for rows in pairs.values():
         for row in rows:

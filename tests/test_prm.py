@@ -87,7 +87,9 @@ def test_demo_stepwise_rows():
     rows = demo_pair_rows(DemoPairsConfig(kind="stepwise", num_train=200, num_eval=50), DEMO)
     train, held_out = rows["train"], rows["eval"]
     questions = [r["prompt"][-1]["content"] for r in train + held_out]
-    assert len(set(questions)) == 250  # disjoint splits
+    held_out_questions = {r["prompt"][-1]["content"] for r in held_out}
+    assert len(held_out_questions) == 50  # distinct held-out rows
+    assert not held_out_questions & {r["prompt"][-1]["content"] for r in train}  # disjoint splits
     from stages.preferences import demo_eval_questions
 
     assert not set(questions) & demo_eval_questions(DEMO)  # and disjoint from the demo task's eval split
