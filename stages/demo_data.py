@@ -78,19 +78,21 @@ def _question(rng: random.Random, k: int, digits: int, top: int | None) -> tuple
     return tuple(10 * t + rng.randrange(10) for t in leading)
 
 
-def draw_question(rng: random.Random, cfg: DemoDataConfig, row_index: int,
-                  rejected: Callable[[tuple[int, ...]], bool], max_tries: int) -> tuple[int, ...]:
-    """The numbers of row `row_index`'s question, redrawn while `rejected(numbers)`. Balanced: the
-    largest number's leading digit cycles through k..9 with the row index; once a digit's questions
-    run out (100 tries) any digit may lead. ValueError after `max_tries`."""
+def draw_question(rng: random.Random, cfg: DemoDataConfig, row_index: int, held_out: set, seen: set,
+                  distinct: bool, max_tries: int, key: Callable = tuple) -> tuple[int, ...]:
+    """The numbers of row `row_index`'s question: never one whose `key` is in `held_out`; not one in
+    `seen` if `distinct`, else only once 100 tries found nothing new. Balanced: the largest number's
+    leading digit cycles through k..9 with the row index; once a digit's questions run out (200 tries)
+    any digit may lead. ValueError after `max_tries`."""
     k = cfg.numbers_per_question
     top = k + row_index % (10 - k) if cfg.balanced_answers else None
     for tries in range(max_tries):
-        if cfg.balanced_answers and tries >= 100:
+        if cfg.balanced_answers and tries >= 200:
             top = rng.randrange(k, 10)
         numbers = _question(rng, k, cfg.number_digits, top)
-        if not rejected(numbers):
-            return numbers
+        if key(numbers) in held_out or (key(numbers) in seen and (distinct or tries < 100)):
+            continue
+        return numbers
     raise ValueError(f"gave up after {max_tries} tries")
 
 
@@ -105,8 +107,8 @@ def _mistake(rng: random.Random, numbers: tuple[int, ...], kind: str) -> int:
 def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
     """Write sft/train/eval raw-row Parquet files into out_dir; return row counts.
 
-    Eval questions are distinct and never appear in sft or train; sft and train questions may
-    repeat (five balanced one-digit numbers have only 120 questions whose largest is 5)."""
+    Eval questions are distinct and never appear in sft or train; sft and train questions repeat only
+    when no new one turns up (five balanced one-digit numbers have only 120 questions whose largest is 5)."""
     rng = random.Random(cfg.seed)
     sizes = {"eval": cfg.num_eval, "sft": cfg.num_sft, "train": cfg.num_train}  # eval first: stable held-out set
     held_out: set[tuple[int, ...]] = set()
@@ -115,8 +117,7 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
         rows, seen = [], set()
         while len(rows) < size:
             try:
-                numbers = draw_question(rng, cfg, len(rows),
-                                        lambda q: q in held_out or (split == "eval" and q in seen), 50 * (size + 10))
+                numbers = draw_question(rng, cfg, len(rows), held_out, seen, split == "eval", 50 * (size + 10))
             except ValueError:
                 raise ValueError(f"demo_data: cannot draw {size} distinct {split} questions outside the eval "
                                  "split; lower demo_data.num_eval or raise demo_data.numbers_per_question") from None

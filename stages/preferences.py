@@ -611,20 +611,22 @@ def _demo_stepwise(cfg: DemoPairsConfig, rng: random.Random, numbers: tuple[int,
 def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> dict[str, list[dict]]:
     """Train/eval preference rows (of `cfg.kind`) for the demo task, drawn as `demo` draws its questions
     (numbers per question, digits, balanced answers). Eval questions are distinct and disjoint from the
-    train rows and from the demo task's eval split; train questions avoid both and may repeat."""
+    train rows and from the demo task's eval split; train questions avoid both and repeat only when no
+    new one turns up."""
     demo = demo or DemoDataConfig()
     excluded = demo_eval_questions(demo)
     rng = random.Random(cfg.seed)
     out: dict[str, list[dict]] = {}
     for split, size in (("eval", cfg.num_eval), ("train", cfg.num_train)):  # eval first: held out of train
-        rows = []
+        rows, seen = [], set()
         while len(rows) < size:
             try:
-                numbers = demo_data.draw_question(rng, demo, len(rows), lambda q: _question_text(q) in excluded,
-                                                  50 * (size + 10))
+                numbers = demo_data.draw_question(rng, demo, len(rows), excluded, seen, split == "eval",
+                                                  50 * (size + 10), key=_question_text)
             except ValueError:
                 raise ValueError(f"demo pairs: cannot draw {size} new {split} questions; lower the counts") from None
             question = _question_text(numbers)
+            seen.add(question)
             if split == "eval":
                 excluded.add(question)
             if cfg.kind == "stepwise":

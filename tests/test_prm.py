@@ -14,7 +14,7 @@ from stages.dpo import read_rows
 from stages.preferences import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs, write_split
 
 # 3 numbers per question: a random-init 2-layer model learns the comparisons in ~80 steps (5 need hundreds)
-DEMO = DemoDataConfig(numbers_per_question=3, num_sft=10, num_train=10, num_eval=10)
+DEMO = DemoDataConfig(numbers_per_question=3, num_sft=10, num_train=10, num_eval=10, balanced_answers=False)
 FAST = dict(kind="prm", micro_batch_size=16, logging_steps=10, learning_rate=3e-3, lora_r=8, lora_alpha=16)
 
 
