@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -37,6 +38,69 @@ def embedded_defaults(artifacts_dir: str) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def start_temporary_prefect_server() -> Callable[[], None] | None:
+    """With no PREFECT_API_URL, start now the temporary Prefect server Prefect itself would start when
+    the flow begins (the command of prefect/server/api/server.py `SubprocessASGIServer`, prefect 3.7.7),
+    so it boots in its own process while this one imports MLflow and the flow: about 10 s less per run.
+    Returns a function that waits until the server answers (None when a server is configured). The server
+    stops when this process exits (atexit; on Linux also when it is killed)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    import atexit
+    import importlib.util
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as sock:  # a free loopback port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    site_packages = Path(importlib.util.find_spec("prefect").origin).parent.parent
+
+    def die_with_parent() -> None:  # Linux: SIGTERM the server when this process dies, even by SIGKILL
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(site_packages), "--factory",
+         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "error", "--lifespan", "on"],
+        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    os.environ["PREFECT_API_URL"] = url
+
+    def stop() -> None:
+        server.terminate()
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    atexit.register(stop)
+
+    def wait_until_ready(timeout_s: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"the temporary Prefect server exited with code {server.returncode}; "
+                                   "set PREFECT_API_URL to a running server (`posttrain server`) instead")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the temporary Prefect server did not answer on {url} within {timeout_s:.0f} s")
+
+    return wait_until_ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +178,12 @@ def pipeline_command(args) -> int:
     embedded_defaults(cfg.artifacts_dir)
     if args.command == "serve-vllm":
         return serve_vllm(cfg, args)
+    server_ready = start_temporary_prefect_server()
     from flows.pipeline import posttrain_pipeline
     from stages.health import TrainingUnhealthy
+
+    if server_ready:
+        server_ready()
 
     try:
         posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)

@@ -109,15 +109,18 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     Prefect tasks submitted as soon as that policy exists -- while rounds r-L..r-1
     optimize. The schedule is deterministic, so reruns hit the same cached artifacts.
     """
+    cfg = ctx.config.rollout
+    threads = len(cfg.trainer_cpus) if cfg.trainer_cpus else None
+    if cfg.lag() and cfg.prefetch_torch_threads:
+        threads = cfg.prefetch_torch_threads
+    if threads is None:  # nothing to pin: a fully cached run never imports torch
+        return _rounds(ctx, policy, prompts, log_round, cfg.lag())
     import torch
 
-    cfg = ctx.config.rollout
     threads_before, cpus_before = torch.get_num_threads(), os.sched_getaffinity(0)
     if cfg.trainer_cpus:
         os.sched_setaffinity(0, cfg.trainer_cpus)
-        torch.set_num_threads(len(cfg.trainer_cpus))
-    if cfg.lag() and cfg.prefetch_torch_threads:
-        torch.set_num_threads(cfg.prefetch_torch_threads)
+    torch.set_num_threads(threads)
     try:
         return _rounds(ctx, policy, prompts, log_round, cfg.lag())
     finally:

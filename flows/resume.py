@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
 
 def resume_command(args) -> int:
     """Find the run, check the config, run the pipeline flow again on it."""
-    from flows.cli import embedded_defaults
+    from flows.cli import embedded_defaults, start_temporary_prefect_server
 
     root = Path(args.artifacts).resolve()
     if not (root / "mlflow.db").exists() and not __import__("os").environ.get("MLFLOW_TRACKING_URI"):
@@ -66,8 +66,11 @@ def resume_command(args) -> int:
         return 2
     _enter_original_folder(Path(run.data.tags.get("artifact_root", root)), Path(cfg.artifacts_dir))
     embedded_defaults(cfg.artifacts_dir)
+    server_ready = start_temporary_prefect_server()
     from flows.pipeline import posttrain_pipeline
 
+    if server_ready:
+        server_ready()
     posttrain_pipeline(str(saved), list(args.overrides), quiet=args.quiet, resume=run.info.run_id,
                        allow_config_change=args.allow_config_change)
     return 0

@@ -31,8 +31,11 @@ import random
 from pathlib import Path
 from typing import Callable, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.imports import LazyModule
+
+torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 ZERO_ADVANTAGE = 1e-8  # |A| below this is float noise of a group whose rewards are all equal

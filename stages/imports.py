@@ -1,4 +1,5 @@
-"""Resolve user code named `module.fn` in configs (transforms, reward functions)."""
+"""Resolve user code named `module.fn` in configs (transforms, reward functions), and import heavy
+libraries on first use."""
 
 from __future__ import annotations
 
@@ -22,3 +23,22 @@ def load_function(dotted: str, what: str, builtins: dict[str, Callable] | None =
     if not callable(fn):
         raise ValueError(f"{what}: module {module_name!r} has no function {fn_name!r}")
     return fn
+
+
+class LazyModule:
+    """A module imported on first attribute access: `torch = LazyModule("torch")` at the top of a stage
+    whose config the CLI loads, so loading a config (and a fully cached run) does not import torch (~3 s).
+
+    >>> json = LazyModule("json")
+    >>> json.dumps([1])
+    '[1]'
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(importlib.import_module(self._name), attribute)
+
+    def __repr__(self) -> str:
+        return f"<LazyModule {self._name}>"

@@ -28,12 +28,14 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.health import collapse_metrics
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
+from stages.imports import LazyModule
 from stages.schemas import ROLLOUTS, SCORED, write_table
+
+torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
 __all__ = ["ScoreConfig", "group_advantages", "gdpo_advantages", "run", "RewardFunctionError"]
 
