@@ -53,7 +53,7 @@ Not equal, by construction (so accuracies differ by sampling noise, not only by 
   3) even with the transformers engine; TRL applies that correction only with vLLM. With transformers
   generation in fp32 pi_sampling ~ pi_old, so the weight is ~1.
 - posttrain samples from the policy with the LoRA merged into the weights; TRL generates through the
-  unmerged PEFT LoRA layers (more matmuls per token). Both compute entropies only where they log them.
+  unmerged PEFT LoRA layers (more matmuls per token).
 - posttrain reloads the policy (base + adapter) and optimizer state from disk each round, writes every
   round's artifacts and runs rewards in worker processes; TRL keeps everything in memory.
 - posttrain generates in chunks of rollout.generation_batch_size; TRL generates the whole batch in one
@@ -248,13 +248,27 @@ def trl_side(cfg, sft_dir: Path, prompts_dir: Path, work: Path, seed: int) -> di
     g = cfg.grpo
     lora = LoraConfig(r=g.lora_r, lora_alpha=g.lora_alpha, lora_dropout=g.lora_dropout,
                       target_modules=g.lora_target_modules, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_functions(cfg.score), args=args, train_dataset=dataset,
+    seen: list[list[str]] = []  # prompt_id of each row TRL scores, one list per generation batch
+    funcs = reward_functions(cfg.score)
+
+    @functools.wraps(funcs[0])
+    def first_reward(*a, **kw):
+        seen.append(list(kw.get("prompt_id") or []))
+        return funcs[0](*a, **kw)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[first_reward, *funcs[1:]], args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=lora)
     with LoadSampler() as load:
         started = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - started
     steps = trainer.state.global_step
+    G, P = cfg.rollout.num_generations, cfg.rollout.prompts_per_round
+    expected = [[row["prompt_id"] for row in ordered[r * P : (r + 1) * P] for _ in range(G)] for r in range(g.rounds)]
+    order = "same"
+    if seen != expected:
+        first = next((i for i, (a, b) in enumerate(zip(seen, expected)) if a != b), min(len(seen), len(expected)))
+        order = f"different from generation batch {first} on ({len(seen)} batches scored, {len(expected)} rounds)"
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
     merged_dir = work / "merged"
@@ -270,7 +284,7 @@ def trl_side(cfg, sft_dir: Path, prompts_dir: Path, work: Path, seed: int) -> di
         answers = [str(a).strip() for a in pq.read_table(eval_dir / "eval.parquet").column("answer").to_pylist()]
         constant = Counter(answers).most_common(1)[0][1] / len(answers)
     return {"grpo_s": train_s, "final_accuracy": result["accuracy"], "constant_baseline": constant, "load": load.mean(),
-            "optimizer_steps": steps, "expected_steps": g.rounds * steps_per_round,
+            "optimizer_steps": steps, "expected_steps": g.rounds * steps_per_round, "order": order,
             "train_reward_first_round": rewards[0] if rewards else None,
             "train_reward_last_round": rewards[-1] if rewards else None}
 
@@ -288,6 +302,8 @@ def compare_seed(config: str, artifacts: Path, seed: int, rounds: int | None, ov
     theirs = trl_side(cfg, ours["sft_dir"], ours["prompts_dir"], artifacts / "vs_trl" / f"seed{seed}", seed)
     print(f"seed {seed}: TRL train() {theirs['grpo_s']:.1f} s, {theirs['optimizer_steps']} optimizer steps",
           file=sys.stderr, flush=True)
+    if theirs["order"] != "same":
+        print(f"warning: TRL's prompt order is not posttrain's: {theirs['order']}", file=sys.stderr)
     if theirs["optimizer_steps"] != theirs["expected_steps"]:
         print(f"warning: TRL took {theirs['optimizer_steps']} optimizer steps, posttrain's budget is "
               f"{theirs['expected_steps']}", file=sys.stderr)
@@ -305,6 +321,7 @@ def compare_seed(config: str, artifacts: Path, seed: int, rounds: int | None, ov
         "posttrain_load": round(ours["load"], 2),
         "trl_load": round(theirs["load"], 2),
         "trl_optimizer_steps": theirs["optimizer_steps"],
+        "order": theirs["order"],
         "trl_train_reward_first_round": theirs["train_reward_first_round"],
         "trl_train_reward_last_round": theirs["train_reward_last_round"],
         "posttrain_run": ours["run_name"],
@@ -315,7 +332,7 @@ COLUMNS = [("seed", "seed", "{}"), ("posttrain_grpo_s", "posttrain s", "{:.1f}")
            ("ratio", "posttrain/TRL", "{:.2f}"), ("posttrain_accuracy", "posttrain acc", "{:.3f}"),
            ("trl_accuracy", "TRL acc", "{:.3f}"), ("base_accuracy", "base acc", "{:.3f}"),
            ("constant_baseline", "constant", "{:.3f}"), ("posttrain_load", "load posttrain", "{:.1f}"),
-           ("trl_load", "load TRL", "{:.1f}")]
+           ("trl_load", "load TRL", "{:.1f}"), ("order", "prompt order", "{}")]
 
 
 def table(results: list[dict]) -> str:
