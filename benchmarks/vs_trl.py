@@ -341,7 +341,10 @@ def table(results: list[dict]) -> str:
         median = ["median"]
         for key, _, fmt in COLUMNS[1:]:
             values = [r[key] for r in results if r.get(key) is not None]
-            median.append(fmt.format(statistics.median(values)) if values else "-")
+            if values and isinstance(values[0], str):  # the prompt-order check
+                median.append(values[0] if len(set(values)) == 1 else "differs")
+            else:
+                median.append(fmt.format(statistics.median(values)) if values else "-")
         rows.append(median)
     header = [title for _, title, _ in COLUMNS]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
