@@ -30,10 +30,20 @@ from quickstart import run_once  # noqa: E402  (same directory)
 GOAL = 0.30
 
 
-def row(config: str, seed: int, seconds: float, summary: dict) -> dict:
+def round0_sampled_accuracy(summary: dict) -> float | None:
+    """How often the starting policy's sampled completions were right in round 0 (GRPO configs)."""
+    for stage in summary["stages"]:
+        if stage["stage"] == "score r0":
+            manifest = json.loads((Path(stage["path"]) / "_manifest.json").read_text())
+            return manifest["summary"].get("rewards/accuracy/mean")
+    return None
+
+
+def row(config: str, seed: int, seconds: float | None, summary: dict) -> dict:
     base, final = summary["base_accuracy"], summary["final_accuracy"]
     baseline = summary.get("constant_baseline")
-    return {"config": Path(config).stem, "seed": seed, "wall_s": seconds, "base": base, "final": final,
+    return {"config": Path(config).stem, "seed": seed, "wall_s": seconds, "base": base,
+            "base_sampled": round0_sampled_accuracy(summary), "final": final,
             "baseline": baseline, "gain": final - base,
             "over_baseline": final - baseline if baseline is not None else float("nan"),
             "distinct": summary.get("final_distinct_answers"), "top_answer": summary.get("final_top_answer"),
@@ -41,12 +51,14 @@ def row(config: str, seed: int, seconds: float, summary: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| config | seed | wall s | base | final | constant baseline | final - base | final - baseline "
-          "| distinct answers | top answer (share) |")
-    print("|" + " --- |" * 10)
+    print("| config | seed | wall s | base (greedy) | base, sampled in round 0 | final | constant baseline "
+          "| final - base | final - baseline | distinct final answers | top final answer (share) |")
+    print("|" + " --- |" * 11)
     for r in rows:
         top = f"{r['top_answer']} ({r['top_frac']:.2f})" if r["top_frac"] is not None else "-"
-        print(f"| {r['config']} | {r['seed']} | {r['wall_s']:.0f} | {r['base']:.3f} | {r['final']:.3f} | "
+        wall = f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"
+        sampled = f"{r['base_sampled']:.3f}" if r.get("base_sampled") is not None else "-"
+        print(f"| {r['config']} | {r['seed']} | {wall} | {r['base']:.3f} | {sampled} | {r['final']:.3f} | "
               f"{r['baseline']:.3f} | {r['gain']:+.3f} | {r['over_baseline']:+.3f} | {r['distinct']} | {top} |")
     print()
     print("| config | seeds | final min / median / max | final - base min / median / max "
@@ -64,6 +76,18 @@ def print_table(rows: list[dict]) -> None:
               f"{'yes' if met else 'NO'} |")
 
 
+def report(folders: list[Path]) -> list[dict]:
+    """Rows of every finished run in these artifacts folders (runs/<run>/summary.json + config.yaml)."""
+    import yaml
+
+    rows = []
+    for folder in folders:
+        for summary_path in sorted(folder.glob("runs/*/summary.json")):
+            config = yaml.safe_load((summary_path.parent / "config.yaml").read_text())
+            rows.append(row(config["name"], config.get("seed"), None, json.loads(summary_path.read_text())))
+    return sorted(rows, key=lambda r: (r["config"], r["seed"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+",
@@ -71,8 +95,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--artifacts", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="ARTIFACTS",
+                        help="run nothing: print the table of the runs already in these artifacts folders")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.report:
+        print_table(report(args.report))
+        return
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="posttrain-seeds-"))
     print(f"artifacts: {artifacts}", flush=True)
     rows = []
