@@ -7,7 +7,8 @@ For each seed S:
 1. posttrain: `posttrain run CONFIG --quiet artifacts_dir=DIR model.seed=S sft.seed=S rollout.seed=S
    grpo.seed=S [grpo.rounds=N] [OVERRIDE ...]` in its own process, as a user runs it. Its GRPO time is the
    summary's `rounds_wall_s` (all rounds: rollout, score, optimize, with their artifact writes and
-   MLflow logging); its accuracies are the summary's.
+   MLflow logging) less the evals between rounds (eval.every_rounds; TRL's side evaluates nothing while
+   it trains); its accuracies are the summary's.
 2. TRL: in this process, `trl.GRPOTrainer` (TRL 1.16) on a copy of the same run's SFT policy folder, with a
    LoRA `peft_config` as the grpo stage builds it, on the prompts every posttrain round takes
    (`stages.rollout.select_prompts` for rounds 0..N-1, concatenated), the same reward functions and weights,
@@ -140,15 +141,20 @@ def posttrain_side(config: str, artifacts: Path, overrides: list[str]) -> dict:
         seconds, summary = run_once(artifacts, overrides, config)
     # the rounds ran before the stages after the last round (export, final eval): sample over that window
     kinds = [row["kind"] for row in summary["stages"]]
-    last_round = max(i for i, kind in enumerate(kinds) if kind in ROUND_KINDS)
-    rounds_end = time.time() - sum(row["seconds"] or 0 for row in summary["stages"][last_round + 1 :])
+    round_rows = [i for i, kind in enumerate(kinds) if kind in ROUND_KINDS]
+    rounds_end = time.time() - sum(row["seconds"] or 0 for row in summary["stages"][round_rows[-1] + 1 :])
+    # eval.every_rounds: evals of the policy between rounds count in rounds_wall_s; TRL does none
+    in_round_eval_s = sum(row["seconds"] or 0 for row in summary["stages"][round_rows[0] : round_rows[-1]]
+                          if row["kind"] == "eval")
     cached = [row["stage"] for row in summary["stages"] if row["kind"] in ROUND_KINDS and row["status"] == "cached"]
     if cached:
         sys.exit(f"{len(cached)} round stages were cached in {artifacts} ({', '.join(cached[:3])}, ...): their time "
                  "is not GRPO's. Use a fresh --artifacts folder or another seed.")
     return {
         "run_s": seconds,
-        "grpo_s": summary["rounds_wall_s"],
+        "grpo_s": summary["rounds_wall_s"] - in_round_eval_s,
+        "rounds_wall_s": summary["rounds_wall_s"],
+        "in_round_eval_s": in_round_eval_s,
         "final_accuracy": summary["final_accuracy"],
         "base_accuracy": summary["base_accuracy"],
         "constant_baseline": summary.get("constant_baseline"),
@@ -311,6 +317,8 @@ def compare_seed(config: str, artifacts: Path, seed: int, rounds: int | None, ov
         "seed": seed,
         "rounds": cfg.grpo.rounds,
         "posttrain_grpo_s": round(ours["grpo_s"], 1),
+        "posttrain_rounds_wall_s": round(ours["rounds_wall_s"], 1),
+        "posttrain_in_round_eval_s": round(ours["in_round_eval_s"], 1),
         "trl_grpo_s": round(theirs["grpo_s"], 1),
         "ratio": round(ours["grpo_s"] / theirs["grpo_s"], 3),
         "posttrain_accuracy": ours["final_accuracy"],
@@ -366,7 +374,8 @@ def main() -> None:
     artifacts.mkdir(parents=True, exist_ok=True)
     if args.artifacts is not None:
         (artifacts / "vs_trl.json").write_text(json.dumps(results, indent=2))
-    print(f"GRPO wall seconds ({results[0]['rounds']} rounds; posttrain: summary rounds_wall_s, TRL: trainer.train()) "
+    print(f"GRPO wall seconds ({results[0]['rounds']} rounds; posttrain: summary rounds_wall_s less evals between "
+          "rounds, TRL: trainer.train()) "
           "and final greedy eval accuracy (posttrain's eval stage on both)")
     print(table(results))
     print(f"load: mean 1-minute load average while each side's GRPO ran, on {os.cpu_count()} cores; above the core "
