@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/posttrain run configs/quickstart.yaml
 
+# OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of spinning while they wait, so tests
+# that run several torch processes at once (reward workers, vLLM, a second run) do not starve each other.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q
 
 # Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.
