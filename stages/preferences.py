@@ -542,10 +542,11 @@ class DemoPairsConfig(BaseModel):
     as steps ("Compare 3 and 8: keep 8", ..., "<answer>8</answer>") with one label per step
     (`reward_model.kind: prm`)."""
     rejected: Literal["first", "random", "second_largest", "mixed"] = "first"
-    """pair: the wrong answer: the first number listed (the noisy teacher's mistake; another
-    number when the first is the largest), a random other number, the runner-up, or `mixed`:
-    first / random / a larger number that is not in the question, in turn (what a reward
-    model needs, or GRPO learns to answer "99")."""
+    """pair: the wrong answer: the first number listed (another number when the first is the
+    largest), a random other number, the runner-up (the demo teacher's mistake), or `mixed`:
+    runner-up / first / random / a larger number that is not in the question, in turn (what a
+    reward model needs: without the larger unlisted numbers GRPO learns to answer "99"; without
+    the runner-up, the policy's own mistake, it drifts to whatever the reward model cannot tell)."""
     mistake_rate: float = Field(0.5, ge=0, le=1)
     """stepwise: fraction of solutions with a mistake (a comparison that keeps the smaller number, or a
     wrong final answer) at a random step; that step and every later one are labelled bad (Math-Shepherd's
@@ -638,7 +639,7 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             others = [n for n in numbers if n != best]
             kind = cfg.rejected
             if kind == "mixed":  # a reward model must also learn that a number not in the question is wrong
-                kind = ("first", "random", "not_listed")[len(rows) % 3]
+                kind = ("second_largest", "first", "random", "not_listed")[len(rows) % 4]
             if kind == "not_listed":
                 wrong = rng.choice([n for n in range(best + 1, 10 ** (demo.number_digits + 1)) if n not in numbers])
             elif kind == "first" and numbers[0] != best:
