@@ -69,13 +69,17 @@ def start_temporary_prefect_server() -> Callable[[], None] | None:
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(site_packages), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "error", "--lifespan", "on"],
-        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"},
-        preexec_fn=die_with_parent if sys.platform == "linux" else None,
-    )
+    def launch() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(site_packages), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "error", "--lifespan", "on"],
+            env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                 "PREFECT__SERVER_FINAL": "1"},
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+        )
+
+    server = launch()
     url = f"http://127.0.0.1:{port}/api"
     os.environ["PREFECT_API_URL"] = url
 
@@ -88,14 +92,22 @@ def start_temporary_prefect_server() -> Callable[[], None] | None:
 
     atexit.register(stop)
 
-    def wait_until_ready(timeout_s: float = 120.0) -> None:
+    def wait_until_ready(timeout_s: float = 120.0, attempts: int = 3) -> None:
         import httpx
 
+        nonlocal server
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise RuntimeError(f"the temporary Prefect server exited with code {server.returncode}; "
-                                   "set PREFECT_API_URL to a running server (`posttrain server`) instead")
+                # two runs started together on one new artifacts folder: both servers migrate its Prefect
+                # database and the loser exits ("duplicate column name"); a second start finds it migrated
+                attempts -= 1
+                if attempts <= 0:
+                    raise RuntimeError(f"the temporary Prefect server exited with code {server.returncode}; "
+                                       "set PREFECT_API_URL to a running server (`posttrain server`) instead")
+                time.sleep(1.0)
+                server = launch()
+                continue
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return
