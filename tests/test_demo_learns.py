@@ -26,4 +26,4 @@ def test_trained_policy_beats_the_constant_answer(prefect_harness, tmp_path, mon
     # a policy that answers one thing to every prompt scores at most the baseline
     assert results["final_accuracy"] >= baseline + 0.10, results
     assert results["final_accuracy"] >= results["base_accuracy"] + 0.05, results
-    assert results["final_distinct_answers"] >= 3 and not results["final_constant_policy"], results
+    assert results["final_distinct_answers"] >= 2 and not results["final_constant_policy"], results
