@@ -1,6 +1,6 @@
 """Offline demo task: "Which is the largest of 3, 8, 1, 6, 4?", made procedurally (no download).
 
-Three disjoint splits of raw rows {question, answer, teacher_completion}:
+Three splits of raw rows {question, answer, teacher_completion}:
 
 - `sft`: demonstrations from a *noisy teacher* that answers correctly only
   `teacher_accuracy` of the time and otherwise names the second largest number.
@@ -8,11 +8,12 @@ Three disjoint splits of raw rows {question, answer, teacher_completion}:
   sampled, it names the largest number about a third of the time: the signal GRPO
   with a verifier reward amplifies.
 - `train`: prompts for RL rollouts.
-- `eval`: held-out prompts for accuracy.
+- `eval`: held-out prompts for accuracy, distinct, never seen in `sft` or `train`.
 
 The numbers of one question are distinct (with `number_digits: 2`, their tens digits
 are), so "largest" never hinges on a tie. With `balanced_answers` (default) every possible
-largest number is equally likely, so no constant answer scores above ~1/5. Run `python -m stages.demo_data` to print a few rows.
+largest number is equally likely, so no constant answer scores above ~1/5.
+Run `python -m stages.demo_data` to print a few rows.
 """
 
 from __future__ import annotations
