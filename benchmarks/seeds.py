@@ -116,8 +116,8 @@ def main() -> None:
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=2))
     print(f"\ntotal {time.time() - started:.0f} s\n")
-    rows.sort(key=lambda r: (args.configs.index(next(c for c in args.configs if Path(c).stem == r["config"])),
-                             r["seed"]))
+    order = [Path(c).stem for c in args.configs]
+    rows.sort(key=lambda r: (order.index(r["config"]), r["seed"]))
     print_table(rows)
 
 
