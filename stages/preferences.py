@@ -544,9 +544,12 @@ class DemoPairsConfig(BaseModel):
     rejected: Literal["first", "random", "second_largest", "mixed"] = "first"
     """pair: the wrong answer: the first number listed (another number when the first is the
     largest), a random other number, the runner-up (the demo teacher's mistake), or `mixed`:
-    runner-up / first / random / a larger number that is not in the question, in turn (what a
-    reward model needs: without the larger unlisted numbers GRPO learns to answer "99"; without
-    the runner-up, the policy's own mistake, it drifts to whatever the reward model cannot tell)."""
+    runner-up / first / random / a number of the question's size that is not in it / a larger
+    number that is not in it, in turn (what a reward model needs: without the larger unlisted
+    numbers GRPO learns to answer "99"; without the smaller unlisted ones, which the SFT policy
+    samples ~20% of the time, the reward model scores them like the right answer and GRPO drifts to
+    them; without the runner-up, the policy's own mistake, it drifts to whatever the reward model
+    cannot tell)."""
     mistake_rate: float = Field(0.5, ge=0, le=1)
     """stepwise: fraction of solutions with a mistake (a comparison that keeps the smaller number, or a
     wrong final answer) at a random step; that step and every later one are labelled bad (Math-Shepherd's
@@ -639,8 +642,12 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             others = [n for n in numbers if n != best]
             kind = cfg.rejected
             if kind == "mixed":  # a reward model must also learn that a number not in the question is wrong
-                kind = ("second_largest", "first", "random", "not_listed")[len(rows) % 4]
-            if kind == "not_listed":
+                kind = ("second_largest", "first", "random", "unlisted", "larger")[len(rows) % 5]
+            low = 1 if demo.number_digits == 1 else 10 ** (demo.number_digits - 1)
+            unlisted = [n for n in range(low, 10 ** demo.number_digits) if n not in numbers]
+            if kind == "unlisted" and unlisted:  # the question's size, not in it (often below the largest)
+                wrong = rng.choice(unlisted)
+            elif kind in ("unlisted", "larger"):
                 wrong = rng.choice([n for n in range(best + 1, 10 ** (demo.number_digits + 1)) if n not in numbers])
             elif kind == "first" and numbers[0] != best:
                 wrong = numbers[0]

@@ -134,8 +134,29 @@ def test_replay_recompute_logps_treats_replayed_rows_as_on_policy(tiny):
     assert recomputed["is_ratio_mean"] == pytest.approx(1.0) and recomputed["is_ratio_max"] == pytest.approx(1.0)
     kept, _, _ = _run(root, stale, "replay_kept", replay_recompute_logps=False)
     assert kept["is_ratio_max"] == pytest.approx(3.0) and kept["is_ratio_mean"] == pytest.approx(3.0)
-    fresh, _, _ = _run(root, _replayed(root, "stale_fresh", rows, replayed=False, logp_shift=-2.0), "replay_fresh")
+    # rows sampled one round earlier (async prefetch): version 0, trained in round 1
+    fresh, _, _ = _run(root, _replayed(root, "stale_fresh", rows, replayed=False, logp_shift=-2.0), "replay_fresh",
+                       round_index=1)
     assert "replayed_rows" not in fresh and fresh["is_ratio_mean"] == pytest.approx(3.0)
+    assert fresh["reused_sampling_logps"] == 0
+
+
+def test_on_policy_rows_bring_pi_old_with_them(tiny):
+    """Rows the transformers engine sampled from the round's starting policy skip the pi_old forward pass
+    (reuse_sampling_logps); the round's loss and gradient equal the recomputed ones up to float rounding.
+    Rows of another engine are recomputed."""
+    root, rows = tiny
+    scored = _scored(root, "reuse_scored", rows)
+    reused, reused_steps, reused_out = _run(root, scored, "reuse_on")
+    recomputed, recomputed_steps, recomputed_out = _run(root, scored, "reuse_off", reuse_sampling_logps=False)
+    assert reused["reused_sampling_logps"] == ROWS and recomputed["reused_sampling_logps"] == 0
+    for (_, a), (_, b) in zip(reused_steps, recomputed_steps):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    a, b = _adapter(reused_out), _adapter(recomputed_out)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    other_engine = _scored(root, "reuse_vllm", [{**r, "engine": "vllm"} for r in rows])
+    assert _run(root, other_engine, "reuse_vllm_out")[0]["reused_sampling_logps"] == 0
 
 
 def test_masked_truncated_completions_contribute_no_gradient(tiny):

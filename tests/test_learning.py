@@ -72,10 +72,40 @@ def scored_round(tiny_policy):
 
 
 def _optimize(root, scored_path, out_name, **grpo_kwargs):
-    cfg = grpo.GRPOConfig(micro_batch_size=16, gradient_accumulation_steps=2, **grpo_kwargs)
+    """One round; pi_old is always recomputed, so the correction compares the sampler with the trainer."""
+    cfg = grpo.GRPOConfig(micro_batch_size=16, gradient_accumulation_steps=2, reuse_sampling_logps=False,
+                          **grpo_kwargs)
     out = root / out_name
     out.mkdir()
     return grpo.run(cfg, root / "model", None, scored_path, 0, 1.0, 6, out)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_shared_prompt_cache_changes_nothing(tiny_policy, monkeypatch, do_sample):
+    """A prompt repeated in a batch (a GRPO group) is prefilled once; the completions and their log-probs are
+    those of the plain batched generate (same seed)."""
+    from stages.engines import Sampling, hf
+    from stages.policy import load_policy
+
+    model, tokenizer = load_policy(tiny_policy / "model")
+    rows = pq.read_table(tiny_policy / "prompts" / "train.parquet").to_pylist()[:6]
+    prompts = [list(r["prompt"]) for r in rows for _ in range(4)] + [list(rows[0]["prompt"])]
+    sampling = Sampling(max_new_tokens=6, do_sample=do_sample, seed=3)
+
+    def run():
+        torch.manual_seed(3)
+        return hf.generate(model, tokenizer, prompts, sampling, batch_size=16)
+
+    shared = run()
+    cache = hf.shared_prompt_cache(model, tokenizer([tokenizer.apply_chat_template(p, tokenize=False,
+                                   add_generation_prompt=True) for p in prompts[:16]], return_tensors="pt",
+                                   padding=True, add_special_tokens=False), [str(p) for p in prompts[:16]])
+    assert cache is not None and cache.get_seq_length() > 0
+    monkeypatch.setattr(hf, "shared_prompt_cache", lambda *args: None)
+    plain = run()
+    for a, b in zip(shared, plain, strict=True):
+        assert a["completion_token_ids"] == b["completion_token_ids"] and a["prompt_token_ids"] == b["prompt_token_ids"]
+        assert a["sampling_logprobs"] == pytest.approx(b["sampling_logprobs"], abs=1e-5)
 
 
 def test_on_policy_rollouts_have_unit_ratios_and_nothing_masked(tiny_policy, scored_round):

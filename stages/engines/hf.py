@@ -1,4 +1,5 @@
-"""The transformers rollout engine: batched `model.generate` with KV cache, left padding.
+"""The transformers rollout engine: batched `model.generate` with KV cache, left padding; a prompt
+that repeats in a batch (a GRPO group) is run through the model once (`shared_prompt_cache`).
 
 For every completion token it records log softmax(logits / temperature)[token] -- the
 quantity TRL's GRPOTrainer computes for the policy -- so the optimize stage can form the
@@ -11,6 +12,30 @@ from __future__ import annotations
 from typing import Callable
 
 from stages.engines import Policy, Sampling
+
+
+def shared_prompt_cache(model, enc, texts: list[str]):
+    """The KV cache of every prompt but its last token, computed once per distinct prompt and copied to
+    its repeats (a GRPO group is one prompt `num_generations` times), or None when no prompt repeats.
+    `generate` then runs only the last prompt token and samples from its logits as it would without it."""
+    import torch
+    from transformers import DynamicCache
+
+    first: dict[str, int] = {}
+    for i, text in enumerate(texts):
+        first.setdefault(text, i)
+    if len(first) == len(texts) or enc["input_ids"].shape[1] < 2:
+        return None
+    distinct = list(first.values())
+    ids = enc["input_ids"][distinct, :-1]
+    mask = enc["attention_mask"][distinct, :-1]
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate sets them
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    slot = {row: n for n, row in enumerate(distinct)}
+    cache.batch_select_indices(torch.tensor([slot[first[text]] for text in texts]))
+    return cache
 
 
 def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, batch_size: int = 256,
@@ -27,6 +52,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, ba
         with torch.no_grad():
             out = model.generate(
                 **enc,
+                past_key_values=shared_prompt_cache(model, enc, texts),
                 max_new_tokens=sampling.max_new_tokens,
                 do_sample=sampling.do_sample,
                 temperature=sampling.temperature if sampling.do_sample else None,
