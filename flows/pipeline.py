@@ -27,7 +27,7 @@ from stages.health import TrainingUnhealthy, check_round, quarantine
 from stages.replay import RoundSignals
 from stages.rollout_worker import close_workers
 from tasks.lineage import Lineage, flatten, git_commit, ui_command
-from tasks.publish import publish_round, publish_summary, sample_completions
+from tasks.publish import publish_rounds, publish_summary, sample_completions
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
     RunContext,
@@ -275,14 +275,23 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
                 ctx.lineage.log_metrics(parent, {f"reward_model/{key}": summary[key]})
         lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
     history = ctx.round_history
+    unpublished: list[tuple[dict, int, list]] = []  # cached rounds: (metrics, round, completions), logged together
 
     def log_round(metrics: dict, r: int, scored, adapter) -> None:
-        ctx.lineage.log_metrics(parent, metrics, step=r + 1)
         history.append({"round": r, **{k: v for k, v in metrics.items() if not k.startswith("time/")}})
+        samples = []
         if not ctx.lineage.already_logged("train/reward_mean", r + 1):  # a resumed run published it already
-            publish_round(ctx.lineage, parent, ctx.config.name, r,
-                          sample_completions(scored.file("scored.parquet"), ctx.config.tracking.completions_per_round))
+            samples = sample_completions(scored.file("scored.parquet"), ctx.config.tracking.completions_per_round)
+        unpublished.append((metrics, r, samples))
+        if not (scored.reused and adapter.reused):  # computed now: show it now (with the cached ones before it)
+            publish_unpublished()
         check_health(metrics, r, scored, adapter)
+
+    def publish_unpublished() -> None:
+        """Metrics and sample completions of the rounds not logged yet, in one request each."""
+        ctx.lineage.log_metric_steps(parent, [(metrics, r + 1) for metrics, r, _ in unpublished])
+        publish_rounds(ctx.lineage, parent, ctx.config.name, [(r, samples) for _, r, samples in unpublished])
+        unpublished.clear()
 
     def check_health(metrics: dict, r: int, scored, adapter) -> None:
         """Warn about (tag, list, log) out-of-range metrics; stop on NaN/Inf or with on_unhealthy: stop."""
@@ -313,6 +322,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
     finally:
         close_engines()
         close_workers()
+        publish_unpublished()
     wall_s = time.perf_counter() - started
     ctx.lineage.log_metrics(parent, {"time/rounds_wall_s": wall_s})
     lineage_keys.update(round_keys)

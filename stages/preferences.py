@@ -543,13 +543,11 @@ class DemoPairsConfig(BaseModel):
     (`reward_model.kind: prm`)."""
     rejected: Literal["first", "random", "second_largest", "mixed"] = "first"
     """pair: the wrong answer: the first number listed (another number when the first is the
-    largest), a random other number, the runner-up (the demo teacher's mistake), or `mixed`:
-    runner-up / first / random / a number of the question's size that is not in it / a larger
-    number that is not in it, in turn (what a reward model needs: without the larger unlisted
-    numbers GRPO learns to answer "99"; without the smaller unlisted ones, which the SFT policy
-    samples ~20% of the time, the reward model scores them like the right answer and GRPO drifts to
-    them; without the runner-up, the policy's own mistake, it drifts to whatever the reward model
-    cannot tell)."""
+    largest), a random other number, the runner-up (the demo teacher's mistake), or `mixed`, drawn per
+    row: the runner-up (1/4), any other number of the question's size, in the question or not (1/2), or
+    a larger number that is not in it (1/4). That covers every answer a policy can give: a reward model
+    that never saw unlisted numbers scores them like the right one and GRPO drifts to them, without the
+    larger ones GRPO learns to answer "99", and the runner-up is the SFT policy's own mistake."""
     mistake_rate: float = Field(0.5, ge=0, le=1)
     """stepwise: fraction of solutions with a mistake (a comparison that keeps the smaller number, or a
     wrong final answer) at a random step; that step and every later one are labelled bad (Math-Shepherd's
@@ -642,12 +640,14 @@ def demo_pair_rows(cfg: DemoPairsConfig, demo: DemoDataConfig | None = None) -> 
             others = [n for n in numbers if n != best]
             kind = cfg.rejected
             if kind == "mixed":  # a reward model must also learn that a number not in the question is wrong
-                kind = ("second_largest", "first", "random", "unlisted", "larger")[len(rows) % 5]
+                # drawn, not cycled by row: a cycle of 5 kinds would pair each of the 5 balanced answers
+                # with one kind only (the answer cycles with the row too)
+                kind = rng.choice(("second_largest", "any", "any", "larger"))
             low = 1 if demo.number_digits == 1 else 10 ** (demo.number_digits - 1)
             unlisted = [n for n in range(low, 10 ** demo.number_digits) if n not in numbers]
-            if kind == "unlisted" and unlisted:  # the question's size, not in it (often below the largest)
-                wrong = rng.choice(unlisted)
-            elif kind in ("unlisted", "larger"):
+            if kind == "any":  # any other number of the question's size, in it or not
+                wrong = rng.choice(unlisted + others)
+            elif kind == "larger":
                 wrong = rng.choice([n for n in range(best + 1, 10 ** (demo.number_digits + 1)) if n not in numbers])
             elif kind == "first" and numbers[0] != best:
                 wrong = numbers[0]

@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
 MAX_PARAM_LEN = 6000
+MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch request
 
 
 def tracking_uri(artifacts_root: Path) -> str:
@@ -201,11 +202,15 @@ class Lineage:
             self.client.set_terminated(self.parent_id, status=status)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        self.log_metric_steps(run_id, [(metrics, step)])
+
+    def log_metric_steps(self, run_id: str, steps: list[tuple[dict[str, float], int]]) -> None:
+        """Log (metrics, step) pairs in as few requests as MLflow allows (1000 metrics per batch)."""
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))
-                 and not (run_id == self.parent_id and (k, step) in self._logged)]
-        if batch:
-            self.client.log_batch(run_id, metrics=batch)
+        batch = [Metric(k, float(v), now, step) for metrics, step in steps for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not (run_id == self.parent_id and (k, step) in self._logged)]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

@@ -3,12 +3,14 @@ markdown summary, as MLflow tables/artifacts on the parent run and as Prefect ar
 
 Prefect artifact keys are per pipeline name (`<name>-completions`, `<name>-rounds`, `<name>-summary`),
 so the Prefect UI keeps their history across runs of a config; MLflow gets one table per round
-(`completions/round_<r>.json`, viewable in the run's Artifacts and Evaluation tabs).
+(`completions/round_<r>.json`, viewable in the run's Artifacts and Evaluation tabs). Rounds a run
+found cached are published together when the next computed round (or the last round) comes.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,17 +56,34 @@ def sample_completions(scored_path, count: int) -> list[dict]:
     return out
 
 
-def publish_round(lineage, parent: str, name: str, round_index: int, rows: list[dict]) -> None:
-    """One round's sample completions: an MLflow table on the parent run and a Prefect table artifact."""
-    if not rows:
+def publish_rounds(lineage, parent: str, name: str, rounds: list[tuple[int, list[dict]]]) -> None:
+    """Rounds' sample completions: one MLflow table per round on the parent run
+    (`completions/round_<r>.json`, as `MlflowClient.log_table` writes it) and one Prefect table
+    artifact for them all. Several rounds (a cached rerun's) go in one upload and one Prefect call."""
+    rounds = [(r, rows) for r, rows in rounds if rows]
+    if not rounds:
         return
+    import json
+    import tempfile
+
+    import pandas as pd
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
     from prefect.artifacts import create_table_artifact
 
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    lineage.client.log_table(parent, data={c: [row.get(c) for row in rows] for c in columns},
-                             artifact_file=f"completions/round_{round_index:03d}.json")
-    create_table_artifact(table=rows, key=artifact_key(name, "completions"),
-                          description=f"{name}: sample completions of round {round_index} with their rewards")
+    with tempfile.TemporaryDirectory() as folder:
+        for r, rows in rounds:
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            pd.DataFrame({c: [row.get(c) for row in rows] for c in columns}).to_json(
+                Path(folder) / f"round_{r:03d}.json", orient="split", index=False, date_format="iso")
+        lineage.client.log_artifacts(parent, folder, artifact_path="completions")
+    # the tag that lists a run's tables in the MLflow UI (what log_table keeps up to date)
+    tables = json.loads(lineage.client.get_run(parent).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    new = [{"path": f"completions/round_{r:03d}.json", "type": "table"} for r, _ in rounds]
+    tables += [t for t in new if t not in tables]
+    lineage.client.set_tag(parent, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tables))
+    span = f"round {rounds[0][0]}" if len(rounds) == 1 else f"rounds {rounds[0][0]}-{rounds[-1][0]}"
+    create_table_artifact(table=[row for _, rows in rounds for row in rows], key=artifact_key(name, "completions"),
+                          description=f"{name}: sample completions of {span} with their rewards")
 
 
 def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None:

@@ -5,6 +5,7 @@ nested MLflow run, and report progress. No ML logic here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +58,7 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
     found = ctx.store.get(stage, key)
     if found is not None:
         ctx.reporter.done(label, stage, found.path, cached=True)
-        return found
+        return replace(found, reused=True)
     started = ctx.reporter.start(label)
     import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}

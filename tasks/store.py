@@ -67,8 +67,9 @@ class Artifact:
     path: Path
     manifest: dict
     reused: bool = field(default=False, compare=False)
-    """True when `write` did not compute it: another run (process or thread) held the key's
-    lock, finished the folder, and this call returned that folder once the lock was free."""
+    """True when it was not computed by the call that returned it: a cache hit (materialize), or
+    another run (process or thread) held the key's lock, finished the folder, and `write` returned
+    that folder once the lock was free."""
 
     def file(self, name: str) -> Path:
         return self.path / name

@@ -84,6 +84,13 @@ def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config
     second = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
     assert computed(second) == []
     assert second["final_accuracy"] == first["final_accuracy"]
+    # and its MLflow run shows what the first one's does (the cached rounds are logged in one go)
+    assert second["mlflow_run_id"] != parent.info.run_id
+    assert [m.step for m in client.get_metric_history(second["mlflow_run_id"], "train/reward_mean")] == [1, 2]
+    assert [f.path for f in client.list_artifacts(second["mlflow_run_id"], "completions")] == tables
+    for run_id in (parent.info.run_id, second["mlflow_run_id"]):  # listed as tables in the MLflow UI
+        logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+        assert [t["path"] for t in logged if t["path"].startswith("completions/")] == tables
 
     # a stage folder whose manifest is gone does not exist: only it is recomputed
     victim = next((root / "score").iterdir())
