@@ -30,9 +30,10 @@ How the work is matched (from the loaded config, overrides applied, so they carr
   `top_p`, no top-k; transformers `generate` on the CPU on both sides.
 - optimization: per_device_train_batch_size = grpo.micro_batch_size, gradient_accumulation_steps as ours,
   so a generation batch gives P*G / (micro_batch_size * gradient_accumulation_steps) * num_iterations
-  optimizer steps, as one of our rounds; max_steps = rounds times that. pi_old is computed once per
-  generation batch on both sides (TRL does when steps_per_generation > gradient_accumulation_steps;
-  posttrain for the micro-batches it does not skip).
+  optimizer steps, as one of our rounds; max_steps = rounds times that. pi_old: TRL computes it with a
+  forward pass over the generation batch (it does when steps_per_generation > gradient_accumulation_steps);
+  posttrain takes it from the sampling log-probs, which the transformers engine computed from the same
+  weights in fp32 (grpo.reuse_sampling_logps; ~1e-6 apart), and runs no such pass.
 - loss: loss_type, beta, epsilon, epsilon_high, importance_sampling_level, mask_truncated_completions,
   use_bias_correction_kl; advantages: reward_weights, scale_rewards (group: (r - mean) / (std + 1e-4),
   unbiased std, on both sides), multi_objective_aggregation (rl: gdpo).
@@ -54,7 +55,9 @@ Not equal, by construction (so accuracies differ by sampling noise, not only by 
   3) even with the transformers engine; TRL applies that correction only with vLLM. With transformers
   generation in fp32 pi_sampling ~ pi_old, so the weight is ~1.
 - posttrain samples from the policy with the LoRA merged into the weights; TRL generates through the
-  unmerged PEFT LoRA layers (more matmuls per token).
+  unmerged PEFT LoRA layers (more matmuls per token). posttrain runs each group's prompt through the
+  model once and copies its KV cache to the group's G rows (stages/engines/hf.py shared_prompt_cache);
+  TRL prefills every row. (The shared prefill gives the tokens a plain prefill gives: tests/test_learning.py.)
 - posttrain reloads the policy (base + adapter) and optimizer state from disk each round, writes every
   round's artifacts and runs rewards in worker processes; TRL keeps everything in memory.
 - posttrain generates in chunks of rollout.generation_batch_size; TRL generates the whole batch in one
