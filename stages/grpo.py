@@ -11,7 +11,9 @@ completion tokens of the whole optimizer step). The reference policy is the base
 model with the LoRA adapter disabled (PEFT's `disable_adapter`).
 
 A round: shuffle the scored rows, cut them into optimizer steps of gradient_accumulation_steps
-micro-batches, compute pi_old once, then `num_iterations` passes over the steps (TRL's mu).
+micro-batches, compute pi_old once, then `num_iterations` passes over the steps (TRL's mu). Rows
+that share a prompt run it through the model once (`batch_logps`); with dapo and beta 0 a step's
+rows are regrouped by prompt, since dapo's gradient does not depend on how a step is cut.
 Micro-batches with no signal (all advantages 0, or all masked by `mask_truncated_completions`)
 are skipped (`skip_zero_advantage_batches`); each step clips the gradient norm to
 `max_grad_norm` and sets the learning rate from a schedule over the whole run's steps
@@ -117,7 +119,9 @@ class GRPOConfig(BaseModel):
     beta = 0 a kept step's gradient is exactly what it would be without skipping (the loss normalizers
     still count the skipped rows, as TRL's would); with beta > 0 the skipped rows' KL-only pull is dropped.
     Counted in the metrics `skipped_batches` (micro-batches, per pass) and `skipped_steps`. True by
-    default: such micro-batches cost a forward and backward for no signal. False: step on them (TRL)."""
+    default: such micro-batches cost a forward and backward for no signal. False: step on them (TRL).
+    With loss_type dapo and beta 0 the skipping goes down to rows: only rows with signal run, regrouped so
+    a group shares its prompt pass (the step's gradient is the same sum; `trained_rows` counts them)."""
     replay_buffer_size: int = Field(0, ge=0)
     """Cache up to this many groups with signal (nonzero advantages) and swap them, in later rounds, for the
     round's zero-signal groups (axolotl `replay_buffer_size`; stages/replay.py says how groups are kept and
@@ -397,6 +401,43 @@ def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     return input_ids, attention_mask, batch["completion_ids"].size(1)
 
 
+def batch_logps(model, batch: dict, temperature: float):
+    """`completion_logps` of a collated batch; rows that share a prompt (a GRPO group) run it once.
+
+    The prompt minus its last token goes through the model once per distinct prompt, its KV cache is
+    copied to every row that has it (by indexing, so gradients flow back into the one prompt pass),
+    and each row then runs its last prompt token and its completion on top of that cache, with the
+    positions the plain forward gives them. Same log-probs and gradients as the plain forward up to
+    float rounding (tests/test_grpo_loss.py), for a fraction of the prompt compute."""
+    from transformers import DynamicCache
+
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+    first: dict[tuple, int] = {}
+    for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        first.setdefault((tuple(ids), tuple(mask)), i)
+    if len(first) == len(prompt_ids) or prompt_ids.size(1) < 2:
+        return completion_logps(model, *_inputs(batch), temperature)
+    distinct = list(first.values())
+    slot = {row: n for n, row in enumerate(distinct)}
+    rows = torch.tensor([slot[first[(tuple(i), tuple(m))]]
+                         for i, m in zip(prompt_ids.tolist(), prompt_mask.tolist())])
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
+          use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(rows)
+    prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
+    tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
+    positions = torch.arange(prompt_length - 1, prompt_length + keep).expand(len(rows), -1)
+    logits = model(input_ids=tail, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+                   past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=keep + 1).logits
+    log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
+    logps = log_p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return logps, entropy
+
+
 def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The optimizer named by `grpo.optim` over `params`, at the peak learning rate."""
     if cfg.optim == "adamw":
@@ -488,10 +529,28 @@ def run(
     epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     masked_out = {r["rollout_id"] for r in rows if cfg.mask_truncated_completions and _is_truncated(r)}
 
+    def has_signal(row: dict) -> bool:
+        return abs(row["advantage"]) >= ZERO_ADVANTAGE and row["rollout_id"] not in masked_out
+
     def trains(micro_batch: list[dict]) -> bool:
         """False for a micro-batch with no signal: every row's advantage 0 or its loss masked."""
-        return not cfg.skip_zero_advantage_batches or any(
-            abs(r["advantage"]) >= ZERO_ADVANTAGE and r["rollout_id"] not in masked_out for r in micro_batch)
+        return not cfg.skip_zero_advantage_batches or any(has_signal(r) for r in micro_batch)
+
+    def step_runs(micro_batches: list[list[dict]]) -> list[list[dict]]:
+        """The micro-batches an optimizer step runs forward and backward. dapo with beta 0: the step's rows,
+        less those without signal when skip_zero_advantage_batches is on (their loss and gradient are 0),
+        with a group's rows side by side so that they share one prompt pass (batch_logps), cut again into
+        micro_batch_size: dapo divides by the whole step's token count, so the step's gradient is the same
+        sum over the same rows however they are cut. Other losses normalize per micro-batch: the
+        micro-batches as cut, those without signal skipped."""
+        live = [mb for mb in micro_batches if trains(mb)]
+        if not (cfg.loss_type == "dapo" and cfg.beta == 0.0) or not live:
+            return live
+        rows = [r for mb in live for r in mb if has_signal(r) or not cfg.skip_zero_advantage_batches]
+        rows.sort(key=lambda r: r["prompt_id"])  # stable: the shuffled order within a group stays
+        return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+
+    runs = [step_runs(micro_batches) for micro_batches in steps]  # runs[s]: what step s computes
 
     def loss_mask(micro_batch: list[dict], completion_mask: torch.Tensor) -> torch.Tensor:
         keep = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
@@ -508,7 +567,7 @@ def run(
     old_logps: dict[str, list[float]] = {}
     reused = 0
     with torch.no_grad():
-        for micro_batch in (mb for micro_batches in steps for mb in micro_batches if trains(mb)):
+        for micro_batch in (mb for run in runs for mb in run):
             chunk = []
             for row in micro_batch:
                 if sampled_by_round_start(row):
@@ -518,8 +577,7 @@ def run(
                     chunk.append(row)
             if not chunk:
                 continue
-            ids, attn, keep = _inputs(collate(chunk, tokenizer.pad_token_id))
-            logps, _ = completion_logps(model, ids, attn, keep, temperature)
+            logps, _ = batch_logps(model, collate(chunk, tokenizer.pad_token_id), temperature)
             for row, lp in zip(chunk, logps):
                 old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
     replayed = [r for r in rows if r.get("replayed")]
@@ -538,12 +596,12 @@ def run(
                             warmup_steps, total_steps)
 
     history = []
-    skipped_batches = skipped_steps = 0
+    skipped_batches = skipped_steps = trained_rows = 0
     for iteration in range(cfg.num_iterations):
-        for step_index, micro_batches in enumerate(steps):
+        for step_index, (micro_batches, live) in enumerate(zip(steps, runs)):
             position = iteration * len(steps) + step_index
-            live = [mb for mb in micro_batches if trains(mb)]
-            skipped_batches += len(micro_batches) - len(live)
+            skipped_batches += sum(not trains(mb) for mb in micro_batches)
+            trained_rows += sum(len(mb) for mb in live)
             if not live:  # no signal in the whole step: no optimizer step, no state change
                 skipped_steps += 1
                 if on_step:
@@ -558,16 +616,15 @@ def run(
                 mask = loss_mask(rows_mb, batch["completion_mask"])
                 sampling_logps = batch["old_per_token_logps"]
                 old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
-                input_ids, attention_mask, keep = _inputs(batch)
-                logps, entropy = completion_logps(model, input_ids, attention_mask, keep, temperature)
+                logps, entropy = batch_logps(model, batch, temperature)
                 with torch.no_grad():
                     if cfg.beta == 0.0:  # as TRL: no reference forward and no KL when nothing weighs it
                         ref_logps = None
                     elif ref_model is not None:
-                        ref_logps, _ = completion_logps(ref_model, input_ids, attention_mask, keep, temperature)
+                        ref_logps, _ = batch_logps(ref_model, batch, temperature)
                     elif cfg.adapter == "lora":
                         with model.disable_adapter():
-                            ref_logps, _ = completion_logps(model, input_ids, attention_mask, keep, temperature)
+                            ref_logps, _ = batch_logps(model, batch, temperature)
                     else:
                         ref_logps = None
                 is_weights = keep_mask = None
@@ -627,7 +684,8 @@ def run(
     metrics.update(completion_length=sum(lengths) / len(lengths), optimizer_steps=len(history),
                    skipped_steps=skipped_steps, skipped_batches=skipped_batches,
                    learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
-                   optimizer_state=optimizer_state, reused_sampling_logps=reused)
+                   optimizer_state=optimizer_state, reused_sampling_logps=reused,
+                   trained_rows=trained_rows / cfg.num_iterations)  # rows through forward/backward per pass
     if replayed:
         metrics["replayed_rows"] = len(replayed)
     if cfg.mask_truncated_completions:
