@@ -33,8 +33,30 @@ def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quick
     seconds = time.time() - start
     if out.returncode != 0:
         sys.exit(f"run failed:\n{out.stderr[-4000:]}")
-    (run_dir,) = set((artifacts / "runs").glob("*")) - before
-    return seconds, json.loads((run_dir / "summary.json").read_text())
+    import yaml
+
+    name = yaml.safe_load((ROOT / config).read_text())["name"]
+    new = [d for d in set((artifacts / "runs").glob("*")) - before if _is_this_run(d, [f"name={name}", *overrides])]
+    if len(new) != 1:  # other runs (other configs or seeds) may finish in the same folder meanwhile
+        sys.exit(f"cannot tell which of {sorted(d.name for d in new)} is this run ({overrides})")
+    return seconds, json.loads((new[0] / "summary.json").read_text())
+
+
+def _is_this_run(run_dir: Path, overrides: list[str]) -> bool:
+    """A finished run whose resolved config has every `key=value` override."""
+    import yaml
+
+    if not (run_dir / "summary.json").exists():
+        return False
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for override in overrides:
+        key, _, value = override.partition("=")
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != yaml.safe_load(value):
+            return False
+    return True
 
 
 def seconds_by_kind(stages: list[dict]) -> dict:
