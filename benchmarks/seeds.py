@@ -77,14 +77,17 @@ def print_table(rows: list[dict]) -> None:
 
 
 def report(folders: list[Path]) -> list[dict]:
-    """Rows of every finished run in these artifacts folders (runs/<run>/summary.json + config.yaml)."""
+    """A row per (config, seed): the newest finished run of it in these artifacts folders
+    (runs/<name>-<date>-<time>/summary.json + config.yaml), so a rerun after a fix replaces the old row."""
     import yaml
 
-    rows = []
-    for folder in folders:
-        for summary_path in sorted(folder.glob("runs/*/summary.json")):
-            config = yaml.safe_load((summary_path.parent / "config.yaml").read_text())
-            rows.append(row(config["name"], config.get("seed"), None, json.loads(summary_path.read_text())))
+    newest = {}
+    paths = [path for folder in folders for path in folder.glob("runs/*/summary.json")]
+    for summary_path in sorted(paths, key=lambda p: p.parent.name[-15:]):  # <date>-<time>: oldest first
+        config = yaml.safe_load((summary_path.parent / "config.yaml").read_text())
+        if config.get("seed") is not None:  # runs made with `seed=S` (not per-section seeds, e.g. vs_trl's)
+            newest[(config["name"], config["seed"])] = json.loads(summary_path.read_text())
+    rows = [row(name, seed, None, summary) for (name, seed), summary in newest.items()]
     return sorted(rows, key=lambda r: (r["config"], r["seed"]))
 
 
