@@ -1,5 +1,5 @@
-"""Resolve user code named `module.fn` in configs (transforms, reward functions), and import heavy
-libraries on first use."""
+"""Resolve user code named `module.fn` in configs (transforms, reward functions), import heavy
+libraries on first use, and digest the source of local modules (what artifact keys hash of code)."""
 
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ def is_local_file(path: str | None) -> bool:
 
 
 def _find_module(name: str) -> list[tuple[str, str]]:
-    """(module name, file) of `name` and of each local package above it, without importing anything
-    but the top-level package's finder lookup; [] if it is not a local module or not found."""
+    """(module name, file) of `name` and of each local package above it; [] if it is not a local module.
+    Imports nothing: a top-level name goes through the import system's finders, a submodule is looked
+    up in its package's folders, and nothing installed is looked into."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)
@@ -134,25 +135,12 @@ def _imported_names(name: str, path: str, imports) -> list[str]:
     return names
 
 
-_closures: dict[tuple, tuple[tuple, str]] = {}
-
-
-def source_digest(module_name: str) -> str | None:
-    """sha256 of the source of `module_name` and of every local module it imports, transitively
-    (module-level and function-level imports, found by reading the files, not importing them).
-    Local: a file outside site-packages and the Python installation (`is_local_file`); installed
-    packages are not hashed, nor are their versions. None when the module is not found locally.
-    Cached per process by each file's mtime and size: editing any of the files changes the digest."""
-    cache_key = (module_name, tuple(sys.path))
-    cached = _closures.get(cache_key)
-    if cached is not None:
-        stamps, digest = cached
-        try:
-            if all(_stamp(p) == s for p, s in stamps):
-                return digest
-        except OSError:
-            pass
-    files: dict[str, str] = {}  # module name -> file
+def local_modules(module_name: str) -> dict[str, str]:
+    """{module name: file} of `module_name`, the packages above it, and every local module they import,
+    transitively: module-level and function-level imports, found by reading the files (`ast`), never
+    by importing them. Local: a file outside site-packages and the Python installation (`is_local_file`).
+    Empty when `module_name` is not a local module."""
+    files: dict[str, str] = {}
     todo, seen = [module_name], set()
     while todo:
         name = todo.pop()
@@ -160,20 +148,36 @@ def source_digest(module_name: str) -> str | None:
             continue
         seen.add(name)
         for found, path in _find_module(name):
-            if found in files:
-                continue
-            files[found] = path
-            _, imports = _parse(path, _stamp(path))
-            todo += _imported_names(found, path, imports)
-    if module_name not in files:
+            if found not in files:
+                files[found] = path
+                todo += _imported_names(found, path, _parse(path, _stamp(path))[1])
+    return files if module_name in files else {}
+
+
+_digests: dict[tuple, tuple[tuple, str]] = {}  # (module, sys.path) -> ((file, stamp), ...), digest
+
+
+def source_digest(module_name: str) -> str | None:
+    """sha256 of the source files of `local_modules(module_name)`; None when it is not a local module.
+    Installed packages are not hashed, nor are their versions. Cached per process while every file
+    keeps its mtime and size: editing any of them changes the digest."""
+    cache_key = (module_name, tuple(sys.path))
+    cached = _digests.get(cache_key)
+    try:
+        if cached is not None and all(_stamp(path) == stamp for path, stamp in cached[0]):
+            return cached[1]
+    except OSError:  # a file is gone: look again
+        pass
+    files = local_modules(module_name)
+    if not files:
         return None
     digest = hashlib.sha256()
     stamps = []
-    for name in sorted(files):
-        stamp = _stamp(files[name])
-        stamps.append((files[name], stamp))
-        digest.update(f"{name}\0{_parse(files[name], stamp)[0]}\0".encode())
-    _closures[cache_key] = (tuple(stamps), digest.hexdigest())
+    for name, path in sorted(files.items()):
+        stamp = _stamp(path)
+        stamps.append((path, stamp))
+        digest.update(f"{name}\0{_parse(path, stamp)[0]}\0".encode())
+    _digests[cache_key] = (tuple(stamps), digest.hexdigest())
     return digest.hexdigest()
 
 

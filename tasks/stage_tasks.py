@@ -51,12 +51,18 @@ class RunContext:
         self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
 
 
+def artifact_key(store: ArtifactStore, stage: str, module, section: dict, inputs: dict[str, Artifact | None]) -> str:
+    """The stage's content key: its name, the code version of its module (and what that imports), its
+    section and the keys of its inputs (None: no such input)."""
+    present = sorted((name, a) for name, a in inputs.items() if a is not None)
+    return store.key(stage, code_version(module, schemas), section, [f"{n}={a.stage}/{a.key}" for n, a in present])
+
+
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
                 produce: Callable[[Path, Callable], dict], label: str | None = None) -> Artifact:
     """Return the stage's artifact for these inputs, computing it only if no manifest exists."""
     present = {name: a for name, a in inputs.items() if a is not None}
-    version = code_version(module, schemas)
-    key = ctx.store.key(stage, version, section, [f"{n}={a.stage}/{a.key}" for n, a in sorted(present.items())])
+    key = artifact_key(ctx.store, stage, module, section, inputs)
     label = label or stage
     found = ctx.store.get(stage, key)
     if found is not None:
