@@ -1,7 +1,9 @@
 """The artifact store: the one place that maps a stage and its inputs to a folder.
 
 `artifacts/<stage>/<key>/`, key = content hash of (stage name, stage code version,
-canonical JSON of the stage's config section, input artifact keys). A folder is written
+canonical JSON of the stage's config section, input artifact keys). The code version hashes the
+stage module and the project modules it imports (`code_version`); the tasks add digests of the
+user code and of the files a section names by path to the section (`path_digest`). A folder is written
 in a temp folder beside it, `_manifest.json` last, then renamed into place; a folder
 without a valid manifest does not exist and is recomputed.
 
