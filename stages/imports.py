@@ -63,12 +63,20 @@ def _installed_roots() -> tuple[str, ...]:
     return tuple(os.path.realpath(r) + os.sep for r in roots if r)
 
 
+OWN_PACKAGES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), p) + os.sep
+                     for p in ("flows", "tasks", "stages"))
+"""This pipeline's own packages: hashed even when installed into site-packages."""
+
+
 def is_local_file(path: str | None) -> bool:
-    """True for a source file of your project: a file that is not in site-packages or the Python
-    installation (the stdlib). Those are the files a code digest hashes."""
+    """True for a source file of your project or of this pipeline: a file that is not in site-packages
+    or the Python installation (the stdlib), or one of `OWN_PACKAGES`. Those are the files a code
+    digest hashes."""
     if not path or not os.path.isfile(path):
         return False
     real = os.path.realpath(path)
+    if real.startswith(OWN_PACKAGES):
+        return True
     parts = Path(real).parts
     if "site-packages" in parts or "dist-packages" in parts:
         return False
