@@ -203,10 +203,10 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
-    if cfg.engine == "transformers":  # the vllm options reach only the vllm engines
-        del section["vllm"]
-    else:
-        section["vllm"] = {k: v for k, v in section["vllm"].items() if k not in ("server_url", "server_timeout_s")}
+    handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
+    vllm = {k: v for k, v in section.pop("vllm").items() if k in handed and k not in ("server_url", "server_timeout_s")}
+    if vllm:
+        section["vllm"] = vllm
     section = _with_reads({**_round_section(section, round_index), "policy_version": policy_version},
                           [cfg.rollout_func] if cfg.rollout_func else [])
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off

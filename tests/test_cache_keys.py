@@ -156,13 +156,17 @@ def test_base_model_key_has_the_texts_its_tokenizer_is_trained_on(key_of, tmp_pa
     assert key_of(stage_tasks.base_model_task, {"sft": {"learning_rate": 0.1}}, prompts) == default
 
 
-def test_vllm_options_are_not_in_a_transformers_rollout_key(key_of, tmp_path):
+def test_a_rollout_key_has_only_the_vllm_options_its_engine_gets(key_of, tmp_path):
     args = (artifact("sft", tmp_path), None, artifact("transform", tmp_path), 0, 0)
-    options = {"vllm": {"dtype": "bfloat16", "gpu_memory_utilization": 0.5}}
-    assert key_of(stage_tasks.rollout_task, {"rollout": options}, *args) == key_of(stage_tasks.rollout_task, {}, *args)
-    vllm = {"rollout": {"engine": "vllm"}}
-    assert key_of(stage_tasks.rollout_task, {"rollout": {**options, "engine": "vllm"}}, *args) != \
-        key_of(stage_tasks.rollout_task, vllm, *args)
+
+    def key(engine, **vllm):
+        return key_of(stage_tasks.rollout_task, {"rollout": {"engine": engine, "vllm": vllm}}, *args)
+
+    assert key("transformers", dtype="bfloat16", gpu_memory_utilization=0.5) == key("transformers")
+    assert key("vllm", dtype="bfloat16") != key("vllm")
+    assert key("vllm", server_url="http://elsewhere:8000", server_adapter_root="/srv") == key("vllm")
+    assert key("vllm_server", dtype="bfloat16", enforce_eager=False) == key("vllm_server")  # the server's own
+    assert key("vllm_server", server_adapter_root="/srv") != key("vllm_server")
 
 
 def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch):
