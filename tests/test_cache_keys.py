@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import computed
 from flows.config import PipelineConfig
 from tasks import stage_tasks
 from tasks.store import Artifact, ArtifactStore, code_version
@@ -211,6 +212,7 @@ def test_stage_code_versions_cover_their_imports_without_importing_torch():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_an_edited_reward_function_rescored_on_the_next_run(prefect_harness, tiny_config, user_dir):
     from flows.pipeline import posttrain_pipeline
 
@@ -226,7 +228,3 @@ def test_an_edited_reward_function_rescored_on_the_next_run(prefect_harness, tin
     scored = Path(next(row["path"] for row in second["stages"] if row["stage"] == "score r0")) / "scored.parquet"
     rewards = [dict(r)["keys_e2e_reward.fixed"] for r in pq.read_table(scored).column("rewards").to_pylist()]
     assert set(rewards) == {0.75}
-
-
-def computed(results):
-    return [row["stage"] for row in results["stages"] if row["status"] == "computed"]
