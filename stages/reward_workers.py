@@ -30,7 +30,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable
 
-from stages.imports import load_function
+from stages.imports import load_function, user_code
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ class RewardWorkerPool:
 
 
 _POOLS: dict[tuple, RewardWorkerPool] = {}
+_POOL_CODE: dict[tuple, list] = {}  # per pool: the user_code digests of its functions when its workers imported them
 
 
 _POOLS_LOCK = threading.Lock()
@@ -284,14 +285,20 @@ _POOLS_LOCK = threading.Lock()
 
 def shared_pool(names: list[str], num_workers: int, timeout_s: float,
                 sources: dict[str, str] | None = None) -> RewardWorkerPool:
-    """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken."""
+    """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken, or
+    if the source of a `module.fn` it runs changed since its workers imported it."""
+    from stages.rewards import BUILTIN_REWARDS
+
     key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
+    resolved = [(sources or {}).get(name, name) for name in names]
+    code = user_code([r for r in resolved if not r.startswith(REWARD_MODEL_PREFIX)], BUILTIN_REWARDS)
     with _POOLS_LOCK:  # score tasks of two rounds may ask at once (async prefetch)
         pool = _POOLS.get(key)
-        if pool is None or not pool.alive():
+        if pool is None or not pool.alive() or _POOL_CODE.get(key) != code:
             if pool is not None:
                 pool.close()
             pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
+            _POOL_CODE[key] = code
         return pool
 
 

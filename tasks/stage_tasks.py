@@ -29,10 +29,13 @@ from stages import (
     transform,
 )
 from stages.engines import Policy, import_eagerly
+from stages.imports import user_code
+from stages.reward_workers import REWARD_MODEL_PREFIX
+from stages.rewards import BUILTIN_REWARDS
 from stages.rollout_worker import shared_worker
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
-from tasks.store import Artifact, ArtifactStore, code_version, sha256_file
+from tasks.store import Artifact, ArtifactStore, code_version, path_digest, sha256_file
 
 
 class RunContext:
@@ -48,12 +51,18 @@ class RunContext:
         self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
 
 
+def artifact_key(store: ArtifactStore, stage: str, module, section: dict, inputs: dict[str, Artifact | None]) -> str:
+    """The stage's content key: its name, the code version of its module (and what that imports), its
+    section and the keys of its inputs (None: no such input)."""
+    present = sorted((name, a) for name, a in inputs.items() if a is not None)
+    return store.key(stage, code_version(module, schemas), section, [f"{n}={a.stage}/{a.key}" for n, a in present])
+
+
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
                 produce: Callable[[Path, Callable], dict], label: str | None = None) -> Artifact:
     """Return the stage's artifact for these inputs, computing it only if no manifest exists."""
     present = {name: a for name, a in inputs.items() if a is not None}
-    version = code_version(module, schemas)
-    key = ctx.store.key(stage, version, section, [f"{n}={a.stage}/{a.key}" for n, a in sorted(present.items())])
+    key = artifact_key(ctx.store, stage, module, section, inputs)
     label = label or stage
     found = ctx.store.get(stage, key)
     if found is not None:
@@ -86,6 +95,18 @@ def _files_digest(paths: dict[str, str] | None) -> dict[str, str] | None:
     return {split: sha256_file(Path(p)) for split, p in paths.items()} if paths else None
 
 
+def _with_reads(section: dict, code: list[str] = (), builtins: dict | None = None, paths: list[str] = ()) -> dict:
+    """`section` plus digests of what else the stage reads (DESIGN.md, artifact contract): the user modules
+    behind the `module.fn` names in `code` (built-ins left out) and the files or folders in `paths`. A stage
+    that reads none of them keeps the section as it is."""
+    section = dict(section)
+    if digests := user_code(code, builtins):
+        section["user_code"] = digests
+    if paths:
+        section["path_digests"] = [[p, path_digest(p)] for p in paths]
+    return section
+
+
 @task(name="demo_data", cache_policy=NO_CACHE)
 def demo_data_task(ctx: RunContext) -> Artifact:
     cfg = ctx.config.demo_data
@@ -100,7 +121,8 @@ def transform_task(ctx: RunContext, raw: Artifact | None) -> Artifact:
         files = {split: Path(p) for split, p in cfg.paths.items()}
     else:
         files = {split: raw.file(f"{split}.parquet") for split in demo_data.SPLITS}
-    section = {**cfg.model_dump(mode="json"), "file_digests": _files_digest(cfg.paths)}
+    section = _with_reads({**cfg.model_dump(mode="json"), "file_digests": _files_digest(cfg.paths)}, [cfg.type],
+                          transform.BUILTINS)
     return materialize(ctx, "transform", transform, section, {"raw": raw},
                        lambda out, _: transform.run(cfg, files, out))
 
@@ -109,12 +131,16 @@ def transform_task(ctx: RunContext, raw: Artifact | None) -> Artifact:
 def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     cfg = ctx.config.model
     split = ctx.config.sft.split if ctx.config.sft.enabled else "train"
+    completion_field = ctx.config.sft.completion_field
+    if cfg.path:  # a model folder: its files, not the prompts, make the model
+        section = _with_reads(cfg.model_dump(mode="json"), paths=[cfg.path])
+    else:  # built here: the tokenizer is trained on these texts
+        section = {**cfg.model_dump(mode="json"), "texts": {"split": split, "completion_field": completion_field}}
 
     def produce(out, _):
         import pyarrow.parquet as pq
 
         table = pq.read_table(prompts.file(f"{split}.parquet")).to_pylist()
-        completion_field = ctx.config.sft.completion_field
         texts = [
             "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["prompt"])
             + f"<|im_start|>assistant\n{row.get(completion_field) or row['answer']}<|im_end|>\n"
@@ -122,7 +148,7 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
         ]
         return base_model.run(cfg, texts, out)
 
-    return materialize(ctx, "base_model", base_model, cfg.model_dump(mode="json"), {"prompts": prompts}, produce)
+    return materialize(ctx, "base_model", base_model, section, {"prompts": prompts}, produce)
 
 
 @task(name="sft", cache_policy=NO_CACHE)
@@ -177,8 +203,12 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
-    section["vllm"] = {k: v for k, v in section["vllm"].items() if k not in ("server_url", "server_timeout_s")}
-    section = {**_round_section(section, round_index), "policy_version": policy_version}
+    handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
+    vllm = {k: v for k, v in section.pop("vllm").items() if k in handed and k not in ("server_url", "server_timeout_s")}
+    if vllm:
+        section["vllm"] = vllm
+    section = _with_reads({**_round_section(section, round_index), "policy_version": policy_version},
+                          [cfg.rollout_func] if cfg.rollout_func else [])
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
         section["reroll_prompt_ids"] = list(reroll_prompt_ids)
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
@@ -198,9 +228,11 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
+    folders = [f[len(REWARD_MODEL_PREFIX):] for f in cfg.reward_funcs if f.startswith(REWARD_MODEL_PREFIX)]
+    functions = [f for f in cfg.reward_funcs if not f.startswith(REWARD_MODEL_PREFIX)]
+    section = _with_reads({**cfg.model_dump(mode="json"), "num_generations": n}, functions, BUILTIN_REWARDS, folders)
     return materialize(
-        ctx, "score", score, {**cfg.model_dump(mode="json"), "num_generations": n},
-        {"rollouts": rollouts, "reward_model": rm},
+        ctx, "score", score, section, {"rollouts": rollouts, "reward_model": rm},
         lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None),
         label=f"score r{round_index}",
     )
@@ -245,7 +277,9 @@ def preferences_task(ctx: RunContext) -> Artifact:
     """The preferences table: your data through `preferences`, or demo pairs for the built-in task."""
     cfg = ctx.config
     if cfg.preferences is not None:
-        section = {**cfg.preferences.model_dump(mode="json"), "file_digests": _files_digest(cfg.preferences.paths)}
+        section = _with_reads({**cfg.preferences.model_dump(mode="json"),
+                               "file_digests": _files_digest(cfg.preferences.paths)}, [cfg.preferences.type],
+                              preferences.BUILTINS)
         return materialize(ctx, "preferences", preferences, section, {},
                            lambda out, _: preferences.run(cfg.preferences, out))
     section = {"demo_pairs": cfg.demo_pairs.model_dump(mode="json"), "demo_data": cfg.demo_data.model_dump(mode="json")}

@@ -1,7 +1,9 @@
 """The artifact store: the one place that maps a stage and its inputs to a folder.
 
 `artifacts/<stage>/<key>/`, key = content hash of (stage name, stage code version,
-canonical JSON of the stage's config section, input artifact keys). A folder is written
+canonical JSON of the stage's config section, input artifact keys). The code version hashes the
+stage module and the project modules it imports (`code_version`); the tasks add digests of the
+user code and of the files a section names by path to the section (`path_digest`). A folder is written
 in a temp folder beside it, `_manifest.json` last, then renamed into place; a folder
 without a valid manifest does not exist and is recomputed.
 
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from stages.imports import source_digest
+
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
 LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
@@ -51,11 +55,35 @@ def sha256_file(path: Path) -> str:
 
 
 def code_version(*modules) -> str:
-    """Hash of the modules' source: editing a stage's code changes its artifact keys."""
+    """Hash of the modules' source and of every project module they import, transitively
+    (stages/imports.py `source_digest`): editing a stage's code, or code it calls, changes its keys."""
     digest = hashlib.sha256()
     for module in modules:
-        digest.update(inspect.getsource(module).encode())
+        digest.update((source_digest(module.__name__) or inspect.getsource(module)).encode())
     return digest.hexdigest()[:12]
+
+
+_file_digests: dict[tuple, str] = {}
+
+
+def path_digest(path: str | Path) -> str | None:
+    """sha256 of a file, or of a folder's files (sorted relative paths and their bytes); None if
+    nothing is there. Each file is hashed once per process while its mtime and size stay the same."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        files = [(path.name, path)]
+    elif path.is_dir():
+        files = sorted((f.relative_to(path).as_posix(), f) for f in path.rglob("*") if f.is_file())
+    else:
+        return None
+    digest = hashlib.sha256()
+    for name, f in files:
+        st = f.stat()
+        stamp = (str(f.resolve()), st.st_mtime_ns, st.st_size)
+        if stamp not in _file_digests:
+            _file_digests[stamp] = sha256_file(f)
+        digest.update(f"{name}\0{_file_digests[stamp]}\0".encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

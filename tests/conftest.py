@@ -92,3 +92,8 @@ def tiny_preference_model(root, num_train: int, num_eval: int):
     write_demo_pairs(DemoPairsConfig(num_train=num_train, num_eval=num_eval), root / "prefs",
                      DemoDataConfig(num_sft=10, num_train=10, num_eval=10))
     return root
+
+
+def computed(results) -> list[str]:
+    """The stages a pipeline run computed (not served from the cache), in order."""
+    return [row["stage"] for row in results["stages"] if row["status"] == "computed"]

@@ -9,13 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+from conftest import computed
 from tasks.store import MANIFEST
 
 pytestmark = pytest.mark.slow
-
-
-def computed(results):
-    return [row["stage"] for row in results["stages"] if row["status"] == "computed"]
 
 
 def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config, tmp_path):

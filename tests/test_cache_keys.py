@@ -1,0 +1,230 @@
+"""Artifact keys hash everything a stage reads: user code a config names (`module.fn`), files and folders
+named by path, and the project modules a stage module imports. The keys are computed by calling the
+stage tasks' functions with `materialize` replaced by the key it would look up (no stage runs, no torch);
+one pipeline test edits a reward function between two runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import computed
+from flows.config import PipelineConfig
+from tasks import stage_tasks
+from tasks.store import Artifact, ArtifactStore, code_version
+
+
+class Quiet:
+    """A reporter that shows nothing."""
+
+    def progress(self, *args, **kwargs):
+        return None
+
+
+@pytest.fixture
+def key_of(monkeypatch, tmp_path):
+    """key_of(task, config_dict, *args): the key the task would look up for that config."""
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None:
+                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def key_of(task, config: dict, *args):
+        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                     lineage=None, reporter=Quiet())
+        return task.fn(ctx, *args)
+
+    return key_of
+
+
+def artifact(stage: str, tmp_path: Path) -> Artifact:
+    return Artifact(stage, f"{stage}-key", tmp_path / stage, {})
+
+
+def user_module(folder: Path, name: str, source: str) -> Path:
+    """Write folder/name.py. An edit in a test changes the file's size: the digest cache is keyed by
+    mtime and size, and two writes within a clock tick can share an mtime."""
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(source)
+    return path
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A folder on sys.path for the tests' user modules (also for spawned reward workers)."""
+    folder = tmp_path / "usercode"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
+def test_editing_a_reward_function_changes_the_score_key_only(key_of, user_dir, tmp_path):
+    user_module(user_dir, "keys_helper", "BONUS = 1.0\n")
+    module = user_module(user_dir, "keys_reward", "from keys_helper import BONUS\n\n"
+                         "def fixed(completions, **kw):\n    return [0.5] * len(completions)\n")
+    config = {"score": {"reward_funcs": ["accuracy", "keys_reward.fixed"]}}
+    model, prompts, rollouts = (artifact(s, tmp_path) for s in ("sft", "transform", "rollout"))
+
+    def keys():
+        return (key_of(stage_tasks.score_task, config, rollouts, 0),
+                key_of(stage_tasks.rollout_task, config, model, None, prompts, 0, 0))
+
+    score_before, rollout_before = keys()
+    assert keys() == (score_before, rollout_before)  # nothing edited: the same keys
+    module.write_text(module.read_text().replace("[0.5]", "[0.75]"))
+    score_after, rollout_after = keys()
+    assert score_after != score_before and rollout_after == rollout_before  # round 0's rollout stays cached
+    (user_dir / "keys_helper.py").write_text("BONUS = 2.25\n")  # a module the reward module imports
+    assert keys()[0] not in (score_before, score_after)
+    # optimize r0 reads the scored rows: its key follows the score key
+    optimize = [key_of(stage_tasks.optimize_task, config, model, None, Artifact("score", k, tmp_path, {}), 0)
+                for k in (score_before, score_after)]
+    assert optimize[0] != optimize[1]
+
+
+def test_editing_a_transform_function_changes_the_transform_key(key_of, user_dir, tmp_path):
+    module = user_module(user_dir, "keys_transform", "def qa(cfg):\n    return (lambda row: row), {}\n")
+    config = {"transform": {"type": "keys_transform.qa"}}
+    raw = artifact("demo_data", tmp_path)
+    before = key_of(stage_tasks.transform_task, config, raw)
+    assert before != key_of(stage_tasks.transform_task, {}, raw)  # (the built-in: no user code)
+    module.write_text(module.read_text() + "# edited\n")
+    assert key_of(stage_tasks.transform_task, config, raw) != before
+
+
+def test_editing_a_rollout_func_changes_the_rollout_key(key_of, user_dir, tmp_path):
+    module = user_module(user_dir, "keys_rollout", "def once(prompts, engine, policy, sampling, tokenizer):\n"
+                         "    return engine.generate(policy, prompts, sampling)\n")
+    config = {"rollout": {"rollout_func": "keys_rollout.once"}}
+    args = (artifact("sft", tmp_path), None, artifact("transform", tmp_path), 0, 0)
+    before = key_of(stage_tasks.rollout_task, config, *args)
+    module.write_text(module.read_text() + "\n\ndef twice(**kw):\n    return []\n")
+    assert key_of(stage_tasks.rollout_task, config, *args) != before
+
+
+def test_editing_a_preferences_builder_changes_the_preferences_key(key_of, user_dir, tmp_path):
+    module = user_module(user_dir, "keys_prefs", "def pairs(cfg):\n    return lambda row: row\n")
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    config = {"rl": "dpo", "preferences": {"type": "keys_prefs.pairs", "paths": {"train": str(data)}}}
+    before = key_of(stage_tasks.preferences_task, config)
+    module.write_text(module.read_text() + "# edited\n")
+    assert key_of(stage_tasks.preferences_task, config) != before
+
+
+def test_a_model_folder_is_hashed_into_the_base_model_key(key_of, tmp_path):
+    folder = tmp_path / "my_model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "weights.bin").write_bytes(b"\0" * 8)
+    config = {"model": {"path": str(folder)}}
+    prompts = artifact("transform", tmp_path)
+    before = key_of(stage_tasks.base_model_task, config, prompts)
+    assert key_of(stage_tasks.base_model_task, config, prompts) == before
+    (folder / "sub" / "weights.bin").write_bytes(b"\1" * 9)
+    edited = key_of(stage_tasks.base_model_task, config, prompts)
+    assert edited != before
+    (folder / "tokenizer.json").write_text("{}")  # a new file
+    assert key_of(stage_tasks.base_model_task, config, prompts) not in (before, edited)
+    # a model read from a folder is not built from the prompts' texts: sft options do not reach its key
+    assert key_of(stage_tasks.base_model_task, {**config, "sft": {"split": "train"}}, prompts) == \
+        key_of(stage_tasks.base_model_task, config, prompts)
+
+
+def test_a_reward_model_folder_is_hashed_into_the_score_key(key_of, tmp_path):
+    folder = tmp_path / "rm.v1"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a": 1}')
+    config = {"score": {"reward_funcs": ["accuracy", f"reward_model:{folder}"]}}
+    rollouts = artifact("rollout", tmp_path)
+    before = key_of(stage_tasks.score_task, config, rollouts, 0)
+    (folder / "config.json").write_text('{"a": 22}')
+    assert key_of(stage_tasks.score_task, config, rollouts, 0) != before
+
+
+def test_base_model_key_has_the_texts_its_tokenizer_is_trained_on(key_of, tmp_path):
+    prompts = artifact("transform", tmp_path)
+    default = key_of(stage_tasks.base_model_task, {}, prompts)
+    assert key_of(stage_tasks.base_model_task, {"sft": {"split": "train"}}, prompts) != default
+    assert key_of(stage_tasks.base_model_task, {"sft": {"completion_field": "answer"}}, prompts) != default
+    assert key_of(stage_tasks.base_model_task, {"sft": {"enabled": False}}, prompts) != default
+    # without sft the texts come from the train split, whatever sft.split says
+    assert key_of(stage_tasks.base_model_task, {"sft": {"enabled": False, "split": "x"}}, prompts) == \
+        key_of(stage_tasks.base_model_task, {"sft": {"enabled": False}}, prompts)
+    assert key_of(stage_tasks.base_model_task, {"sft": {"learning_rate": 0.1}}, prompts) == default
+
+
+def test_a_rollout_key_has_only_the_vllm_options_its_engine_gets(key_of, tmp_path):
+    args = (artifact("sft", tmp_path), None, artifact("transform", tmp_path), 0, 0)
+
+    def key(engine, **vllm):
+        return key_of(stage_tasks.rollout_task, {"rollout": {"engine": engine, "vllm": vllm}}, *args)
+
+    assert key("transformers", dtype="bfloat16", gpu_memory_utilization=0.5) == key("transformers")
+    assert key("vllm", dtype="bfloat16") != key("vllm")
+    assert key("vllm", server_url="http://elsewhere:8000", server_adapter_root="/srv") == key("vllm")
+    assert key("vllm_server", dtype="bfloat16", enforce_eager=False) == key("vllm_server")  # the server's own
+    assert key("vllm_server", server_adapter_root="/srv") != key("vllm_server")
+
+
+def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch):
+    import importlib
+
+    package = tmp_path / "keys_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "stage.py").write_text("import json\nfrom keys_pkg.losses import loss\n\n"
+                                      "def run():\n    from . import workers\n    return workers, loss, json\n")
+    (package / "losses.py").write_text("from .math import square\n\ndef loss(x):\n    return square(x)\n")
+    (package / "math.py").write_text("def square(x):\n    return x * x\n")
+    (package / "workers.py").write_text("N = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = importlib.import_module("keys_pkg.stage")
+    before = code_version(stage)
+    assert code_version(stage) == before
+    for name, edit in (("math.py", "def square(x):\n    return x ** 2\n"),  # imported by an imported module
+                       ("workers.py", "N = 22\n"),  # a function-level relative import
+                       ("__init__.py", "# the package\n")):
+        (package / name).write_text(edit)
+        after = code_version(stage)
+        assert after != before, name
+        before = after
+
+
+def test_stage_code_versions_cover_their_imports_without_importing_torch():
+    from stages.imports import local_modules
+
+    assert {"stages.reward_workers", "stages.rewards.math", "stages.reward_model"} <= set(local_modules("stages.score"))
+    assert {"stages.engines.hf", "stages.engines.vllm_local"} <= set(local_modules("stages.rollout"))
+    assert "stages.dpo" in local_modules("stages.reward_model")  # dpo.cpu_training_args
+    assert not any(name.startswith(("torch", "transformers", "pydantic")) for name in local_modules("stages.grpo"))
+    script = ("import sys\nfrom stages import schemas\nfrom tasks.store import code_version\n"
+              "import stages.grpo, stages.rollout, stages.score, stages.reward_model, stages.sft, stages.dpo, "
+              "stages.evaluate, stages.export, stages.base_model, stages.transform, stages.preferences\n"
+              "for name in [m for m in sys.modules if m.startswith('stages.')]:\n"
+              "    code_version(sys.modules[name], schemas)\n"
+              "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported torch'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_an_edited_reward_function_rescored_on_the_next_run(prefect_harness, tiny_config, user_dir):
+    from flows.pipeline import posttrain_pipeline
+
+    module = user_module(user_dir, "keys_e2e_reward", "def fixed(completions, **kw):\n"
+                         "    return [0.25] * len(completions)\n")
+    overrides = ["grpo.rounds=2", "score.reward_funcs=[accuracy, keys_e2e_reward.fixed]"]
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert "score r0" in computed(first)
+    module.write_text(module.read_text().replace("0.25", "0.750"))
+    second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert computed(second) == ["score r0", "optimize r0", "rollout r1", "score r1", "optimize r1", "export",
+                                "eval final"]  # rollout r0 (and everything before) cached
+    scored = Path(next(row["path"] for row in second["stages"] if row["stage"] == "score r0")) / "scored.parquet"
+    rewards = [dict(r)["keys_e2e_reward.fixed"] for r in pq.read_table(scored).column("rewards").to_pylist()]
+    assert set(rewards) == {0.75}
