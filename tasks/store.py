@@ -54,12 +54,24 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+_first_versions: dict[str, str] = {}  # module name -> its code version when this process first used it
+
+
 def code_version(*modules) -> str:
     """Hash of the modules' source and of every project module they import, transitively
-    (stages/imports.py `source_digest`): editing a stage's code, or code it calls, changes its keys."""
+    (stages/imports.py `source_digest`): editing a stage's code, or code it calls, changes its keys.
+
+    The code that runs is the code this process imported. Should a module's files change on disk after
+    their first use here, the process would store the old code's results under the new code's key, so
+    it stops with an error instead: restart it (a new `posttrain run`) to run the new code."""
     digest = hashlib.sha256()
     for module in modules:
-        digest.update((source_digest(module.__name__) or inspect.getsource(module)).encode())
+        version = source_digest(module.__name__) or inspect.getsource(module)
+        if _first_versions.setdefault(module.__name__, version) != version:
+            raise RuntimeError(f"{module.__file__} (or a project module it imports) changed on disk after this "
+                               "process loaded it; its results would be stored under the new code's key. Run "
+                               "the command again in a new process to use the new code.")
+        digest.update(version.encode())
     return digest.hexdigest()[:12]
 
 

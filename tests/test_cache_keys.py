@@ -14,7 +14,8 @@ import pytest
 
 from conftest import computed
 from flows.config import PipelineConfig
-from tasks import stage_tasks
+from stages.imports import source_digest
+from tasks import stage_tasks, store
 from tasks.store import Artifact, ArtifactStore, code_version
 
 
@@ -183,15 +184,20 @@ def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch)
     (package / "workers.py").write_text("N = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     stage = importlib.import_module("keys_pkg.stage")
-    before = code_version(stage)
-    assert code_version(stage) == before
+    before = source_digest("keys_pkg.stage")
+    assert code_version(stage) == code_version(stage)
     for name, edit in (("math.py", "def square(x):\n    return x ** 2\n"),  # imported by an imported module
                        ("workers.py", "N = 22\n"),  # a function-level relative import
                        ("__init__.py", "# the package\n")):
         (package / name).write_text(edit)
-        after = code_version(stage)
+        after = source_digest("keys_pkg.stage")
         assert after != before, name
         before = after
+    # this process still runs the code it imported: it refuses to key results by the edited files
+    with pytest.raises(RuntimeError, match="changed on disk after this process loaded it"):
+        code_version(stage)
+    monkeypatch.setattr(store, "_first_versions", {})  # a new process: the new code, a new version
+    assert len(code_version(stage)) == 12
 
 
 def test_stage_code_versions_cover_their_imports_without_importing_torch():
