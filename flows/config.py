@@ -156,6 +156,13 @@ class PipelineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _model_name_per_config(self):
+        """export.model_name unset: the config's name, so two configs never share a registered model."""
+        if self.export.model_name is None:
+            self.export = self.export.model_copy(update={"model_name": self.name})
+        return self
+
+    @model_validator(mode="after")
     def _method_options_follow_rl(self):
         if not self.uses_rounds and self.dpo.rl != self.rl:
             self.dpo = self.dpo.model_copy(update={"rl": self.rl})

@@ -18,8 +18,9 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = "posttrain-policy"
-    """Name in the model card and in the MLflow Model Registry."""
+    model_name: str | None = None
+    """Name in the model card and in the MLflow Model Registry; unset: the config's `name`. Promotion
+    (champion/challenger) compares versions of this one registered model only."""
 
 
 def model_card(name: str, metrics: dict, lineage: dict, config: dict) -> str:

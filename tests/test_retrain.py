@@ -128,6 +128,25 @@ def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harn
     assert retrain.champion_artifact(elsewhere, version).path == downloaded.path  # found, not fetched again
 
 
+def test_configs_without_a_model_name_register_models_of_their_own(prefect_harness, tiny_config, tmp_path):
+    """export.model_name defaults to the config's name: two configs in one artifacts folder register two
+    models, and the second config's first version is its own champion, never a challenger of the other's."""
+    from flows.pipeline import posttrain_pipeline
+
+    text = tiny_config.read_text()
+    assert "export: {model_name: test-tiny}\n" in text
+    text = text.replace("export: {model_name: test-tiny}\n", "")
+    alpha, beta = tmp_path / "alpha.yaml", tmp_path / "beta.yaml"
+    alpha.write_text(text.replace("name: test-tiny", "name: alpha-tiny"))
+    beta.write_text(text.replace("name: test-tiny", "name: beta-tiny"))
+    first = posttrain_pipeline(str(alpha), ["grpo.rounds=1"], quiet=True)
+    second = posttrain_pipeline(str(beta), ["grpo.rounds=1", "promotion.min_gain=0.5"], quiet=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}")
+    assert {m.name for m in client.search_registered_models()} == {"alpha-tiny", "beta-tiny"}
+    assert first["promotion"]["model"] == "alpha-tiny" and second["promotion"]["model"] == "beta-tiny"
+    assert first["promotion"]["alias"] == second["promotion"]["alias"] == "champion", second["promotion"]
+
+
 def test_data_add_is_content_addressed_idempotent_and_announced(prefect_harness, tiny_config, tmp_path, capsys):
     from flows import retrain
 
