@@ -251,6 +251,14 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     cfg = ctx.config
     raw = None if cfg.transform.paths else demo_data_task(ctx)
     prompts = transform_task(ctx, raw)
+    ctx.dropped_rows = prompts.manifest["summary"].get("dropped", {})  # transform.on_bad_rows: drop
+    for split, dropped in ctx.dropped_rows.items():
+        message = (f"transform: dropped {dropped['rows']} bad row(s) of split {split!r} (transform.on_bad_rows: "
+                   f"drop), rows {dropped['indices'][:10]}: {dropped['reasons'][0]}")
+        log.warning(message)
+        if not ctx.reporter.quiet:
+            ctx.reporter.console.print(message, soft_wrap=True, markup=False, style="yellow")
+        ctx.lineage.set_tags(parent, {f"transform.dropped_rows.{split}": dropped["rows"]})
     base = base_model_task(ctx, prompts)
     champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
     policy = champion or (sft_task(ctx, base, prompts) if cfg.sft.enabled else base)
@@ -425,6 +433,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "promotion": promotion,
             "rounds_wall_s": rounds_wall_s,
             "health": ctx.health_findings,  # grpo_rounds' out-of-range metrics (stages/health.py)
+            "dropped_rows": ctx.dropped_rows,  # transform.on_bad_rows: drop: per split, count, indices, reasons
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
                if not cfg.uses_rounds else {}),

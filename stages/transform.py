@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
@@ -40,10 +40,30 @@ class TransformConfig(BaseModel):
     """messages: the column holding a chat; its last assistant turn becomes the answer."""
     system_prompt: str | None = None
     """Prepended as a system message when set."""
+    on_bad_rows: Literal["fail", "drop"] = "fail"
+    """A row the transform cannot turn into a prompt (a missing field, a transform that raises or returns
+    no prompt). fail: stop before anything is written, naming every bad row (file, row, field, reason);
+    drop: leave them out, count them and record their indices in the stage's manifest and the run's
+    summary (as `preferences.on_bad_rows`)."""
+
+
+MAX_LISTED = 10  # bad rows named in a BadRowsError message
+MAX_DROPPED_INDICES = 100  # dropped row indices kept per split in the manifest
 
 
 class BadRowError(ValueError):
     """A raw row the transform cannot turn into a prompt."""
+
+
+class BadRowsError(BadRowError):
+    """Bad rows under `on_bad_rows: fail`; `bad` holds every (file, row index, reason)."""
+
+    def __init__(self, bad: list[tuple[str, int, str]]):
+        self.bad = bad
+        listed = "\n".join(f"  {source} row {index}: {reason}" for source, index, reason in bad[:MAX_LISTED])
+        more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+        super().__init__(f"transform: {len(bad)} bad row(s) (set transform.on_bad_rows: drop to leave them "
+                         f"out):\n{listed}{more}")
 
 
 def _question_answer(cfg: TransformConfig):
@@ -109,47 +129,75 @@ def _normalize_prompt(prompt: Any) -> list[dict]:
     raise TypeError("prompt must be a string or a list of {role, content} messages")
 
 
-def transform_rows(cfg: TransformConfig, rows: list[dict], split: str, source: str) -> list[dict]:
-    """Apply the configured transform to raw rows; a bad row raises with its index."""
+def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, example: dict, split: str,
+                   index: int) -> dict:
+    """One raw row as a prompts row; BadRowError(reason) when it cannot be one."""
+    try:
+        new = transform_fn(dict(example), tokenizer=None)
+    except KeyError as e:
+        raise BadRowError(f"missing or empty field {e.args[0]!s}") from None
+    except Exception as e:
+        raise BadRowError(f"transform {cfg.type!r} failed: {type(e).__name__}: {e}") from e
+    if not isinstance(new, dict):
+        raise BadRowError(f"transform {cfg.type!r} returned {type(new).__name__}, expected a dict")
+    for field in ("prompt", "answer"):
+        if new.get(field) is None:
+            raise BadRowError(f"transformed row has no {field!r} (got keys {sorted(new)})")
+    try:
+        prompt = _normalize_prompt(new["prompt"])
+    except TypeError as e:
+        raise BadRowError(f"field 'prompt': {e}") from None
+    if cfg.system_prompt:
+        prompt = [{"role": "system", "content": cfg.system_prompt}] + prompt
+    row = {k: v for k, v in example.items() if k not in remove}
+    row.update(new)
+    row.update(prompt=prompt, answer=str(new["answer"]))
+    row.setdefault("prompt_id", f"{split}-{index:06d}")
+    row["prompt_id"] = str(row["prompt_id"])
+    return row
+
+
+def split_rows(cfg: TransformConfig, rows: list[dict], split: str, source: str) -> tuple[list[dict], list[tuple]]:
+    """(prompts rows, bad rows as (source, row index, reason)) of one split's raw rows."""
     builder = load_function(cfg.type, "transform.type", BUILTINS)
     transform_fn, options = builder(cfg)
     remove = set((options or {}).get("remove_columns", []))
-    out = []
+    good, bad = [], []
     for index, example in enumerate(rows):
-        where = f"{source} row {index}"
         try:
-            new = transform_fn(dict(example), tokenizer=None)
-        except KeyError as e:
-            raise BadRowError(f"{where}: missing or empty field {e.args[0]!s}") from None
-        except Exception as e:
-            raise BadRowError(f"{where}: transform {cfg.type!r} failed: {type(e).__name__}: {e}") from e
-        if not isinstance(new, dict):
-            raise BadRowError(f"{where}: transform {cfg.type!r} returned {type(new).__name__}, expected a dict")
-        for field in ("prompt", "answer"):
-            if new.get(field) is None:
-                raise BadRowError(f"{where}: transformed row has no {field!r} (got keys {sorted(new)})")
-        try:
-            prompt = _normalize_prompt(new["prompt"])
-        except TypeError as e:
-            raise BadRowError(f"{where}: field 'prompt': {e}") from None
-        if cfg.system_prompt:
-            prompt = [{"role": "system", "content": cfg.system_prompt}] + prompt
-        row = {k: v for k, v in example.items() if k not in remove}
-        row.update(new)
-        row.update(prompt=prompt, answer=str(new["answer"]))
-        row.setdefault("prompt_id", f"{split}-{index:06d}")
-        row["prompt_id"] = str(row["prompt_id"])
-        out.append(row)
-    return out
+            good.append(_transform_row(cfg, transform_fn, remove, example, split, index))
+        except BadRowError as e:
+            bad.append((source, index, str(e)))
+    return good, bad
+
+
+def transform_rows(cfg: TransformConfig, rows: list[dict], split: str, source: str) -> list[dict]:
+    """Apply the configured transform to raw rows; bad rows raise one BadRowsError naming each."""
+    good, bad = split_rows(cfg, rows, split, source)
+    if bad:
+        raise BadRowsError(bad)
+    return good
 
 
 def run(cfg: TransformConfig, raw_files: dict[str, Path], out_dir: Path) -> dict:
-    """Transform each split's raw file into out_dir/<split>.parquet; return row counts."""
-    counts = {}
+    """Transform each split's raw file into out_dir/<split>.parquet; return row counts per split, and
+    under `on_bad_rows: drop` a `dropped` entry per split with bad rows ({rows, indices, reasons}).
+    Under `fail`, a bad row anywhere raises BadRowsError before any file is written."""
+    results, all_bad = {}, []
     for split, path in raw_files.items():
-        rows = transform_rows(cfg, read_rows(Path(path)), split, str(path))
-        if not rows:
+        raw = read_rows(Path(path))
+        if not raw:
             raise BadRowError(f"{path}: no rows")
+        good, bad = split_rows(cfg, raw, split, str(path))
+        results[split] = (path, good, bad)
+        all_bad += bad
+    if all_bad and cfg.on_bad_rows == "fail":
+        raise BadRowsError(all_bad)
+    counts: dict = {}
+    for split, (path, rows, bad) in results.items():
+        if not rows:
+            reasons = "; ".join(f"row {index}: {reason}" for _, index, reason in bad[:3])
+            raise BadRowError(f"{path}: every row is bad ({reasons}{'; ...' if len(bad) > 3 else ''})")
         try:
             # columns from every row, not only the first (Table.from_pylist keeps only the first row's keys)
             names = list(dict.fromkeys(k for row in rows for k in row))
@@ -158,4 +206,8 @@ def run(cfg: TransformConfig, raw_files: dict[str, Path], out_dir: Path) -> dict
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise BadRowError(f"{path}: rows do not share one column type: {e}") from e
         counts[split] = len(rows)
+        if bad:
+            counts.setdefault("dropped", {})[split] = {
+                "rows": len(bad), "indices": [index for _, index, _ in bad[:MAX_DROPPED_INDICES]],
+                "reasons": [reason for _, _, reason in bad[:MAX_LISTED]]}
     return counts

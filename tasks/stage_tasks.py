@@ -49,6 +49,7 @@ class RunContext:
         self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
         self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
         self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
+        self.dropped_rows: dict = {}  # bad prompt rows the transform left out, per split (on_bad_rows: drop)
 
 
 def artifact_key(store: ArtifactStore, stage: str, module, section: dict, inputs: dict[str, Artifact | None]) -> str:

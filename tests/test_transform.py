@@ -269,6 +269,40 @@ def test_bad_row_missing_field_names_row_and_field(tmp_path, out_dir):
     assert not (out_dir / "train.parquet").exists()
 
 
+def test_bad_rows_fail_names_every_one_and_writes_nothing(tmp_path, out_dir):
+    rows = [dict(RAW[0]), {"question": "What is 7*6?"}, dict(RAW[2]), {"answer": "3"}]
+    train, evals = _raw_file(tmp_path, "jsonl", rows), tmp_path / "eval.jsonl"
+    evals.write_text("\n".join(json.dumps(r) for r in [dict(RAW[1]), {"question": "", "answer": "2"}]))
+
+    with pytest.raises(transform.BadRowsError) as info:
+        transform.run(TransformConfig(), {"train": train, "eval": evals}, out_dir)
+
+    assert [(Path(source).name, index) for source, index, _ in info.value.bad] == [
+        (train.name, 1), (train.name, 3), ("eval.jsonl", 1)]
+    message = str(info.value)
+    assert "3 bad row(s)" in message and "transform.on_bad_rows: drop" in message
+    assert f"{train} row 1: missing or empty field answer" in message
+    assert f"{train} row 3: missing or empty field question" in message
+    assert f"{evals} row 1: missing or empty field question" in message
+    assert not list(out_dir.iterdir())  # not even the good split
+
+
+def test_bad_rows_drop_keeps_the_rest_and_records_them(tmp_path, out_dir):
+    rows = [dict(RAW[0]), {"question": "What is 7*6?"}, dict(RAW[2]), {"answer": "3"}]
+    summary = transform.run(TransformConfig(on_bad_rows="drop"), {"train": _raw_file(tmp_path, "jsonl", rows)},
+                            out_dir)
+
+    kept = pq.read_table(out_dir / "train.parquet").to_pylist()
+    assert [r["prompt_id"] for r in kept] == ["train-000000", "train-000002"]  # ids keep the raw row index
+    assert summary["train"] == 2
+    assert summary["dropped"]["train"]["rows"] == 2 and summary["dropped"]["train"]["indices"] == [1, 3]
+    assert "missing or empty field answer" in summary["dropped"]["train"]["reasons"][0]
+
+    every_row_bad = _raw_file(tmp_path, "parquet", [{"question": "q"}, {"question": "r"}])
+    with pytest.raises(BadRowError, match=r"every row is bad \(row 0: missing or empty field answer"):
+        transform.run(TransformConfig(on_bad_rows="drop"), {"train": every_row_bad}, out_dir)
+
+
 def test_bad_row_empty_field(tmp_path, out_dir):
     rows = [dict(RAW[0]), dict(RAW[1]), {"question": "", "answer": "1", "source": "s", "level": 0}]
 
