@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(handler=pipeline_command, extras_into="overrides")
         if name in ("run", "serve-vllm"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
+            p.add_argument("--debug", action="store_true",
+                           help="on a data, reward-function or file error, show the whole traceback")
         if name == "serve-vllm":
             p.add_argument("--port", type=int, default=None, help="default: the port of rollout.vllm.server_url")
             p.add_argument("--print", dest="print_only", action="store_true",
@@ -201,12 +203,45 @@ def pipeline_command(args) -> int:
     if server_ready:
         server_ready()
 
+    user_errors = input_errors()
+    if not args.debug:
+        hide_tracebacks_of(user_errors)
     try:
         posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
     except TrainingUnhealthy as e:  # a health check stopped the run: the message says what and where
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except user_errors as e:
+        if args.debug:
+            raise
+        print(f"error: {e}\n(the run is recorded as failed; `--debug` shows the traceback)", file=sys.stderr)
+        return 2
     return 0
+
+
+def input_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean bad input (a data row or file, a reward function, a missing file or folder), each
+    raised with a message that names what and where: the CLI prints that message, not a traceback."""
+    from flows.config import ConfigError
+    from flows.retrain import RetrainError
+    from stages.reward_workers import RewardFunctionError
+    from stages.transform import BadRowError
+
+    return ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError
+
+
+def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:
+    """Keep Prefect's console handler from printing the traceback of these errors (the flow and task run
+    loggers still send it, with the failed state, to the Prefect server)."""
+    import logging
+
+    class InputErrorTraceback(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.name.startswith("prefect") and record.exc_info
+                        and isinstance(record.exc_info[1], errors))
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(InputErrorTraceback())
 
 
 def runs_command(args) -> int:

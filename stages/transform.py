@@ -188,7 +188,7 @@ def run(cfg: TransformConfig, raw_files: dict[str, Path], out_dir: Path) -> dict
         raw = read_rows(Path(path))
         if not raw:
             raise BadRowError(f"{path}: no rows")
-        good, bad = split_rows(cfg, raw, split, str(path))
+        good, bad = split_rows(cfg, raw, split, f"{path} ({split})")
         results[split] = (path, good, bad)
         all_bad += bad
     if all_bad and cfg.on_bad_rows == "fail":

@@ -83,6 +83,33 @@ def test_cli_overrides_may_follow_options(capsys):
         main(["run", str(CONFIGS[0]), "--no-such-flag"])
 
 
+def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
+    """`posttrain run` on prompts with a bad row: exit 2 and the row named, without Prefect's traceback;
+    `--debug` shows it."""
+    import json
+    import subprocess
+    import sys
+
+    for name in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1?", "answer": "2"}, {"question": "2+2?"}]))
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"name: bad-row\nartifacts_dir: {tmp_path / 'artifacts'}\n"
+                      f"transform: {{paths: {{train: {data}, eval: {data}}}}}\n")
+    posttrain = str(Path(sys.executable).with_name("posttrain"))
+    out = subprocess.run([posttrain, "run", str(config), "--quiet"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: transform: 2 bad row(s)" in out.stderr
+    assert f"{data} (train) row 1: missing or empty field answer" in out.stderr
+    # no traceback through our code (Prefect's own server may log unrelated ones when the machine is busy)
+    assert "stages/transform.py" not in out.stderr and "flows/pipeline.py" not in out.stderr
+    debug = subprocess.run([posttrain, "run", str(config), "--quiet", "--debug"], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=300)
+    assert debug.returncode != 0 and "stages/transform.py" in debug.stderr
+
+
 def test_rl_gdpo_sets_normalize_then_sum_and_rejects_the_other():
     quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
     cfg = load_config(quickstart, ["rl=gdpo"])

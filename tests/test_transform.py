@@ -277,13 +277,13 @@ def test_bad_rows_fail_names_every_one_and_writes_nothing(tmp_path, out_dir):
     with pytest.raises(transform.BadRowsError) as info:
         transform.run(TransformConfig(), {"train": train, "eval": evals}, out_dir)
 
-    assert [(Path(source).name, index) for source, index, _ in info.value.bad] == [
-        (train.name, 1), (train.name, 3), ("eval.jsonl", 1)]
+    assert [(source, index) for source, index, _ in info.value.bad] == [
+        (f"{train} (train)", 1), (f"{train} (train)", 3), (f"{evals} (eval)", 1)]
     message = str(info.value)
     assert "3 bad row(s)" in message and "transform.on_bad_rows: drop" in message
-    assert f"{train} row 1: missing or empty field answer" in message
-    assert f"{train} row 3: missing or empty field question" in message
-    assert f"{evals} row 1: missing or empty field question" in message
+    assert f"{train} (train) row 1: missing or empty field answer" in message
+    assert f"{train} (train) row 3: missing or empty field question" in message
+    assert f"{evals} (eval) row 1: missing or empty field question" in message
     assert not list(out_dir.iterdir())  # not even the good split
 
 
