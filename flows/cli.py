@@ -194,19 +194,18 @@ def pipeline_command(args) -> int:
         return 0
 
     embedded_defaults(cfg.artifacts_dir)
-    if args.command == "serve-vllm":
-        return serve_vllm(cfg, args)
-    server_ready = start_temporary_prefect_server()
-    from flows.pipeline import posttrain_pipeline
+    server_ready = start_temporary_prefect_server() if args.command == "run" else None  # boots meanwhile
+    from flows.pipeline import posttrain_pipeline  # (imports Prefect, which sets up its log handlers)
     from stages.health import TrainingUnhealthy
-
-    if server_ready:
-        server_ready()
 
     user_errors = input_errors()
     if not args.debug:
         hide_tracebacks_of(user_errors)
     try:
+        if args.command == "serve-vllm":
+            return serve_vllm(cfg, args)
+        if server_ready:
+            server_ready()
         posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
     except TrainingUnhealthy as e:  # a health check stopped the run: the message says what and where
         print(f"stopped: {e}", file=sys.stderr)
