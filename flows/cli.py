@@ -219,14 +219,16 @@ def pipeline_command(args) -> int:
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (a data row or file, a reward function, a missing file or folder), each
-    raised with a message that names what and where: the CLI prints that message, not a traceback."""
+    """Errors that mean bad input (a data row or file, a reward function, a missing file or folder, a vLLM
+    server that does not answer), each raised with a message that names what and where: the CLI prints
+    that message, not a traceback."""
     from flows.config import ConfigError
     from flows.retrain import RetrainError
+    from stages.engines.vllm_server import VLLMServerError
     from stages.reward_workers import RewardFunctionError
     from stages.transform import BadRowError
 
-    return ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError
+    return ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError, VLLMServerError
 
 
 def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:

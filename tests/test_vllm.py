@@ -257,12 +257,15 @@ def test_server_engine(server, tiny):
 
 def test_server_down_is_a_clear_error(tiny):
     from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.engines.vllm_server import VLLMServerEngine, VLLMServerError
 
     url = f"http://127.0.0.1:{_free_port()}"
     eng = VLLMServerEngine(tiny["base"], server_url=url, server_timeout_s=5, server_adapter_root=None, max_lora_rank=8)
-    with pytest.raises(RuntimeError, match=f"no vLLM server answers at {url}.*posttrain serve-vllm CONFIG"):
+    with pytest.raises(VLLMServerError, match=f"no vLLM server answers at {url}.*posttrain serve-vllm CONFIG"):
         eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
+    from flows.cli import input_errors
+
+    assert issubclass(VLLMServerError, input_errors())  # `posttrain run` prints it without a traceback
 
 
 def test_serve_command_and_adapter_root(tiny):

@@ -25,6 +25,10 @@ from stages.engines.vllm_local import prompt_token_ids, request_seed
 TOKEN_PREFIX = "token_id:"  # how vLLM writes tokens when return_tokens_as_token_ids is set
 
 
+class VLLMServerError(RuntimeError):
+    """The vLLM server does not answer, or not as this engine needs; the message names the URL and the fix."""
+
+
 def serve_command(model_dir, port: int, max_lora_rank: int, options: dict) -> tuple[list[str], dict]:
     """(argv, extra environment) to start vLLM's OpenAI server on `model_dir` for this engine.
 
@@ -108,13 +112,13 @@ class VLLMServerEngine:
             health = self._client.get(f"{self.url}/health", timeout=10)
             models = self._client.get(f"{self.url}/v1/models", timeout=10)
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"vllm_server: no vLLM server answers at {self.url} ({exc}); {self._fix()}") from exc
+            raise VLLMServerError(f"vllm_server: no vLLM server answers at {self.url} ({exc}); {self._fix()}") from exc
         if health.status_code != 200 or models.status_code != 200:
-            raise RuntimeError(f"vllm_server: {self.url} is not a healthy vLLM server (/health: {health.status_code}, "
+            raise VLLMServerError(f"vllm_server: {self.url} is not a healthy vLLM server (/health: {health.status_code}, "
                                f"/v1/models: {models.status_code}); {self._fix()}")
         bases = [m["id"] for m in models.json().get("data", []) if not m.get("parent")]
         if not bases:
-            raise RuntimeError(f"vllm_server: {self.url}/v1/models lists no base model")
+            raise VLLMServerError(f"vllm_server: {self.url}/v1/models lists no base model")
         self.model_name = bases[0]
 
     def _load_adapter(self, policy: Policy) -> str:
@@ -129,14 +133,14 @@ class VLLMServerEngine:
         path = adapter_path(adapter_dir, self.adapter_root)
         resp = self._client.post(f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         if resp.status_code == 404:
-            raise RuntimeError(f"vllm_server: {self.url} does not accept runtime LoRA loading (POST "
+            raise VLLMServerError(f"vllm_server: {self.url} does not accept runtime LoRA loading (POST "
                                "/v1/load_lora_adapter: 404); restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
                                f"and --enable-lora --max-lora-rank {self.max_lora_rank}; {self._fix()}")
         if resp.status_code != 200 and "already been loaded" not in resp.text:
             hint = ""
             if "lora" in resp.text.lower() and ("enable" in resp.text.lower() or "not supported" in resp.text.lower()):
                 hint = f"; restart the server with --enable-lora --max-lora-rank {self.max_lora_rank}"
-            raise RuntimeError(f"vllm_server: {self.url} could not load adapter {path} "
+            raise VLLMServerError(f"vllm_server: {self.url} could not load adapter {path} "
                                f"({resp.status_code}: {resp.text[:500]}){hint}")
         self._loaded.add(name)
         return name
@@ -158,7 +162,7 @@ class VLLMServerEngine:
             body["stop_token_ids"] = [self.tokenizer.eos_token_id]
         resp = self._client.post(f"{self.url}/v1/completions", json=body)
         if resp.status_code != 200:
-            raise RuntimeError(f"vllm_server: POST {self.url}/v1/completions failed "
+            raise VLLMServerError(f"vllm_server: POST {self.url}/v1/completions failed "
                                f"({resp.status_code}: {resp.text[:500]})")
         return resp.json()["choices"][0]
 
@@ -168,7 +172,7 @@ class VLLMServerEngine:
         ids = []
         for tok in tokens:
             if not tok.startswith(TOKEN_PREFIX):
-                raise RuntimeError(f"vllm_server: token {tok!r} is not an id; the server ignored "
+                raise VLLMServerError(f"vllm_server: token {tok!r} is not an id; the server ignored "
                                    "return_tokens_as_token_ids (vLLM too old?)")
             ids.append(int(tok[len(TOKEN_PREFIX):]))
         eos = self.tokenizer.eos_token_id
