@@ -22,8 +22,8 @@ are skipped (`skip_zero_advantage_batches`); each step clips the gradient norm t
 Departures from TRL: pi_old is always the trainer's own policy at the start of the round and
 the sampler's recorded log-probs enter only through the importance-sampling correction, so
 rollouts from any engine are treated alike -- except that rows the transformers engine sampled
-from that very policy bring pi_old with them (`reuse_sampling_logps`: no forward pass for them); optimizer state is carried between rounds in the
-adapter folder; warmup step s uses (s + 1) / warmup_steps of the learning rate (HF: s / ...).
+from that very policy bring pi_old with them (`reuse_sampling_logps`: no forward pass for them);
+optimizer state is carried between rounds in the adapter folder; warmup step s uses (s + 1) / warmup_steps of the learning rate (HF: s / ...).
 """
 
 from __future__ import annotations
@@ -201,8 +201,14 @@ def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temp
     """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens under logits / temperature.
     The model computes logits only for the positions that predict them (transformers' `logits_to_keep`)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
+    return _token_logps(logits, input_ids[:, -logits_to_keep:], temperature)
+
+
+def _token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """(log-prob of each of `tokens`, entropy) from logits whose position t predicts tokens[:, t]; the
+    last position of `logits` predicts past the tokens and is dropped."""
     log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
-    logps = log_p.gather(-1, input_ids[:, -logits_to_keep:].unsqueeze(-1)).squeeze(-1)
+    logps = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_p.exp() * log_p).sum(-1)
     return logps, entropy
@@ -408,34 +414,26 @@ def batch_logps(model, batch: dict, temperature: float):
     copied to every row that has it (by indexing, so gradients flow back into the one prompt pass),
     and each row then runs its last prompt token and its completion on top of that cache, with the
     positions the plain forward gives them. Same log-probs and gradients as the plain forward up to
-    float rounding (tests/test_grpo_loss.py), for a fraction of the prompt compute."""
+    float rounding (tests/test_grpo_options.py), for a fraction of the prompt compute."""
     from transformers import DynamicCache
+
+    from stages.engines.hf import repeats
 
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-    first: dict[tuple, int] = {}
-    for i, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        first.setdefault((tuple(ids), tuple(mask)), i)
-    if len(first) == len(prompt_ids) or prompt_ids.size(1) < 2:
+    distinct, index = repeats([(tuple(i), tuple(m)) for i, m in zip(prompt_ids.tolist(), prompt_mask.tolist())])
+    if len(distinct) == len(index) or prompt_ids.size(1) < 2:
         return completion_logps(model, *_inputs(batch), temperature)
-    distinct = list(first.values())
-    slot = {row: n for n, row in enumerate(distinct)}
-    rows = torch.tensor([slot[first[(tuple(i), tuple(m))]]
-                         for i, m in zip(prompt_ids.tolist(), prompt_mask.tolist())])
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
           use_cache=True, logits_to_keep=1)
-    cache.batch_select_indices(rows)
+    cache.batch_select_indices(torch.tensor(index))
     prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
     tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-    positions = torch.arange(prompt_length - 1, prompt_length + keep).expand(len(rows), -1)
+    positions = torch.arange(prompt_length - 1, prompt_length + keep).expand(len(index), -1)
     logits = model(input_ids=tail, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
                    past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=keep + 1).logits
-    log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
-    logps = log_p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(log_p.exp() * log_p).sum(-1)
-    return logps, entropy
+    return _token_logps(logits, completion_ids, temperature)
 
 
 def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -14,27 +14,36 @@ from typing import Callable
 from stages.engines import Policy, Sampling
 
 
+def repeats(keys: list) -> tuple[list[int], list[int]]:
+    """(the row of each distinct key's first occurrence, each row's position in that list): which rows of a
+    batch repeat an earlier one (a GRPO group is one prompt `num_generations` times)."""
+    slot: dict = {}
+    distinct, index = [], []
+    for row, key in enumerate(keys):
+        if key not in slot:
+            slot[key] = len(distinct)
+            distinct.append(row)
+        index.append(slot[key])
+    return distinct, index
+
+
 def shared_prompt_cache(model, enc, texts: list[str]):
     """The KV cache of every prompt but its last token, computed once per distinct prompt and copied to
-    its repeats (a GRPO group is one prompt `num_generations` times), or None when no prompt repeats.
-    `generate` then runs only the last prompt token and samples from its logits as it would without it."""
+    its repeats, or None when no prompt repeats. `generate` then runs only the last prompt token and
+    samples from its logits as it would without it."""
     import torch
     from transformers import DynamicCache
 
-    first: dict[str, int] = {}
-    for i, text in enumerate(texts):
-        first.setdefault(text, i)
-    if len(first) == len(texts) or enc["input_ids"].shape[1] < 2:
+    distinct, index = repeats(texts)
+    if len(distinct) == len(texts) or enc["input_ids"].shape[1] < 2:
         return None
-    distinct = list(first.values())
     ids = enc["input_ids"][distinct, :-1]
     mask = enc["attention_mask"][distinct, :-1]
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate sets them
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
           logits_to_keep=1)
-    slot = {row: n for n, row in enumerate(distinct)}
-    cache.batch_select_indices(torch.tensor([slot[first[text]] for text in texts]))
+    cache.batch_select_indices(torch.tensor(index))
     return cache
 
 
