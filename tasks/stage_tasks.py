@@ -35,7 +35,7 @@ from stages.rewards import BUILTIN_REWARDS
 from stages.rollout_worker import shared_worker
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
-from tasks.store import Artifact, ArtifactStore, code_version, path_digest, sha256_file
+from tasks.store import Artifact, ArtifactStore, code_version, path_digest
 
 
 class RunContext:
@@ -93,7 +93,7 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
 
 def _files_digest(paths: dict[str, str] | None) -> dict[str, str] | None:
     """Content digests of user data files, so editing a file changes the transform's key."""
-    return {split: sha256_file(Path(p)) for split, p in paths.items()} if paths else None
+    return {split: path_digest(p) for split, p in paths.items()} if paths else None
 
 
 def _with_reads(section: dict, code: list[str] = (), builtins: dict | None = None, paths: list[str] = ()) -> dict:
