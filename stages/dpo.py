@@ -29,6 +29,8 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages import checkpoints
+
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
 METRIC_PREFIX = "preference/"
@@ -77,6 +79,9 @@ class PreferenceOptimizationConfig(BaseModel):
     """Prompt + completion tokens kept per sequence, truncated at the end (TRL `max_length`)."""
     logging_steps: int = Field(10, ge=1)
     """Optimizer steps between metric reports to `on_metrics` (TRL `logging_steps`)."""
+    save_steps: int | None = Field(100, ge=1)
+    """Optimizer steps between checkpoints a rerun resumes from (TRL `save_steps`; stages/checkpoints.py);
+    null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
     adapter: Literal["lora", "none"] = "lora"
     """lora: train a PEFT LoRA adapter (TRL `peft_config`), saved as an adapter folder; none: full
     fine-tuning, saved as a complete model folder with the tokenizer."""
@@ -143,7 +148,8 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
 
 def cpu_training_args(cfg, output_dir: Path) -> dict:
     """TRL/HF training arguments shared by our TRL-driven stages (dpo, reward_model): the config's
-    schedule, fp32 on CPU, no checkpoints, no reporting (metrics go to on_metrics instead)."""
+    schedule, fp32 on CPU, checkpoints every `save_steps` (stages/checkpoints.py), no reporting (metrics go
+    to on_metrics instead)."""
     return dict(
         output_dir=str(output_dir),
         learning_rate=cfg.learning_rate,
@@ -153,7 +159,7 @@ def cpu_training_args(cfg, output_dir: Path) -> dict:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_length=cfg.max_length,
         logging_steps=cfg.logging_steps,
-        save_strategy="no",
+        **checkpoints.training_args(cfg.save_steps),
         report_to=[],
         seed=cfg.seed,
         use_cpu=True,
@@ -373,6 +379,7 @@ def run(
     preferences_dir: Path,
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
 ) -> dict:
     """Train the policy in model_dir on preferences_dir/<split>.parquet; save to out_dir.
 
@@ -382,7 +389,8 @@ def run(
     rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, ...), and the step.
     Returns {rl, reference, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
     eval_accuracy_before, eval_accuracy_after}; the eval entries are None without an eval split
-    of pairs.
+    of pairs. Checkpoints go to work_dir and training resumes from the newest complete one there
+    (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
     """
     from transformers import AutoTokenizer
 
@@ -404,23 +412,24 @@ def run(
 
     logged: list[dict] = []
 
-    work_dir = out_dir / "_trainer"
-    trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir,
+    trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir or out_dir / "_trainer",
                             [metrics_callback(METRIC_PREFIX, on_metrics, logged)])
-    result = trainer.train()
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None
 
     trained.save_pretrained(out_dir)  # PeftModel: adapter_model.safetensors + adapter_config.json
     if cfg.adapter == "none":
         tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-    shutil.rmtree(work_dir, ignore_errors=True)
+    if work_dir is None:
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
     return {
         "rl": cfg.rl,
         "reference": reference_kind(cfg),
         "rows": len(rows),
         "train_rows": len(train_rows),
         "steps": result.global_step,
+        "resumed_from_step": resumed_from,
         "train_loss": result.training_loss,
         "final_metrics": logged[-1] if logged else {},
         "eval_pairs": len(eval_pairs),

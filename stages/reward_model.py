@@ -39,6 +39,8 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages import checkpoints
+
 METRIC_PREFIX = "reward_model/"
 KINDS = ("orm", "prm")
 METADATA_FILE = "reward_model.json"
@@ -71,6 +73,9 @@ class RewardModelConfig(BaseModel):
     does so for pairs; prm does the same for step sequences); the scorer keeps the last `max_length` tokens."""
     logging_steps: int = Field(10, ge=1)
     """Optimizer steps between metric reports to `on_metrics` (TRL `logging_steps`)."""
+    save_steps: int | None = Field(100, ge=1)
+    """Optimizer steps between checkpoints a rerun resumes from (TRL `save_steps`; stages/checkpoints.py);
+    null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
     adapter: Literal["lora", "none"] = "none"
     """none: full fine-tuning of the (small) model; lora: PEFT LoRA on `lora_target_modules` with the
     `score` head (either kind) fully trained (modules_to_save), merged into the saved folder."""
@@ -554,6 +559,7 @@ def run(
     preferences_dir: Path,
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
 ) -> dict:
     """Train a reward model from the causal LM in model_dir on preferences_dir/<split>.parquet.
 
@@ -563,7 +569,8 @@ def run(
     prefixed "reward_model/" (orm: loss, accuracy, margin, min_reward, mean_reward, max_reward, ...),
     and the step. Returns {kind, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
     eval_pairwise_accuracy_before, eval_pairwise_accuracy}; the eval entries are None without an
-    eval split of pairs.
+    eval split of pairs. Checkpoints go to work_dir and training resumes from the newest complete one
+    there (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
     """
     import datasets
     from transformers import AutoTokenizer
@@ -573,7 +580,7 @@ def run(
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
-        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics)
+        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir)
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
     if not train_path.exists():
@@ -589,27 +596,28 @@ def run(
     accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
 
     logged: list[dict] = []
-    work_dir = out_dir / "_trainer"
-    trainer = quiet_trainer(RewardTrainer(model=model, args=build_trl_config(cfg, work_dir),
+    trainer = quiet_trainer(RewardTrainer(model=model, args=build_trl_config(cfg, work_dir or out_dir / "_trainer"),
                                           train_dataset=datasets.Dataset.from_list(train_rows),
                                           processing_class=tokenizer, callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
                                           peft_config=lora_config(cfg)), cfg)
     if len(trainer.train_dataset) == 0:
         raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
-    result = trainer.train()
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
 
     trained = trainer.model
     if cfg.adapter == "lora":
         trained = trained.merge_and_unload()  # the plain sequence-classification model, score head trained
     trained.eval()
     accuracy_after = pairwise_accuracy(trained, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
-    shutil.rmtree(work_dir, ignore_errors=True)
+    if work_dir is None:
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
     _save(trained, tokenizer, cfg, out_dir)
     return {
         "kind": cfg.kind,
         "rows": len(rows),
         "train_rows": len(trainer.train_dataset),
         "steps": result.global_step,
+        "resumed_from_step": resumed_from,
         "train_loss": result.training_loss,
         "final_metrics": logged[-1] if logged else {},
         "eval_pairs": len(eval_pairs),
@@ -652,6 +660,7 @@ def run_prm(
     preferences_dir: Path,
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
 ) -> dict:
     """`kind: prm`: train a process reward model on the `stepwise` rows of preferences_dir/<split>.parquet.
 
@@ -706,14 +715,13 @@ def run_prm(
         model = get_peft_model(model, peft_config)
 
     logged: list[dict] = []
-    work_dir = out_dir / "_trainer"
-    args = {k: v for k, v in cpu_training_args(cfg, work_dir).items() if k != "max_length"}
+    args = {k: v for k, v in cpu_training_args(cfg, work_dir or out_dir / "_trainer").items() if k != "max_length"}
     trainer = quiet_trainer(_step_trainer_class()(
         model=model, args=TrainingArguments(**args, remove_unused_columns=False),
         train_dataset=datasets.Dataset.from_list(features),
         data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
         callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)]), cfg)
-    result = trainer.train()
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
 
     trained = trainer.model
     if cfg.adapter == "lora":
@@ -722,7 +730,8 @@ def run_prm(
     accuracy_after = held_out_accuracy(trained)
     if on_metrics and accuracy_after is not None:
         on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_after}, result.global_step)
-    shutil.rmtree(work_dir, ignore_errors=True)
+    if work_dir is None:
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
     _save(trained, tokenizer, cfg, out_dir)
     eval_labels = [label for row in eval_rows for label in row["labels"]]
     return {
@@ -730,6 +739,7 @@ def run_prm(
         "rows": len(rows),
         "train_rows": len(features),
         "steps": result.global_step,
+        "resumed_from_step": resumed_from,
         "train_loss": result.training_loss,
         "final_metrics": logged[-1] if logged else {},
         "eval_rows": len(eval_rows),

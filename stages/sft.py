@@ -12,6 +12,8 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages import checkpoints
+
 
 class SFTConfig(BaseModel):
     """Warm-start settings (names as in TRL's SFTConfig)."""
@@ -31,6 +33,9 @@ class SFTConfig(BaseModel):
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = 0.0
     seed: int = 0
+    save_steps: int | None = Field(100, ge=1)
+    """Optimizer steps between checkpoints a rerun resumes from (TRL/HF `save_steps`; stages/checkpoints.py);
+    null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
 
 
 def run(
@@ -39,8 +44,12 @@ def run(
     prompts_path: Path,
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
 ) -> dict:
-    """Fine-tune the model in model_dir on the split's prompt/completion pairs; save to out_dir."""
+    """Fine-tune the model in model_dir on the split's prompt/completion pairs; save to out_dir.
+
+    Checkpoints go to work_dir (stages/checkpoints.py), and training continues from the newest
+    complete one found there; None: a folder inside out_dir, deleted at the end."""
     import datasets
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -66,7 +75,7 @@ def run(
                 on_metrics({f"sft/{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
 
     args = TRLSFTConfig(
-        output_dir=str(out_dir / "_trainer"),
+        output_dir=str(work_dir or out_dir / "_trainer"),
         num_train_epochs=cfg.num_train_epochs,
         learning_rate=cfg.learning_rate,
         per_device_train_batch_size=cfg.micro_batch_size,
@@ -75,7 +84,7 @@ def run(
         lr_scheduler_type="cosine",
         weight_decay=cfg.weight_decay,
         logging_steps=10,
-        save_strategy="no",
+        **checkpoints.training_args(cfg.save_steps),
         report_to=[],
         seed=cfg.seed,
         use_cpu=True,
@@ -90,10 +99,12 @@ def run(
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[ReportMetrics()]
     )
-    result = trainer.train()
-    model.save_pretrained(out_dir)
+    result, resumed_from = checkpoints.train(trainer, Path(args.output_dir))
+    trainer.model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    import shutil
+    if work_dir is None:
+        import shutil
 
-    shutil.rmtree(out_dir / "_trainer", ignore_errors=True)
-    return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows)}
+        shutil.rmtree(args.output_dir, ignore_errors=True)
+    return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows),
+            "resumed_from_step": resumed_from}

@@ -60,8 +60,11 @@ def artifact_key(store: ArtifactStore, stage: str, module, section: dict, inputs
 
 
 def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict[str, Artifact | None],
-                produce: Callable[[Path, Callable], dict], label: str | None = None) -> Artifact:
-    """Return the stage's artifact for these inputs, computing it only if no manifest exists."""
+                produce: Callable[..., dict], label: str | None = None, resumable: bool = False) -> Artifact:
+    """Return the stage's artifact for these inputs, computing it only if no manifest exists.
+
+    produce(out, on_metrics) writes the folder; with `resumable`, produce(out, on_metrics, work_dir), where
+    work_dir (the store's work_path for the key) keeps checkpoints a rerun of the key continues from."""
     present = {name: a for name, a in inputs.items() if a is not None}
     key = artifact_key(ctx.store, stage, module, section, inputs)
     label = label or stage
@@ -77,8 +80,9 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
     def on_metrics(metrics: dict, step: int = 0) -> None:
         ctx.lineage.log_metrics(run_id, metrics, step)
 
+    extra = (ctx.store.work_path(stage, key),) if resumable else ()
     try:
-        artifact = ctx.store.write(stage, key, lambda out: produce(out, on_metrics), inputs=input_keys,
+        artifact = ctx.store.write(stage, key, lambda out: produce(out, on_metrics, *extra), inputs=input_keys,
                                    config=section)
     except BaseException:
         ctx.lineage.client.set_terminated(run_id, status="FAILED")
@@ -152,12 +156,20 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     return materialize(ctx, "base_model", base_model, section, {"prompts": prompts}, produce)
 
 
+def _trained_section(cfg) -> dict:
+    """A training stage's section for its key: without `save_steps`, which says when checkpoints are
+    written, not what is trained (a resumed run ends with the same weights)."""
+    return cfg.model_dump(mode="json", exclude={"save_steps"})
+
+
 @task(name="sft", cache_policy=NO_CACHE)
 def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     cfg = ctx.config.sft
     return materialize(
-        ctx, "sft", sft, cfg.model_dump(mode="json"), {"model": model, "prompts": prompts},
-        lambda out, log: sft.run(cfg, model.path, prompts.file(f"{cfg.split}.parquet"), out, on_metrics=log),
+        ctx, "sft", sft, _trained_section(cfg), {"model": model, "prompts": prompts},
+        lambda out, log, work: sft.run(cfg, model.path, prompts.file(f"{cfg.split}.parquet"), out, on_metrics=log,
+                                       work_dir=work),
+        resumable=True,
     )
 
 
@@ -292,8 +304,9 @@ def preferences_task(ctx: RunContext) -> Artifact:
 def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artifact, label: str) -> Artifact:
     cfg = ctx.config.dpo
     return materialize(
-        ctx, "dpo", dpo, cfg.model_dump(mode="json"), {"policy": policy, "preferences": prefs},
-        lambda out, log: dpo.run(cfg, policy.path, prefs.path, out, on_metrics=log), label=label,
+        ctx, "dpo", dpo, _trained_section(cfg), {"policy": policy, "preferences": prefs},
+        lambda out, log, work: dpo.run(cfg, policy.path, prefs.path, out, on_metrics=log, work_dir=work),
+        label=label, resumable=True,
     )
 
 
@@ -301,8 +314,9 @@ def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artif
 def reward_model_task(ctx: RunContext, policy: Artifact, prefs: Artifact) -> Artifact:
     cfg = ctx.config.reward_model
     return materialize(
-        ctx, "reward_model", reward_model, cfg.model_dump(mode="json"), {"policy": policy, "preferences": prefs},
-        lambda out, log: reward_model.run(cfg, policy.path, prefs.path, out, on_metrics=log),
+        ctx, "reward_model", reward_model, _trained_section(cfg), {"policy": policy, "preferences": prefs},
+        lambda out, log, work: reward_model.run(cfg, policy.path, prefs.path, out, on_metrics=log, work_dir=work),
+        resumable=True,
     )
 
 

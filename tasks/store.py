@@ -38,6 +38,7 @@ from stages.imports import source_digest
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
 LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
+WORK = ".work"  # under the artifacts root: <stage>/<key>/, a stage's resumable checkpoints until its folder is published
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class ArtifactStore:
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key
 
+    def work_path(self, stage: str, key: str) -> Path:
+        """Where a stage computing `key` keeps what a rerun of the same key resumes from (trainer
+        checkpoints, stages/checkpoints.py). Used only under the key's lock; deleted once the key's
+        folder is published."""
+        return self.root / WORK / stage / key
+
     def get(self, stage: str, key: str) -> Artifact | None:
         """The finished artifact, or None if its folder or manifest is missing or does not match the files."""
         folder = self.path(stage, key)
@@ -185,6 +192,7 @@ class ArtifactStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        shutil.rmtree(self.work_path(stage, key), ignore_errors=True)
         return Artifact(stage, key, final, manifest)
 
     @staticmethod
