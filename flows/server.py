@@ -3,7 +3,8 @@
   posttrain server [--port 4200] [--artifacts artifacts] [--pool posttrain]   (or: make server, python -m flows.server)
 
 Starts `prefect server start --host 127.0.0.1 --port N` with PREFECT_HOME=<artifacts>/prefect-server
-(its SQLite database is <artifacts>/prefect-server/prefect.db, its log server.log beside it),
+(its SQLite database is <artifacts>/prefect-server/prefect.db, its log server.log beside it) and
+PREFECT_SERVER_UI_API_URL=http://127.0.0.1:N/api (the UI on port N calls the API on port N),
 waits until /api/health answers, creates the process work pool if it is missing, starts
 `prefect worker start --pool posttrain --type process` in the project folder with PREFECT_API_URL
 pointing at the server, prints the UI address and the commands to deploy (prefect.yaml) and run,
@@ -87,17 +88,24 @@ def stop(process: subprocess.Popen | None, name: str, grace_s: float = 15.0) -> 
     print(f"posttrain server: {name} (pid {process.pid}) did not stop", file=sys.stderr)
 
 
-def environments(home: Path, api_url: str) -> tuple[dict, dict]:
+def environments(home: Path, base_url: str) -> tuple[dict, dict]:
     """(server env, worker env). Both get PREFECT_HOME=home, so the server's database, profiles and
-    local result storage live under the artifacts folder, not ~/.prefect."""
-    base = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    local result storage live under the artifacts folder, not ~/.prefect. Settings inherited from the
+    caller that point at some other server (API and UI URLs, API key) are dropped, then pinned to
+    base_url: the worker gets PREFECT_API_URL; the server gets PREFECT_SERVER_UI_API_URL, which its
+    /ui-settings hands to the browser UI (unset, Prefect falls back to PREFECT_API_URL, else
+    PREFECT_SERVER_API_PORT's 4200, not the port `--port` chose)."""
+    api_url = f"{base_url}/api"
+    elsewhere = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_URL", "PREFECT_UI_API_URL",
+                 "PREFECT_SERVER_UI_API_URL")
+    base = {k: v for k, v in os.environ.items() if k not in elsewhere}
+    base.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_URL=base_url)
     base.setdefault("TOKENIZERS_PARALLELISM", "false")
     base.setdefault("HF_HUB_OFFLINE", "1")
-    server = {k: v for k, v in base.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY")}
+    server = {**base, "PREFECT_SERVER_UI_API_URL": api_url}
     venv_bin = str(Path(sys.executable).parent)
     worker = {**base, "PREFECT_API_URL": api_url, "PWD": str(PROJECT),
               "PATH": venv_bin + os.pathsep + base.get("PATH", "")}
-    worker.pop("PREFECT_API_KEY", None)
     return server, worker
 
 
@@ -124,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
     api_url = f"{base_url}/api"
-    server_env, worker_env = environments(home, api_url)
+    server_env, worker_env = environments(home, base_url)
     server_log = home / "server.log"
     with socket.socket() as probe:  # else the health check could pass against whatever holds the port
         if probe.connect_ex(("127.0.0.1", args.port)) == 0:
