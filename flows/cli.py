@@ -10,6 +10,7 @@
   posttrain deploy CONFIG [--name N] [--pool posttrain] deployment with the config's schedule + data trigger
   posttrain resume RUN [--artifacts DIR] [--allow-config-change]  continue a killed or failed run
   posttrain server [--port 4200] [--artifacts DIR]  local Prefect server + process worker for prefect.yaml
+  posttrain verify [--artifacts DIR] [--stage S] [--repair]  check every artifact's sha256; set damaged ones aside
 
 No Prefect server configured (PREFECT_API_URL unset): an ephemeral one, with
 PREFECT_HOME under the artifacts folder unless you set PREFECT_HOME. MLflow: the
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
-    from flows import resume, retrain, server
+    from flows import resume, retrain, server, verify
 
     p = sub.add_parser("data", help="registered training data versions: add FILE, list, watch (data.inbox)")
     retrain.add_data_arguments(p)
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("resume", help="continue a killed or failed run (same MLflow run, finished stages reused)")
     resume.add_arguments(p)
     p.set_defaults(handler=resume.resume_command, extras_into="overrides")
+
+    p = verify.add_arguments(sub.add_parser("verify", help="check every artifact folder's files against its manifest "
+                                                           "(sha256); --repair sets damaged ones aside"))
+    p.set_defaults(handler=verify.verify_command, extras_into=None)
 
     p = server.add_arguments(sub.add_parser("server", help="local Prefect server (SQLite under artifacts/) and a "
                                                            "process worker for prefect.yaml's deployments"))
@@ -193,6 +198,13 @@ def pipeline_command(args) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
 
+    from tasks.store import StorageError, check_writable
+
+    try:
+        check_writable(Path(cfg.artifacts_dir))
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     embedded_defaults(cfg.artifacts_dir)
     server_ready = start_temporary_prefect_server() if args.command == "run" else None  # boots meanwhile
     from flows.pipeline import posttrain_pipeline  # (imports Prefect, which sets up its log handlers)
@@ -220,15 +232,17 @@ def pipeline_command(args) -> int:
 
 def input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input (a data row or file, a reward function, a missing file or folder, a vLLM
-    server that does not answer), each raised with a message that names what and where: the CLI prints
+    server that does not answer, a disk that refuses writes), each raised with a message that names what and where: the CLI prints
     that message, not a traceback."""
     from flows.config import ConfigError
     from flows.retrain import RetrainError
     from stages.engines.vllm_server import VLLMServerError
     from stages.reward_workers import RewardFunctionError
     from stages.transform import BadRowError
+    from tasks.store import StorageError
 
-    return ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError, VLLMServerError
+    return (ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError, VLLMServerError,
+            StorageError)
 
 
 def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:

@@ -438,6 +438,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
                if not cfg.uses_rounds else {}),
             "stages": reporter.rows,
+            "warnings": reporter.warnings,  # e.g. damaged artifact folders that were recomputed
             "mlflow_ui": ui_command(root),
         }
         (run_dir / "summary.json").write_text(json.dumps(results, indent=2))

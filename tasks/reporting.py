@@ -19,6 +19,7 @@ class Reporter:
     def __init__(self, artifacts_root: Path, quiet: bool = False):
         self.root = artifacts_root
         self.rows: list[dict] = []
+        self.warnings: list[str] = []
         self.console = Console(stderr=False, highlight=False)
         self.quiet = quiet
         self._lock = threading.Lock()
@@ -31,6 +32,12 @@ class Reporter:
     def start(self, label: str) -> float:
         self._print(f"[bold cyan]>[/] {label} ...")
         return time.time()
+
+    def warn(self, text: str) -> None:
+        """A warning line; printed even with quiet, on stderr, and kept in `warnings` for the run summary."""
+        self.warnings.append(text)
+        with self._lock:
+            print(f"warning: {text}", file=sys.stderr)
 
     def done(self, label: str, stage: str, path: Path, cached: bool, started: float | None = None,
              note: str = "") -> None:

@@ -72,6 +72,8 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
     if found is not None:
         ctx.reporter.done(label, stage, found.path, cached=True)
         return replace(found, reused=True)
+    if damage := ctx.store.damage(stage, key):  # e.g. a file deleted by hand: recompute this stage only
+        ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
     started = ctx.reporter.start(label)
     import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}

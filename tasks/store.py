@@ -13,10 +13,16 @@ threading.Lock across the threads of one process — and, once it has the lock, 
 artifact another run finished meanwhile instead of computing it again. A process that dies
 holding the lock releases it (the kernel drops flock locks with the process); its temp folder
 is never read and is deleted by the next writer of that key.
+
+Reuse checks each listed file's size (cheap, every time); `posttrain verify` checks every sha256.
+A folder that fails either is damaged: reruns recompute it (and only it: its key is unchanged, so
+the stages after it are reused). A write the disk refuses (full, read-only, no permission) raises
+StorageError naming the path, after removing its temp folder.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
@@ -38,9 +44,23 @@ from stages.imports import source_digest
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
 LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
+DAMAGED = ".damaged"  # under a stage folder: `posttrain verify --repair` moves damaged key folders here
 WORK = ".work"  # under the artifacts root: <stage>/<key>/, a stage's resumable checkpoints until its folder is published
 
 log = logging.getLogger(__name__)
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+"""OSError numbers that mean the disk refused a write (full, over quota, read-only, not allowed, too big)."""
+
+
+class StorageError(RuntimeError):
+    """The disk refused a write under the artifacts folder; the message names the path and what to do."""
+
+    RERUN = ("Nothing of it was kept and finished stages are untouched: free space or make the folder writable, "
+             "then run the same command again (finished stages are reused).")
+
+    def __init__(self, what: str, path: Path | str, error: OSError, advice: str = RERUN):
+        super().__init__(f"{what}: cannot write {error.filename or path}: {error.strerror or error}. {advice}")
 
 
 def canonical_json(value: Any) -> str:
@@ -136,17 +156,23 @@ class ArtifactStore:
         return self.root / WORK / stage / key
 
     def get(self, stage: str, key: str) -> Artifact | None:
-        """The finished artifact, or None if its folder or manifest is missing or does not match the files."""
+        """The finished artifact, or None if its folder or manifest is missing or a listed file is missing or
+        has another size than the manifest says."""
         folder = self.path(stage, key)
-        try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return None
-        for name, meta in manifest.get("files", {}).items():
-            f = folder / name
-            if not f.is_file() or f.stat().st_size != meta["size"]:
-                return None
-        return Artifact(stage, key, folder, manifest)
+        manifest, problems = check_folder(folder)
+        return None if problems else Artifact(stage, key, folder, manifest)
+
+    def damage(self, stage: str, key: str) -> list[str]:
+        """What is wrong with an existing folder of this key (sizes only); empty when it is fine or absent."""
+        folder = self.path(stage, key)
+        return check_folder(folder)[1] if folder.exists() else []
+
+    def artifact_folders(self) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, folder) of every key folder with a manifest file, sorted."""
+        for manifest in sorted(self.root.glob(f"*/*/{MANIFEST}")):
+            folder = manifest.parent
+            if not folder.name.startswith(".") and not folder.parent.name.startswith("."):
+                yield folder.parent.name, folder.name, folder
 
     def write(self, stage: str, key: str, produce: Callable[[Path], dict], *, inputs: dict[str, str],
               config: Any) -> Artifact:
@@ -156,14 +182,19 @@ class ArtifactStore:
         (another run computed it while this one waited), returns it with `reused=True` and does
         not call produce."""
         final = self.path(stage, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with key_lock(self.root / LOCKS / stage / f"{key}.lock", f"{stage}/{key}"):
-            found = self.get(stage, key)
-            if found is not None:
-                return replace(found, reused=True)
-            for stale in final.parent.glob(f".tmp-{key}-*"):  # left by a writer killed holding this lock
-                shutil.rmtree(stale, ignore_errors=True)
-            return self._write_locked(stage, key, final, produce, inputs, config)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with key_lock(self.root / LOCKS / stage / f"{key}.lock", f"{stage}/{key}"):
+                found = self.get(stage, key)
+                if found is not None:
+                    return replace(found, reused=True)
+                for stale in final.parent.glob(f".tmp-{key}-*"):  # left by a writer killed holding this lock
+                    shutil.rmtree(stale, ignore_errors=True)
+                return self._write_locked(stage, key, final, produce, inputs, config)
+        except OSError as e:
+            if e.errno in STORAGE_ERRNOS:
+                raise StorageError(f"stage {stage} ({key})", final, e) from e
+            raise
 
     def _write_locked(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict],
                       inputs: dict[str, str], config: Any) -> Artifact:
@@ -189,8 +220,12 @@ class ArtifactStore:
                 os.replace(final, trash)
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
+            # Libraries report a full disk in their own ways (torch, safetensors): judge by the space left.
+            full = not isinstance(e, OSError) and isinstance(e, Exception) and _bytes_free(tmp) < 1 << 20
             shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise StorageError(f"stage {stage} ({key})", tmp, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from e
             raise
         shutil.rmtree(self.work_path(stage, key), ignore_errors=True)
         return Artifact(stage, key, final, manifest)
@@ -261,6 +296,48 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_folder(folder: Path, full: bool = False) -> tuple[dict | None, list[str]]:
+    """(its manifest, what is wrong with the folder): the manifest missing or unreadable, a listed file
+    missing or of another size, and with `full` of other content (sha256). No problems: usable."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, [f"{MANIFEST} is missing or unreadable ({type(e).__name__})"]
+    problems = []
+    for name, meta in files.items():
+        f = folder / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != meta["size"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, the manifest says {meta['size']}")
+        elif full and sha256_file(f) != meta["sha256"]:
+            problems.append(f"{name} has other content than the manifest's sha256")
+    return manifest, problems
+
+
+def _bytes_free(path: Path) -> int:
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return stats.f_bavail * stats.f_frsize
+
+
+def check_writable(folder: Path) -> None:
+    """Raise StorageError if a file cannot be created in `folder` (read-only, no permission, full)."""
+    probe = Path(folder) / f".write-check-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        if e.errno in STORAGE_ERRNOS:
+            raise StorageError("artifacts_dir", folder, e, "Point artifacts_dir at a writable folder, or make this "
+                               "one writable (it needs free space too).") from e
+        raise
 
 
 def _version(package: str) -> str | None:

@@ -96,6 +96,27 @@ def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config
     assert len(computed(third)) == 1 and computed(third)[0].startswith("score")
     assert (victim / MANIFEST).exists()
 
+    # a file deleted under a manifest: the run says which folder is damaged and recomputes that stage alone
+    next((root / "rollout").glob("*/rollouts.parquet")).unlink()
+    healed = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    assert len(computed(healed)) == 1 and computed(healed)[0].startswith("rollout")
+    assert [w for w in healed["warnings"] if "rollouts.parquet is missing" in w]
+
+    # a file changed in place (same size): reuse checks sizes only; `posttrain verify` hashes every file,
+    # --repair sets the folder aside, and the next run recomputes that stage alone
+    from flows.cli import main as cli
+
+    changed = next((root / "score").glob("*/scored.parquet"))
+    data = bytearray(changed.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    changed.write_bytes(bytes(data))
+    assert cli(["verify", "--artifacts", str(root)]) == 1
+    assert cli(["verify", "--artifacts", str(root), "--repair"]) == 0
+    assert not changed.exists() and list((root / "score" / ".damaged").iterdir())
+    assert cli(["verify", "--artifacts", str(root)]) == 0
+    repaired = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
+    assert len(computed(repaired)) == 1 and computed(repaired)[0].startswith("score")
+
     # one more round reuses rounds 0 and 1
     fourth = posttrain_pipeline(str(tiny_config), ["grpo.rounds=3"], quiet=True)
     assert computed(fourth) == ["rollout r2", "score r2", "optimize r2", "export", "eval final"]

@@ -1,0 +1,94 @@
+"""Storage faults (issue 13, item 7): a full disk or a read-only artifacts folder gives one clear error
+naming the path, and leaves nothing half-written and every finished artifact intact. Uses a small
+tmpfs mounted by the test (skipped where mounting is not allowed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.store import ArtifactStore, StorageError, check_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class SmallDisk(type(Path())):
+    """A folder with a 2 MiB tmpfs mounted on it."""
+
+    def read_only(self) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(self)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs at tmp_path/disk (SmallDisk.read_only switches it to read-only)."""
+    disk = SmallDisk(tmp_path / "disk")
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)])
+
+
+def write_bytes(size: int):
+    def produce(out: Path) -> dict:
+        (out / "data.bin").write_bytes(b"x" * size)
+        return {}
+
+    return produce
+
+
+def write_tensor(numel: int):
+    """A produce that fails the way torch does on a full disk (not always an OSError)."""
+    def produce(out: Path) -> dict:
+        import torch
+
+        torch.save(torch.zeros(numel), out / "weights.pt")
+        return {}
+
+    return produce
+
+
+@pytest.mark.parametrize("produce", [write_bytes(4 << 20), write_tensor(1 << 20)], ids=["file", "torch.save"])
+def test_full_disk_names_the_path_and_keeps_what_was_written(small_disk, produce):
+    store = ArtifactStore(small_disk)
+    first = store.write("rollout", "k1", write_bytes(100_000), inputs={}, config={})
+
+    with pytest.raises(StorageError) as error:
+        store.write("score", "k2", produce, inputs={}, config={})
+    message = str(error.value)
+    assert "stage score (k2)" in message and str(small_disk) in message and "No space left" in message
+    assert store.get("score", "k2") is None
+    assert not list((small_disk / "score").glob(".tmp-*"))  # nothing half-written left behind
+    assert check_folder(first.path, full=True)[1] == []  # the finished artifact is intact
+    del error  # its traceback holds torch's open file, whose space the kernel frees only once it is closed
+    import gc
+
+    gc.collect()
+    store.write("score", "k2", write_bytes(1000), inputs={}, config={})  # with room again it works
+
+
+def test_read_only_folder_names_the_path(small_disk):
+    store = ArtifactStore(small_disk)
+    first = store.write("rollout", "k1", write_bytes(1000), inputs={}, config={})
+    small_disk.read_only()
+    with pytest.raises(StorageError, match="Read-only file system"):
+        store.write("score", "k2", write_bytes(1000), inputs={}, config={})
+    assert store.get("rollout", "k1") == first
+
+
+def test_cli_on_a_read_only_artifacts_folder_prints_one_clear_error(small_disk, tiny_config_text, tmp_path):
+    config = tmp_path / "ro.yaml"
+    config.write_text(tiny_config_text.replace(str(tmp_path / "artifacts"), str(small_disk / "artifacts")))
+    (small_disk / "artifacts").mkdir()
+    small_disk.read_only()
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in out.stderr, out.stderr
+    assert str(small_disk / "artifacts") in out.stderr and "Read-only file system" in out.stderr
