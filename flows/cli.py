@@ -208,26 +208,37 @@ def pipeline_command(args) -> int:
     embedded_defaults(cfg.artifacts_dir)
     server_ready = start_temporary_prefect_server() if args.command == "run" else None  # boots meanwhile
     from flows.pipeline import posttrain_pipeline  # (imports Prefect, which sets up its log handlers)
-    from stages.health import TrainingUnhealthy
 
-    user_errors = input_errors()
-    if not args.debug:
-        hide_tracebacks_of(user_errors)
-    try:
+    def run() -> int:
         if args.command == "serve-vllm":
             return serve_vllm(cfg, args)
         if server_ready:
             server_ready()
         posttrain_pipeline(args.config, args.overrides, quiet=args.quiet)
+        return 0
+
+    return report_errors(run, args.debug)
+
+
+def report_errors(run: Callable[[], int], debug: bool) -> int:
+    """Call run() and return its exit code. A health check that stopped training prints its message
+    (exit 3); a bad-input error (`input_errors`) prints its message without a traceback (exit 2), unless
+    `debug`. Prefect still records the flow run as failed with the traceback."""
+    from stages.health import TrainingUnhealthy
+
+    user_errors = input_errors()
+    if not debug:
+        hide_tracebacks_of(user_errors)
+    try:
+        return run()
     except TrainingUnhealthy as e:  # a health check stopped the run: the message says what and where
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     except user_errors as e:
-        if args.debug:
+        if debug:
             raise
         print(f"error: {e}\n(the run is recorded as failed; `--debug` shows the traceback)", file=sys.stderr)
         return 2
-    return 0
 
 
 def input_errors() -> tuple[type[BaseException], ...]:

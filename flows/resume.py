@@ -24,6 +24,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume even though the overrides change the config (recorded as a tag)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
+    parser.add_argument("--debug", action="store_true",
+                        help="on a data, reward-function or file error, show the whole traceback")
 
 
 def resume_command(args) -> int:
@@ -67,13 +69,17 @@ def resume_command(args) -> int:
     _enter_original_folder(Path(run.data.tags.get("artifact_root", root)), Path(cfg.artifacts_dir))
     embedded_defaults(cfg.artifacts_dir)
     server_ready = start_temporary_prefect_server()
+    from flows.cli import report_errors
     from flows.pipeline import posttrain_pipeline
 
-    if server_ready:
-        server_ready()
-    posttrain_pipeline(str(saved), list(args.overrides), quiet=args.quiet, resume=run.info.run_id,
-                       allow_config_change=args.allow_config_change)
-    return 0
+    def resume() -> int:
+        if server_ready:
+            server_ready()
+        posttrain_pipeline(str(saved), list(args.overrides), quiet=args.quiet, resume=run.info.run_id,
+                           allow_config_change=args.allow_config_change)
+        return 0
+
+    return report_errors(resume, args.debug)
 
 
 def _enter_original_folder(artifact_root: Path, artifacts_dir: Path) -> None:
