@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))  # tasks.store of this checkout, not of the instal
 
 from tasks.store import MANIFEST, sha256_file  # noqa: E402
 
-NOT_STAGES = {"runs", "mlruns", "prefect", ".locks"}  # top-level folders of an artifacts root that hold no stages
+NOT_STAGES = {"runs", "mlruns", "prefect", ".locks", ".work"}  # top-level folders of an artifacts root that hold no stages
 TOLERANCE = 1e-6
 
 

@@ -235,6 +235,15 @@ def _describe(error: dict, source: str) -> str:
     return f"{source}: {path or '<top level>'}: got {shown}; expected {error['msg'].lower()}"
 
 
+def config_differences(before: dict, after: dict) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs, as `key (old -> new)`."""
+    from tasks.lineage import flatten
+
+    old, new = flatten(before), flatten(after)
+    return [f"{k} ({old.get(k, '-')} -> {new.get(k, '-')})" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
     """Read YAML, apply overrides, validate. Raises ConfigError naming file and key path."""
     path = Path(path)

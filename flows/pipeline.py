@@ -21,12 +21,12 @@ import yaml
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.config import ConfigError, PipelineConfig, load_config
+from flows.config import ConfigError, PipelineConfig, config_differences, load_config
 from stages.engines import close_engines
 from stages.health import TrainingUnhealthy, check_round, quarantine
 from stages.replay import RoundSignals
 from stages.rollout_worker import close_workers
-from tasks.lineage import Lineage, flatten, git_commit, ui_command
+from tasks.lineage import Lineage, git_commit, process_alive, ui_command
 from tasks.publish import publish_rounds, publish_summary, sample_completions
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
@@ -178,6 +178,23 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
     return adapter, lineage_keys, metrics
 
 
+def crash_flow_run(previous_id: str, current_id: str) -> None:
+    """Mark the Prefect flow run of an attempt whose process was killed CRASHED: nothing else would, and
+    the Prefect UI would show it running forever. Best effort: a failure here only logs a warning."""
+    if not previous_id or previous_id == current_id:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    try:
+        with get_client(sync_client=True) as client:
+            if client.read_flow_run(previous_id).state.is_running():
+                client.set_flow_run_state(previous_id, Crashed(message=f"its process died; flow run {current_id} "
+                                                                       "continues its pipeline run"), force=True)
+    except Exception as e:  # an old server without that run, a network error: the run itself is not affected
+        logging.getLogger(__name__).warning("could not mark flow run %s crashed: %s", previous_id, e)
+
+
 def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, purpose: str = "train",
              resume: str | None = None, allow_config_change: bool = False):
     """Load the config, open (or continue) the MLflow parent run, save the resolved config:
@@ -205,7 +222,9 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         if changed and not allow_config_change:
             raise ConfigError(f"resume {run_name}: the config differs from the run's in {', '.join(changed)}; "
                               "resume with the run's own config, or pass --allow-config-change")
-        lineage.resume(resume)
+        lineage.resume(resume, cfg.model_dump(mode="json"), run_dir / "config.yaml")
+        if not process_alive(previous.data.tags.get("posttrain.pid", "")):
+            crash_flow_run(previous.data.tags.get("prefect.flow_run_id", ""), flow_run_id)
         lineage.set_tags(resume, {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
                                   **({"posttrain.config_changed": ", ".join(changed)} if changed else {})})
         if changed:
@@ -235,13 +254,6 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
-
-
-def config_differences(before: dict, after: dict) -> list[str]:
-    """Dotted keys whose values differ between two resolved configs, as `key (old -> new)`."""
-    old, new = flatten(before), flatten(after)
-    return [f"{k} ({old.get(k, '-')} -> {new.get(k, '-')})" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
 
 
 def prepare_policy(ctx: RunContext, parent: str) -> tuple:

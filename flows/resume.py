@@ -38,7 +38,7 @@ def resume_command(args) -> int:
         return 2
     from mlflow import MlflowClient
 
-    from flows.config import ConfigError, load_config
+    from flows.config import ConfigError, config_differences, load_config
     from tasks.lineage import find_run, tracking_uri
 
     client = MlflowClient(tracking_uri(root))
@@ -59,8 +59,6 @@ def resume_command(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from flows.pipeline import config_differences
-
     changed = config_differences(yaml.safe_load(saved.read_text()), cfg.model_dump(mode="json"))
     if changed and not args.allow_config_change:
         print(f"error: resume {run.info.run_name}: the overrides change the config: {', '.join(changed)}; "

@@ -154,6 +154,21 @@ def emit_data_added(cfg, record: dict) -> str | None:
     return str(event.id) if event is not None else None
 
 
+def announce(cfg, record: dict, again: bool = False) -> str | None:
+    """Announce a data version (emit_data_added) unless it was announced before (`again`: announce anyway).
+    The event id is kept in <data store>/.announced/<version>, so a version registered by a `data add` that
+    was killed before it could announce it is announced by the next add of the same file."""
+    store, stage = _data_store(cfg)
+    marker = store.root / stage / ".announced" / record["version"]
+    if marker.exists() and not again:
+        return None
+    event = emit_data_added(cfg, record)
+    if event:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(event)
+    return event
+
+
 def watch_inbox(cfg, interval_s: float = 10.0, settle_s: float = 2.0, once: bool = False, emit: bool = True,
                 log=print) -> list[dict]:
     """Poll `data.inbox`: register each data file that has not changed for settle_s seconds, announce new
@@ -182,7 +197,7 @@ def watch_inbox(cfg, interval_s: float = 10.0, settle_s: float = 2.0, once: bool
             done.mkdir(exist_ok=True)
             target = done / file.name
             shutil.move(str(file), target if not target.exists() else done / f"{record['version']}-{file.name}")
-            event = emit_data_added(cfg, record) if new and emit else None
+            event = announce(cfg, record) if emit else None
             log(_added_line(record, new, event))
             added.append(record)
         if once:
@@ -407,7 +422,7 @@ def data_command(args: argparse.Namespace) -> int:
                       f"add some with `posttrain data add FILE --config {args.config}`")
         elif args.data_action == "add":
             record, new = add_data(cfg, args.file)
-            event = emit_data_added(cfg, record) if new or args.emit else None
+            event = announce(cfg, record, again=args.emit)
             print(_added_line(record, new, event))
         else:
             try:

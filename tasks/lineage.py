@@ -39,10 +39,29 @@ def store_lock(uri: str):
 
     from tasks.store import key_lock
 
-    path = uri.removeprefix("sqlite:///").split("?")[0] if uri.startswith("sqlite:///") else ""
-    if not path or path == ":memory:":
+    path = sqlite_path(uri)
+    if not path:
         return nullcontext()
     return key_lock(Path(f"{path}.lock"), f"MLflow store {path}")
+
+
+def sqlite_path(uri: str) -> str:
+    """The database file of a sqlite:/// URI; "" for other stores (and in-memory sqlite)."""
+    path = uri.removeprefix("sqlite:///").split("?")[0] if uri.startswith("sqlite:///") else ""
+    return "" if path == ":memory:" else path
+
+
+def create_store_whole(uri: str) -> None:
+    """Create a missing sqlite store in `<db>.creating` and rename it into place, so a process killed
+    while MLflow creates its tables leaves no half-made database (the next one would fail on it with
+    "table ... already exists"). Call under `store_lock`."""
+    path = sqlite_path(uri)
+    if not path or Path(path).exists():
+        return
+    creating = Path(f"{path}.creating")
+    creating.unlink(missing_ok=True)  # left by a process killed while creating it
+    MlflowClient(tracking_uri=f"sqlite:///{creating}").search_experiments(max_results=1)  # makes every table
+    os.replace(creating, path)
 
 
 def retry_busy(call, *args, attempts: int = 6, **kwargs):
@@ -102,7 +121,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def _process_alive(pid: str) -> bool:
+def process_alive(pid: str) -> bool:
     """Whether the process that opened a run (tag posttrain.pid, this host) still runs."""
     try:
         os.kill(int(pid), 0)
@@ -138,6 +157,7 @@ class Lineage:
         self.artifacts_root = artifacts_root
         self.uri = tracking_uri(artifacts_root)
         with store_lock(self.uri):  # one process at a time creates a fresh store's tables and the experiment
+            create_store_whole(self.uri)
             self.client = RetryingClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
@@ -153,18 +173,26 @@ class Lineage:
     def start(self, run_name: str, tags: dict[str, str], config: dict, config_yaml: Path) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.parent_id = run.info.run_id
-        params = [Param(k, v) for k, v in flatten(config).items()]
-        for i in range(0, len(params), 100):
-            self.client.log_batch(self.parent_id, params=params[i : i + 100])
-        self.client.log_artifact(self.parent_id, str(config_yaml))
+        self._log_config(run, config, config_yaml)
         return self.parent_id
 
-    def resume(self, run_id: str) -> None:
+    def _log_config(self, run, config: dict, config_yaml: Path) -> None:
+        """The config as params and as the config.yaml artifact; what the run has already is not logged again
+        (a process killed in between left the rest)."""
+        params = [Param(k, v) for k, v in flatten(config).items() if k not in run.data.params]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run.info.run_id, params=params[i : i + 100])
+        if not any(f.path == config_yaml.name for f in self.client.list_artifacts(run.info.run_id)):
+            self.client.log_artifact(run.info.run_id, str(config_yaml))
+
+    def resume(self, run_id: str, config: dict, config_yaml: Path) -> None:
         """Continue an unfinished parent run: RUNNING again, tagged `posttrain.resumed`, its nested
-        stage runs left RUNNING by a killed process marked KILLED, and every (metric, step) it already
-        has skipped by `log_metrics` (cached rounds are not logged twice)."""
+        stage runs left RUNNING by a killed process marked KILLED, params and config.yaml a kill cut off
+        logged, and every (metric, step) it already has skipped by `log_metrics` (cached rounds are not
+        logged twice)."""
         run = self.client.get_run(run_id)
         self.parent_id = run_id
+        self._log_config(run, config, config_yaml)
         self._logged = {(key, m.step) for key in run.data.metrics
                         for m in self.client.get_metric_history(run_id, key)}
         count = int(run.data.tags.get("posttrain.resume_count", "0")) + 1
@@ -189,7 +217,7 @@ class Lineage:
         for run in runs:
             if run.info.status == "FINISHED":
                 return None  # the newest attempt finished: a rerun is a new run (that computes nothing)
-            if run.info.status == "FAILED" or not _process_alive(run.data.tags.get("posttrain.pid", "")):
+            if run.info.status == "FAILED" or not process_alive(run.data.tags.get("posttrain.pid", "")):
                 return run.info.run_id
         return None
 

@@ -79,8 +79,12 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 
+    logged: set[tuple[str, int]] = set()  # (metric, step): MLflow keeps every copy, so each is logged once
+
     def on_metrics(metrics: dict, step: int = 0) -> None:
-        ctx.lineage.log_metrics(run_id, metrics, step)
+        fresh = {k: v for k, v in metrics.items() if (k, step) not in logged}  # e.g. HF's final log repeats `epoch`
+        logged.update((k, step) for k in fresh)
+        ctx.lineage.log_metrics(run_id, fresh, step)
 
     extra = (ctx.store.work_path(stage, key),) if resumable else ()
     try:
@@ -90,7 +94,7 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
         ctx.lineage.client.set_terminated(run_id, status="FAILED")
         raise
     ctx.lineage.log_metrics(run_id, {k: v for k, v in artifact.manifest["summary"].items()
-                                     if isinstance(v, (int, float))})
+                                     if isinstance(v, (int, float)) and k not in {name for name, _ in logged}})
     ctx.lineage.log_metrics(run_id, {"wall_time_s": artifact.manifest["wall_time_s"]})
     ctx.lineage.client.set_terminated(run_id)
     ctx.reporter.done(label, stage, artifact.path, cached=artifact.reused, started=started)

@@ -58,6 +58,10 @@ def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert {c.data.tags["posttrain.stage"] for c in children} >= {"sft", "rollout r0", "optimize r1", "export"}
+    for child in children:  # a stage's step-by-step metrics are not logged a second time from its summary
+        for key in child.data.metrics:
+            steps = [m.step for m in client.get_metric_history(child.info.run_id, key)]
+            assert len(steps) == len(set(steps)), (child.data.tags["posttrain.stage"], key, steps)
     assert [d.dataset.name for d in parent.inputs.dataset_inputs] == ["prompts-train", "prompts-eval"]
     versions = client.search_model_versions("name='test-tiny'")
     assert len(versions) == 1 and versions[0].run_id == parent.info.run_id

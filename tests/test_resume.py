@@ -96,3 +96,24 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
     # nested runs of stages the kills interrupted are closed, not left RUNNING
     exp = client_b.get_experiment_by_name("test-tiny")
     assert not client_b.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
+
+
+def test_mlflow_store_is_created_whole_and_a_cut_off_start_is_completed_on_resume(tmp_path, monkeypatch):
+    """What a kill can cut off before any stage runs: MLflow creating its sqlite tables (left as
+    mlflow.db.creating, never as a half-made mlflow.db), and the parent run's params and config.yaml."""
+    from tasks.lineage import Lineage
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "mlflow.db.creating").write_bytes(b"half a database")  # a process killed while creating it
+    lineage = Lineage(tmp_path, "exp")
+    assert (tmp_path / "mlflow.db").is_file() and not (tmp_path / "mlflow.db.creating").exists()
+
+    config = {"name": "exp", "grpo": {"rounds": 2, "seed": 0}}
+    config_yaml = tmp_path / "config.yaml"
+    config_yaml.write_text("name: exp\n")
+    run = lineage.client.create_run(lineage.experiment_id, run_name="cut-off")  # killed right after this
+    lineage.client.log_param(run.info.run_id, "name", "exp")
+    Lineage(tmp_path, "exp").resume(run.info.run_id, config, config_yaml)
+    resumed = lineage.client.get_run(run.info.run_id)
+    assert resumed.data.params == {"name": "exp", "grpo.rounds": "2", "grpo.seed": "0"}
+    assert [f.path for f in lineage.client.list_artifacts(run.info.run_id)] == ["config.yaml"]

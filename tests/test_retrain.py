@@ -29,8 +29,9 @@ def rows_file(path: Path, n: int, seed: int) -> Path:
     return path
 
 
-def read_events(resource_id: str, timeout_s: float = 30.0) -> list:
-    """posttrain.data.added events of a resource, as the Prefect server stored them (it persists in batches)."""
+def read_events(resource_id: str, timeout_s: float = 30.0, at_least: int = 1) -> list:
+    """posttrain.data.added events of a resource, as the Prefect server stored them (it persists in batches):
+    once there are `at_least`, or what there is after timeout_s."""
     from prefect import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
@@ -40,7 +41,7 @@ def read_events(resource_id: str, timeout_s: float = 30.0) -> list:
     while True:
         with get_client(sync_client=True) as client:
             events = client.read_events(filter=wanted, limit=50).events  # the API's own maximum page size
-        if events or time.monotonic() > deadline:
+        if len(events) >= at_least or time.monotonic() > deadline:
             return events
         time.sleep(1.0)
 
@@ -168,6 +169,16 @@ def test_data_add_is_content_addressed_idempotent_and_announced(prefect_harness,
     (event,) = read_events("posttrain.data.test-tiny")  # announced once: the second add was a no-op
     assert event.resource["posttrain.data.version"] == version
     assert event.payload["rows"] == 12 and event.payload["path"] == str(folder / "batch.jsonl")
+
+    # a `data add` killed after registering a version, before announcing it: the next add of the file announces it
+    from flows.config import load_config
+
+    late = rows_file(tmp_path / "late.jsonl", 7, seed=3)
+    retrain.add_data(load_config(tiny_config), late)  # registered, not announced: where such a kill stops
+    assert retrain.main(["data", "add", str(late), "--config", str(tiny_config)]) == 0
+    out = capsys.readouterr().out
+    assert "already registered" in out and "announced as event posttrain.data.added" in out
+    assert sorted(e.payload["rows"] for e in read_events("posttrain.data.test-tiny", at_least=2)) == [7, 12]
 
     # a file the transform cannot read fails at the door, naming the row
     bad = tmp_path / "bad.jsonl"
