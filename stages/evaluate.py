@@ -79,9 +79,9 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
 
 def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path: Path, out_dir: Path,
         on_progress: Callable[[int, int], None] | None = None) -> dict:
-    """Greedy-decode every eval prompt; return {"accuracy", "num_prompts", "format_rate"} and `answer_stats`."""
-    import torch
-
+    """Greedy-decode every eval prompt; return {"accuracy", "num_prompts", "format_rate"} and `answer_stats`.
+    Uses no randomness: it neither seeds nor draws from torch's global RNG, which a rollout or optimize
+    round in another thread of the process may be using."""
     from stages.policy import load_policy
     from stages.rewards import accuracy_reward, format_reward
     from stages.rewards.math import extract_answer
@@ -98,7 +98,6 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
         if on_progress:
             on_progress(done, len(rows))
 
-    torch.manual_seed(0)
     outputs = generate(model, tokenizer, [r["prompt"] for r in rows],
                        Sampling(max_new_tokens=cfg.max_completion_length, do_sample=False), cfg.batch_size, progress)
     completions = [o["completion"] for o in outputs]

@@ -507,11 +507,15 @@ def run(
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    torch.manual_seed(cfg.seed * 100_003 + round_index)
     from stages.policy import MODEL_LOADING
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    # The round's own randomness (round 0's LoRA init, dropout when lora_dropout > 0) comes from torch's
+    # global RNG, seeded here; seeding and construction hold the model lock, so no other thread's load
+    # runs in between. Nothing else in the process draws from it meanwhile: rollouts sample from
+    # generators of their own (stages/engines/hf.py), loads and eval draw nothing (stages/policy.py).
     with MODEL_LOADING:
+        torch.manual_seed(cfg.seed * 100_003 + round_index)
         model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -5,10 +5,18 @@ For every completion token it records log softmax(logits / temperature)[token] -
 quantity TRL's GRPOTrainer computes for the policy -- so the optimize stage can form the
 importance ratio against it. With top_p < 1 the sampler also truncates the tail, which
 this log-prob does not include (as in TRL).
+
+Sampling draws from a torch.Generator of the call's own, seeded with `sampling.seed`, never from torch's
+global RNG: a rollout's samples depend on its inputs and seed only, whatever other threads of the process
+(an eval beside it, an optimize round beside a prefetched rollout) do with the global RNG meanwhile.
+The generator is the same kind as the global one, so the tokens are those `torch.manual_seed(seed)` and
+HF's sampling gave before (`own_generator`).
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Callable
 
 from stages.engines import Policy, Sampling
@@ -47,9 +55,50 @@ def shared_prompt_cache(model, enc, texts: list[str]):
     return cache
 
 
+_SAMPLER = threading.local()
+_PATCH = threading.Lock()
+
+
+@contextmanager
+def own_generator(generator):
+    """Within the block, this thread's `torch.multinomial` calls without a generator -- HF generate's
+    sampling step, transformers 5.x `GenerationMixin._sample` -- draw from `generator` instead of the
+    process-wide default one. Other threads are unaffected. torch.multinomial is wrapped once per process
+    (a call with no thread generator set is passed through unchanged): HF generate takes no generator."""
+    import torch
+
+    with _PATCH:
+        if not getattr(torch.multinomial, "_thread_generator", False):
+            original = torch.multinomial
+
+            def multinomial(input, num_samples, replacement=False, *, generator=None, out=None):
+                generator = generator if generator is not None else getattr(_SAMPLER, "generator", None)
+                return original(input, num_samples, replacement, generator=generator, out=out)
+
+            multinomial._thread_generator = True
+            torch.multinomial = multinomial
+    previous = getattr(_SAMPLER, "generator", None)
+    _SAMPLER.generator = generator
+    try:
+        yield
+    finally:
+        _SAMPLER.generator = previous
+
+
 def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, batch_size: int = 256,
              on_progress: Callable[[int], None] | None = None) -> list[dict]:
-    """One completion per prompt from an already loaded model (see stages.engines for the dict)."""
+    """One completion per prompt from an already loaded model (see stages.engines for the dict). With
+    do_sample, samples from a generator seeded with `sampling.seed` (`own_generator`); greedy uses no RNG."""
+    import torch
+
+    if sampling.do_sample:
+        with own_generator(torch.Generator().manual_seed(sampling.seed)):
+            return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
+    return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
+
+
+def _generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, batch_size: int,
+              on_progress: Callable[[int], None] | None) -> list[dict]:
     import torch
 
     eos = tokenizer.eos_token_id
@@ -107,12 +156,9 @@ class TransformersEngine:
 
     def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
-        import torch
-
         from stages.policy import load_policy
 
         model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir)
-        torch.manual_seed(sampling.seed)
         return generate(model, tokenizer, prompts, sampling, self.batch_size, on_progress)
 
     def close(self) -> None:

@@ -1,0 +1,106 @@
+"""A stage's outputs depend on its inputs only, not on what else the process does meanwhile.
+
+The pipeline runs a rollout in a Prefect task thread beside an eval (eval.every_rounds) or, with
+rollout.async_prefetch, beside an optimize round; a resumed run recomputes a stage alone in a new process.
+Both must give the uninterrupted run's bytes (the chaos benchmark compares final metrics).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.conftest import tiny_say_policy
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """The tiny "say i" model and a LoRA adapter on it with non-zero B (so it changes the samples)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tiny_say_policy(tmp_path_factory.mktemp("det"), 8)
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(root / "adapter")
+    return root
+
+
+def _prompts(n: int = 24) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"say {i % 8}"}] for i in range(n)]
+
+
+def _sample(root, sampling, adapter=True):
+    from stages.engines import Policy
+    from stages.engines.hf import TransformersEngine
+
+    engine = TransformersEngine(batch_size=8)
+    policy = Policy(base_dir=root / "model", adapter_dir=root / "adapter" if adapter else None)
+    return [(o["completion_token_ids"], o["sampling_logprobs"]) for o in engine.generate(policy, _prompts(), sampling)]
+
+
+def _sampling(temperature: float = 1.0, top_p: float = 1.0):
+    from stages.engines import Sampling
+
+    return Sampling(max_new_tokens=12, do_sample=True, temperature=temperature, top_p=top_p, seed=7)
+
+
+def test_samples_are_those_of_the_seeded_global_rng(policy):
+    """The rollout's own generator gives the tokens that torch.manual_seed(seed) + HF's sampling gave
+    (BENCHMARKS.md was measured with that stream)."""
+    from stages.engines.hf import _generate
+    from stages.policy import load_policy
+
+    for sampling in (_sampling(), _sampling(temperature=0.7, top_p=0.9)):
+        model, tokenizer = load_policy(policy / "model", policy / "adapter")
+        torch.manual_seed(sampling.seed)
+        old = [o["completion_token_ids"] for o in _generate(model, tokenizer, _prompts(), sampling, 8, None)]
+        assert [ids for ids, _ in _sample(policy, sampling)] == old
+
+
+def test_rollout_ignores_other_threads(policy):
+    """Samples are the same whether or not another thread reseeds, draws from torch's global RNG and loads
+    LoRA policies meanwhile (an eval beside a rollout, an optimize round beside a prefetched rollout)."""
+    from stages.policy import load_policy
+
+    alone = _sample(policy, _sampling())
+    stop, disturbances = threading.Event(), []
+
+    def disturb():
+        while not stop.is_set():
+            torch.manual_seed(len(disturbances))
+            torch.rand(1000)
+            load_policy(policy / "model", policy / "adapter")
+            disturbances.append(1)
+
+    thread = threading.Thread(target=disturb)
+    thread.start()
+    try:
+        beside = _sample(policy, _sampling())
+    finally:
+        stop.set()
+        thread.join()
+    assert disturbances
+    assert beside == alone
+
+
+def test_loading_and_eval_draw_nothing_from_the_global_rng(policy, tmp_path):
+    """load_policy (PEFT would otherwise initialize the adapter's layers randomly before loading them) and
+    the greedy eval leave torch's global RNG as it was, so they cannot shift a concurrent optimize round's."""
+    from stages import evaluate, transform  # noqa: F401
+    from stages.policy import load_policy
+
+    state = torch.get_rng_state()
+    load_policy(policy / "model", policy / "adapter")
+    (tmp_path / "out").mkdir()
+    evaluate.run(evaluate.EvalConfig(split="train", max_completion_length=4), policy / "model", policy / "adapter",
+                 policy / "prompts" / "train.parquet", tmp_path / "out")
+    assert torch.equal(torch.get_rng_state(), state)
