@@ -192,9 +192,18 @@ class ArtifactStore:
                     shutil.rmtree(stale, ignore_errors=True)
                 return self._write_locked(stage, key, final, produce, inputs, config)
         except OSError as e:
-            if e.errno in STORAGE_ERRNOS:
+            if self._refused_write(e):
                 raise StorageError(f"stage {stage} ({key})", final, e) from e
             raise
+
+    def _refused_write(self, error: OSError) -> bool:
+        """Whether `error` is the disk refusing a write here (a stage failing to read its own input with
+        "Permission denied" is not: that error names a file outside the artifacts folder)."""
+        if error.errno not in STORAGE_ERRNOS:
+            return False
+        if error.filename is None:
+            return error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+        return Path(error.filename).resolve().is_relative_to(self.root)
 
     def _write_locked(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict],
                       inputs: dict[str, str], config: Any) -> Artifact:

@@ -92,3 +92,13 @@ def test_cli_on_a_read_only_artifacts_folder_prints_one_clear_error(small_disk, 
     lines = out.stderr.strip().splitlines()
     assert len(lines) <= 3 and "Traceback" not in out.stderr, out.stderr
     assert str(small_disk / "artifacts") in out.stderr and "Read-only file system" in out.stderr
+
+
+def test_a_stage_that_cannot_read_its_input_is_not_called_a_storage_error(tmp_path):
+    store = ArtifactStore(tmp_path / "artifacts")
+
+    def unreadable_input(out: Path) -> dict:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "data" / "train.jsonl"))
+
+    with pytest.raises(PermissionError):
+        store.write("transform", "k1", unreadable_input, inputs={}, config={})
