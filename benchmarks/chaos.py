@@ -46,7 +46,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tasks.store of this checkout, not of the installed one
 
-from tasks.store import MANIFEST, sha256_file  # noqa: E402
+from tasks.store import MANIFEST, check_folder, sha256_file  # noqa: E402
 
 NOT_STAGES = {"runs", "mlruns", "prefect", ".locks", ".work"}  # top-level folders of an artifacts root that hold no stages
 TOLERANCE = 1e-6
@@ -161,15 +161,6 @@ def kill_loop(config: str, overrides: list[str], artifacts: Path, experiment: st
         return {"wall_s": round(wall, 1), "kills": kills, "survivors": survivors, "failure": failure}
 
 
-def file_problem(path: Path, info: dict) -> str | None:
-    """What is wrong with a file a manifest lists (None: its size and sha256 match)."""
-    if not path.is_file():
-        return "missing"
-    if path.stat().st_size != info["size"]:
-        return f"size {path.stat().st_size} != {info['size']}"
-    return "sha256 differs" if sha256_file(path) != info["sha256"] else None
-
-
 def verify_manifests(artifacts: Path) -> dict:
     """Every manifest's files (size, sha256) and inputs; temp folders; key folders without a manifest."""
     checked, corrupted, dangling = 0, [], []
@@ -178,13 +169,10 @@ def verify_manifests(artifacts: Path) -> dict:
         if any(part.startswith(".tmp-") for part in folder.relative_to(artifacts).parts):
             continue  # a killed writer's temp folder: never read (counted below)
         checked += 1
-        try:
-            meta = json.loads(manifest.read_text())
-        except (OSError, ValueError) as e:
-            corrupted.append({"folder": str(folder), "problem": f"manifest unreadable: {e}"})
+        meta, problems = check_folder(folder, full=True)  # the check `posttrain verify` runs
+        corrupted += [{"folder": str(folder), "problem": problem} for problem in problems]
+        if meta is None:
             continue
-        corrupted += [{"folder": str(folder), "file": name, "problem": problem}
-                      for name, info in meta.get("files", {}).items() if (problem := file_problem(folder / name, info))]
         dangling += [{"folder": str(folder), "input": name, "ref": ref} for name, ref in meta.get("inputs", {}).items()
                      if ".tmp-" in ref or not (artifacts / ref / MANIFEST).is_file()]
     keyed = [f for stage in artifacts.iterdir() if stage.is_dir() and stage.name not in NOT_STAGES
