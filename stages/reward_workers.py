@@ -50,6 +50,12 @@ REWARD_MODEL_PREFIX = "reward_model:"
 reward function. In a config, plain `reward_model` means this run's reward_model stage."""
 
 
+def split_reward_funcs(names) -> tuple[list[str], list[str]]:
+    """(the functions: built-in names and `module.fn`, the reward-model folders of `reward_model:<folder>`)."""
+    folders = [n[len(REWARD_MODEL_PREFIX):] for n in names if n.startswith(REWARD_MODEL_PREFIX)]
+    return [n for n in names if not n.startswith(REWARD_MODEL_PREFIX)], folders
+
+
 def resolve_reward(name: str, load: bool = True) -> Callable | None:
     """A built-in reward by name, `module.fn`, or `reward_model:<folder>` (loaded once per process).
     With `load=False` a reward model's folder is only checked, not loaded."""
@@ -291,7 +297,7 @@ def shared_pool(names: list[str], num_workers: int, timeout_s: float,
 
     key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
     resolved = [(sources or {}).get(name, name) for name in names]
-    code = user_code([r for r in resolved if not r.startswith(REWARD_MODEL_PREFIX)], BUILTIN_REWARDS)
+    code = user_code(split_reward_funcs(resolved)[0], BUILTIN_REWARDS)
     with _POOLS_LOCK:  # score tasks of two rounds may ask at once (async prefetch)
         pool = _POOLS.get(key)
         if pool is None or not pool.alive() or _POOL_CODE.get(key) != code:

@@ -30,7 +30,7 @@ from stages import (
 )
 from stages.engines import Policy, import_eagerly
 from stages.imports import user_code
-from stages.reward_workers import REWARD_MODEL_PREFIX
+from stages.reward_workers import split_reward_funcs
 from stages.rewards import BUILTIN_REWARDS
 from stages.rollout_worker import shared_worker
 from tasks.lineage import Lineage
@@ -247,8 +247,7 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
-    folders = [f[len(REWARD_MODEL_PREFIX):] for f in cfg.reward_funcs if f.startswith(REWARD_MODEL_PREFIX)]
-    functions = [f for f in cfg.reward_funcs if not f.startswith(REWARD_MODEL_PREFIX)]
+    functions, folders = split_reward_funcs(cfg.reward_funcs)
     section = _with_reads({**cfg.model_dump(mode="json"), "num_generations": n}, functions, BUILTIN_REWARDS, folders)
     return materialize(
         ctx, "score", score, section, {"rollouts": rollouts, "reward_model": rm},
