@@ -427,13 +427,25 @@ def batch_logps(model, batch: dict, temperature: float):
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
           use_cache=True, logits_to_keep=1)
-    cache.batch_select_indices(torch.tensor(index))
+    _copy_rows(cache, torch.tensor(index))
     prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
     tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
     positions = torch.arange(prompt_length - 1, prompt_length + keep).expand(len(index), -1)
     logits = model(input_ids=tail, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
                    past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=keep + 1).logits
     return _token_logps(logits, completion_ids, temperature)
+
+
+def _copy_rows(cache, index: torch.Tensor) -> None:
+    """Give each row of a batch its prompt's KV cache: row i gets the cache of prompt index[i].
+
+    `index_select`, not `DynamicCache.batch_select_indices`: the latter indexes with a tensor, whose backward
+    (`index_put_` with accumulate) adds the rows' gradients with atomic float adds on several CPU threads, in
+    an order that depends on thread timing -- reruns under CPU load then differ by ~1e-8 (BENCHMARKS.md,
+    issue 13). index_select's backward (`index_add_`) adds them in a fixed order."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
 
 
 def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -303,6 +303,30 @@ def test_shared_prompt_pass_gives_the_plain_logps_and_gradients(tiny):
         assert torch.allclose(grad, shared_grads[name], rtol=1e-3, atol=1e-6), name
 
 
+def test_shared_prompt_pass_backward_adds_in_a_fixed_order(tiny):
+    """The group's rows take their prompt's KV cache by index_select, whose backward adds the rows'
+    gradients in order. Tensor indexing (DynamicCache.batch_select_indices) would backpropagate through
+    IndexBackward0, whose CPU kernel adds with atomic float adds across threads: the sum's order, and so
+    the trained adapter's bits, then depend on thread timing (a rerun under load differed by ~1e-8)."""
+    from transformers import AutoModelForCausalLM
+
+    root, rows = tiny
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    batch = grpo.collate([{**r, "advantage": 1.0} for r in sorted(rows, key=lambda r: r["prompt_id"])[:12]],
+                         pad_token_id=0)  # 3 groups of 4
+    logps, _ = grpo.batch_logps(model, batch, 1.0)
+    nodes, seen, todo = set(), set(), [logps.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.add(type(node).__name__)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    assert "IndexSelectBackward0" in nodes  # the shared pass ran (3 distinct prompts for 12 rows)
+    assert not {"IndexBackward0", "IndexPutBackward0"} & nodes
+
+
 def test_dapo_step_gradient_does_not_depend_on_how_the_step_is_cut(tiny):
     """dapo with beta 0 regroups a step's rows by prompt (and drops rows without signal); with a vanishing
     beta the micro-batches stay as cut and every row runs. Same step gradient either way."""
