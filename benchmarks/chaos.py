@@ -4,6 +4,7 @@ that nothing is corrupted and the result equals an uninterrupted run's (issue 13
   nice -n 10 .venv/bin/python benchmarks/chaos.py [--config configs/quickstart.yaml] [--seed 0] [--delays 3 30]
       [--min-kills 30] [--max-kills 60] [--set KEY=VALUE ...] [--work DIR] [--out PATH]
   nice -n 10 .venv/bin/python benchmarks/chaos.py --config configs/dpo.yaml
+  nice -n 10 .venv/bin/python benchmarks/chaos.py --sweep [--sweep-after 0 2]
   nice -n 10 .venv/bin/python benchmarks/chaos.py --data-add [--data-kills 10] [--data-rows 50000]
 
 Pipeline mode, in artifacts folders under --work:
@@ -19,6 +20,12 @@ Pipeline mode, in artifacts folders under --work:
    params, artifacts and the artifacts' files against the uninterrupted run's.
 Work lost per kill = (kill-loop wall - uninterrupted wall - kills x cached rerun wall) / kills (goal <= 10 s),
 the kill-loop wall being the time posttrain processes ran.
+
+--sweep (chaos-sweep-seed<N>/): instead of random moments, each start is killed once the run opens a temp folder
+in a stage it has not been killed in yet (first seen in demo_data, transform, sft, rollout, score, optimize, eval,
+export, ...), after a delay drawn uniformly from --sweep-after (default 0-2 s; a short stage may have finished by
+then: the kill lands between stages, in MLflow/Prefect writes). Random kills at 3-30 s mostly land in startup and
+the first long stage; this puts a kill into every stage the config has, with the same checks after it.
 
 Data mode: `posttrain data add` of a new file, killed --data-kills times at moments drawn uniformly within one
 add's duration and once as soon as its temp folder appears; then every registered version's files and sha256
@@ -133,10 +140,23 @@ def reference(config: str, overrides: list[str], artifacts: Path) -> dict:
     return walls
 
 
+def opened_stage(process: subprocess.Popen, artifacts: Path, skip: set[str]) -> str | None:
+    """Poll until `process` opens a temp folder in a stage folder not in `skip`; that stage, or None once the
+    process has ended."""
+    while process.poll() is None:
+        for temp in artifacts.glob(f"*/.tmp-*-{process.pid}-*"):
+            if temp.parent.name not in skip:
+                return temp.parent.name
+        time.sleep(0.05)
+    return None
+
+
 def kill_loop(config: str, overrides: list[str], artifacts: Path, experiment: str, rng: random.Random,
-              delays: tuple[float, float], max_kills: int) -> dict:
-    """Start, kill after a random delay, start again (resume once the parent run exists) until a start ends."""
+              delays: tuple[float, float], max_kills: int, sweep_after: tuple[float, float] | None = None) -> dict:
+    """Start, kill after a random delay, start again (resume once the parent run exists) until a start ends.
+    With `sweep_after`, a start is killed that many seconds after it opens a stage not yet targeted instead."""
     kills, survivors, failure, wall = [], [], None, 0.0  # wall: seconds posttrain processes ran (checks left out)
+    targeted: set[str] = set()
     while True:
         parents = parent_runs(artifacts, experiment)
         command = (["resume", parents[-1][0], "--artifacts", str(artifacts), "--quiet"] if parents
@@ -144,13 +164,19 @@ def kill_loop(config: str, overrides: list[str], artifacts: Path, experiment: st
         log, delay = artifacts.parent / "logs" / f"start-{len(kills):03d}.log", rng.uniform(*delays)
         began = time.perf_counter()
         process = start(command, artifacts, log)
+        target = None
+        if sweep_after and len(kills) < max_kills:
+            target = opened_stage(process, artifacts, targeted)
+            targeted.add(target or "")
+            delay = rng.uniform(*sweep_after)
         try:
-            code = process.wait(timeout=delay if len(kills) < max_kills else None)
+            code = process.wait(timeout=delay if len(kills) < max_kills and (target or not sweep_after) else None)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             wall += time.perf_counter() - began
-            kills.append({"start": command[0], "delay_s": round(delay, 2), **landed(artifacts, process.pid, log)})
+            kills.append({"start": command[0], "delay_s": round(delay, 2), **({"target": target} if target else {}),
+                          **landed(artifacts, process.pid, log)})
             time.sleep(0.2)  # let the kernel finish off the group before looking for survivors
             survivors += [{"kill": len(kills), "cmdline": c} for c in reap_survivors(artifacts)]
             continue
@@ -269,15 +295,18 @@ def guarded(check, *args) -> dict:
 
 def pipeline_mode(args, work: Path) -> dict:
     experiment = yaml.safe_load((ROOT / args.config).read_text())["name"]
-    ref_root, loop_root = work / "reference" / "artifacts", work / f"chaos-seed{args.seed}" / "artifacts"
+    ref_root = work / "reference" / "artifacts"
+    loop_root = work / f"chaos-{'sweep-' if args.sweep else ''}seed{args.seed}" / "artifacts"
     if loop_root.exists():
         sys.exit(f"{loop_root} exists; the kill loop needs a fresh folder (another --seed or --work)")
     ref = reference(args.config, args.set, ref_root)
     loop = kill_loop(args.config, args.set, loop_root, experiment, random.Random(args.seed), tuple(args.delays),
-                     args.max_kills)
+                     args.max_kills, tuple(args.sweep_after) if args.sweep else None)
     kills = len(loop["kills"])
     lost = (loop["wall_s"] - ref["uninterrupted_s"] - kills * ref["cached_rerun_s"]) / kills if kills else None
     return {"mode": "pipeline", "config": args.config, "overrides": args.set, "seed": args.seed,
+            "sweep_after_s": args.sweep_after if args.sweep else None,
+            "targeted_stages": [k["target"] for k in loop["kills"] if "target" in k],
             "delays_s": args.delays, "min_kills": args.min_kills, "max_kills": args.max_kills, **ref,
             "kill_loop_wall_s": loop["wall_s"], "kills_survived": kills, "min_kills_met": kills >= args.min_kills,
             "kill_cap_reached": kills >= args.max_kills,
@@ -351,6 +380,7 @@ def print_table(s: dict) -> None:
         kills = (f"{kills} (min {s['min_kills']} {'met' if s['min_kills_met'] else 'NOT met'}; cap {s['max_kills']} "
                  f"{'REACHED: it finished once kills stopped' if s['kill_cap_reached'] else 'not reached'})")
     rows = [("kills survived", kills), *((f"  in {stage}", n) for stage, n in s["kills_per_stage"].items()),
+            *([("stages targeted (sweep)", ", ".join(s["targeted_stages"]))] if s.get("sweep_after_s") else []),
             ("manifests checked", art["manifests_checked"]), ("corrupted artifacts", len(art["corrupted"])),
             ("dangling manifest inputs", len(art["dangling_inputs"])),
             ("stale temp folders (never read)", art["stale_temp_folders"]),
@@ -394,6 +424,9 @@ def main() -> None:
     parser.add_argument("--min-kills", type=int, default=30, help="kills the measurement needs (reported: met or not)")
     parser.add_argument("--max-kills", type=int, default=60,
                         help="after this many kills the run is left to finish (reported: cap reached)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="kill once in each stage the run reaches, --sweep-after s after it opens it")
+    parser.add_argument("--sweep-after", type=float, nargs=2, default=[0.0, 2.0], metavar=("MIN", "MAX"))
     parser.add_argument("--data-add", action="store_true", help="kill `posttrain data add` instead of a run")
     parser.add_argument("--data-kills", type=int, default=10)
     parser.add_argument("--data-rows", type=int, default=50000, help="rows per data file (50000: ~3.5 MB)")
