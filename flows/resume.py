@@ -69,9 +69,9 @@ def resume_command(args) -> int:
     server_ready = start_temporary_prefect_server()
     from flows.cli import report_errors
     from flows.pipeline import posttrain_pipeline
-    from stages.imports import import_training_libraries
+    from stages.engines import import_eagerly
 
-    import_training_libraries()  # while the server boots: a resumed run has stages to compute
+    import_eagerly(trainers=True)  # while the server boots (~3 s sooner to train): a resumed run computes
 
     def resume() -> int:
         if server_ready:

@@ -10,16 +10,21 @@ once `_complete` is in it, written after the trainer finished saving it; the old
 deleted then. So a process killed while saving leaves the previous complete checkpoint in place.
 The marker holds the sum of the training losses up to its step, so a resumed run reports the same
 train_loss as an uninterrupted one (HF's own counts only the steps of the last `train()` call).
+
+The trainer's tokenized dataset is kept there too (`prepared-dataset/`, complete once its marker is in),
+so a rerun skips tokenizing (~3 s for the quickstart's 4,000 SFT rows).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
 COMPLETE = "_complete"
+PREPARED = "prepared-dataset"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 
@@ -90,3 +95,27 @@ def train(trainer, work_dir: Path):
         total = marker["loss_sum"] + result.training_loss * steps_now
         result = result._replace(training_loss=total / max(result.global_step, 0.001))
     return result, marker["step"]
+
+
+def load_prepared(work_dir: Path | None):
+    """The tokenized dataset an earlier run of this key saved in work_dir (`save_prepared`); None if none."""
+    folder = Path(work_dir) / PREPARED if work_dir else None
+    if folder is None or not (folder / COMPLETE).is_file():
+        return None
+    import datasets
+
+    return datasets.load_from_disk(str(folder))
+
+
+def save_prepared(work_dir: Path | None, dataset) -> None:
+    """Save the trainer's tokenized dataset into work_dir for a rerun of this key: written in a temp folder,
+    marked complete, then renamed, so a kill while saving leaves nothing a rerun would read."""
+    if work_dir is None or (Path(work_dir) / PREPARED / COMPLETE).is_file():
+        return
+    folder = Path(work_dir) / PREPARED
+    temp = folder.with_name(f".{PREPARED}.tmp-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    dataset.save_to_disk(str(temp))
+    (temp / COMPLETE).write_text("")
+    shutil.rmtree(folder, ignore_errors=True)  # a half-written one of a killed process
+    temp.rename(folder)

@@ -52,24 +52,6 @@ class LazyModule:
         return f"<LazyModule {self._name}>"
 
 
-TRAINING_LIBRARIES = (("transformers", "AutoModelForCausalLM"), ("peft", "LoraConfig"), ("trl", "SFTTrainer"))
-"""What the first computed stage after a (re)start imports: torch, transformers' model classes, peft and
-TRL's trainers, ~9 s here."""
-
-
-def import_training_libraries(names: tuple[tuple[str, str], ...] = TRAINING_LIBRARIES) -> None:
-    """Import `names` ((module, attribute) pairs) now, in this thread: `posttrain resume` calls it while the
-    Prefect server boots in its own process, so the resumed stage trains ~6 s sooner. Not in a background
-    thread: transformers' and TRL's lazy modules are not safe to import from two threads at once (tried:
-    `cannot import name 'SFTConfig' from 'trl'`, or a hang). Import errors are left to the stage that needs
-    the library, which reports them with its own context."""
-    for module, attribute in names:
-        try:
-            getattr(importlib.import_module(module), attribute)
-        except Exception:
-            pass
-
-
 @functools.cache
 def _installed_roots() -> tuple[str, ...]:
     """Folders of the Python installation and its site-packages: modules there are not hashed."""

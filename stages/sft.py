@@ -68,6 +68,7 @@ def run(
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prepared = checkpoints.load_prepared(work_dir)  # this key's tokenized rows, saved by an earlier start
 
     class ReportMetrics(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -95,10 +96,13 @@ def run(
         fp16=False,
         dataloader_num_workers=0,
         disable_tqdm=False,
+        dataset_kwargs={"skip_prepare_dataset": True} if prepared is not None else None,
     )
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[ReportMetrics()]
+        model=model, args=args, train_dataset=dataset if prepared is None else prepared, processing_class=tokenizer,
+        callbacks=[ReportMetrics()],
     )
+    checkpoints.save_prepared(work_dir, trainer.train_dataset)  # tokenized: a rerun of this key skips it
     result, resumed_from = checkpoints.train(trainer, Path(args.output_dir))
     trainer.model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -107,4 +111,4 @@ def run(
 
         shutil.rmtree(args.output_dir, ignore_errors=True)
     return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows),
-            "resumed_from_step": resumed_from}
+            "resumed_from_step": resumed_from, "reused_tokenized_dataset": prepared is not None}

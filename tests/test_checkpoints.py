@@ -103,6 +103,8 @@ def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_in
     newest = 18  # the last multiple of SAVE_STEPS before the kill
     assert sorted(p.name for p in work.glob("checkpoint-*")) == [f"checkpoint-{newest}"]
     assert (work / f"checkpoint-{newest}" / "_complete").is_file()
+    if spec["module"] == "sft":  # its tokenized rows too, so the rerun skips tokenizing
+        assert (work / "prepared-dataset" / "_complete").is_file()
     # What a process killed while saving leaves: a checkpoint folder without its marker. Never read.
     half_written = work / "checkpoint-24"
     half_written.mkdir()
@@ -113,6 +115,7 @@ def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_in
     summary = json.loads(resumed.stdout.splitlines()[-1])
     straight_summary = json.loads(straight.stdout.splitlines()[-1])
     assert summary["resumed_from_step"] == newest
+    assert summary.get("reused_tokenized_dataset", True)  # (sft only)
     assert summary["steps"] == straight_summary["steps"]
     assert summary["train_loss"] == pytest.approx(straight_summary["train_loss"], rel=1e-6)
     # Steps up to the checkpoint are not trained again: the resumed process logs only later steps.
