@@ -65,18 +65,17 @@ def materialize(ctx: RunContext, stage: str, module, section: dict, inputs: dict
 
     produce(out, on_metrics) writes the folder; with `resumable`, produce(out, on_metrics, work_dir), where
     work_dir (the store's work_path for the key) keeps checkpoints a rerun of the key continues from."""
-    present = {name: a for name, a in inputs.items() if a is not None}
     key = artifact_key(ctx.store, stage, module, section, inputs)
     label = label or stage
-    found = ctx.store.get(stage, key)
+    found, damage = ctx.store.lookup(stage, key)
     if found is not None:
         ctx.reporter.done(label, stage, found.path, cached=True)
         return replace(found, reused=True)
-    if damage := ctx.store.damage(stage, key):  # e.g. a file deleted by hand: recompute this stage only
+    if damage:  # e.g. a file deleted by hand: recompute this stage only
         ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
     started = ctx.reporter.start(label)
     import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
-    input_keys = {n: f"{a.stage}/{a.key}" for n, a in present.items()}
+    input_keys = {n: f"{a.stage}/{a.key}" for n, a in inputs.items() if a is not None}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 
     logged: set[tuple[str, int]] = set()  # (metric, step): MLflow keeps every copy, so each is logged once

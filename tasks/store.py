@@ -158,14 +158,16 @@ class ArtifactStore:
     def get(self, stage: str, key: str) -> Artifact | None:
         """The finished artifact, or None if its folder or manifest is missing or a listed file is missing or
         has another size than the manifest says."""
+        return self.lookup(stage, key)[0]
+
+    def lookup(self, stage: str, key: str) -> tuple[Artifact | None, list[str]]:
+        """`get`, and what is wrong with an existing folder of this key (sizes only; empty when it is fine or
+        absent): one read of the manifest for both."""
         folder = self.path(stage, key)
         manifest, problems = check_folder(folder)
-        return None if problems else Artifact(stage, key, folder, manifest)
-
-    def damage(self, stage: str, key: str) -> list[str]:
-        """What is wrong with an existing folder of this key (sizes only); empty when it is fine or absent."""
-        folder = self.path(stage, key)
-        return check_folder(folder)[1] if folder.exists() else []
+        if not problems:
+            return Artifact(stage, key, folder, manifest), []
+        return None, problems if folder.exists() else []
 
     def artifact_folders(self) -> Iterator[tuple[str, str, Path]]:
         """(stage, key, folder) of every key folder with a manifest file, sorted."""

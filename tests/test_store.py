@@ -54,6 +54,9 @@ def test_truncated_file_invalidates_manifest(tmp_path):
     art = store.write("s", "k1", produce_file("hello"), inputs={}, config={})
     (art.path / "data.txt").write_text("he")
     assert store.get("s", "k1") is None
+    found, damage = store.lookup("s", "k1")  # what materialize reads: the damage named, to recompute
+    assert found is None and len(damage) == 1 and "data.txt" in damage[0]
+    assert store.lookup("s", "absent") == (None, [])  # never computed: no damage to report
 
 
 def test_failed_producer_leaves_nothing(tmp_path):
