@@ -2,6 +2,7 @@
 workers, worker start-up included; and the per-call overhead of going through a worker.
 
   .venv/bin/python benchmarks/score_workers.py [--completions 2048] [--workers 1,2] [--batch-size 64]
+      [--backends local,ray]
 
 Completions are LaTeX answers ("<answer>\\frac{3}{4}</answer>") against decimal gold answers
 ("0.75"), so every sample goes through math-verify's parse + verify (no string shortcut); a
@@ -9,6 +10,8 @@ quarter are wrong. Reported per worker count: wall time from creating the pool (
 processes, importing the reward module) to the last score, and the same on the warm pool.
 Overhead: the cheap built-in `format` reward over the same completions through one warm worker,
 minus calling it in this process, divided by the number of calls.
+Backends: `local` (spawned processes) and `ray` (Ray actors, stages/ray_rewards.py, on a local Ray
+instance this process starts, or the cluster at RAY_ADDRESS); Ray's start-up is not in its cold time.
 """
 
 from __future__ import annotations
@@ -41,16 +44,36 @@ def main() -> None:
     parser.add_argument("--completions", type=int, default=2048)
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--backends", default="local")
     args = parser.parse_args()
+    report = {}
+    for backend in args.backends.split(","):
+        report[backend] = measure(args, backend)
+    print(json.dumps(report, indent=2))
 
+
+def measure(args, backend: str) -> dict:
     from stages.reward_workers import RewardWorkerPool, resolve_reward
 
+    if backend == "ray":
+        from stages.ray_rewards import RayRewardPool, connect
+
+        started = time.perf_counter()
+        connect(None)
+        ray_start = time.perf_counter() - started
+
+        def make_pool(names, workers, timeout_s):
+            return RayRewardPool(names, workers, timeout_s)
+    else:
+        make_pool = RewardWorkerPool
     jobs = make_jobs("accuracy", args.completions, args.batch_size)
     report = {"completions": args.completions, "batch_size": args.batch_size, "calls": len(jobs)}
+    if backend == "ray":
+        report["ray_start_s"] = round(ray_start, 2)
     base = None
     for workers in [int(w) for w in args.workers.split(",")]:
         started = time.perf_counter()
-        pool = RewardWorkerPool(["accuracy"], workers, timeout_s=600)
+        pool = make_pool(["accuracy"], workers, timeout_s=600)
         outputs = pool.score(jobs)
         cold = time.perf_counter() - started
         started = time.perf_counter()
@@ -71,7 +94,7 @@ def main() -> None:
     for _, batch, _ in fmt_jobs:
         fn(**batch)
     in_process = time.perf_counter() - started
-    pool = RewardWorkerPool(["format"], 1, timeout_s=600)
+    pool = make_pool(["format"], 1, timeout_s=600)
     pool.score(fmt_jobs[:1])  # warm: process started, module imported
     started = time.perf_counter()
     pool.score(fmt_jobs)
@@ -79,7 +102,7 @@ def main() -> None:
     pool.close()
     report["overhead_ms_per_call"] = round((through_worker - in_process) / len(fmt_jobs) * 1000, 3)
     report["overhead_ms_per_completion"] = round((through_worker - in_process) / args.completions * 1000, 4)
-    print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":  # the workers are spawned and re-import this module

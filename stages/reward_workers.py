@@ -81,33 +81,47 @@ def call_reward(fn: Callable, batch: dict):
     return values
 
 
-def _worker_main(conn, sources: dict[str, str]) -> None:
-    """Import every reward function once, say "ready", then answer (name, batch) messages until None.
-
-    Replies: ("ok", values, None), ("error", "<Type>: <message>", traceback) when the call raised,
-    ("bad", what it returned, None) when it returned something that is not a list of values."""
+def load_rewards(sources: dict[str, str]) -> tuple[dict[str, Callable], tuple | None]:
+    """Resolve every reward function of a worker: ({name: function}, None), or ({}, the "load_error" reply
+    naming the one that failed)."""
     funcs = {}
     for name, source in sources.items():
         try:
             funcs[name] = resolve_reward(source)
         except BaseException as e:
-            conn.send(("load_error", name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"))
-            return
+            return {}, ("load_error", name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}")
+    return funcs, None
+
+
+def answer(funcs: dict[str, Callable], name: str, batch: dict) -> tuple:
+    """One call of a worker, as its reply: ("ok", values, None), ("error", "<Type>: <message>", traceback)
+    when the call raised, ("bad", what it returned, None) when that is not a list of values."""
+    try:
+        values = call_reward(funcs[name], batch)
+    except BaseException as e:  # report, never die on a user error
+        return ("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=-3))
+    try:
+        return ("ok", list(values), None)
+    except Exception:  # not iterable
+        return ("bad", f"{reprlib.repr(values)} ({type(values).__name__})", None)
+
+
+def _worker_main(conn, sources: dict[str, str]) -> None:
+    """Import every reward function once, say "ready", then answer (name, batch) messages until None."""
+    funcs, load_error = load_rewards(sources)
+    if load_error:
+        conn.send(load_error)
+        return
     conn.send(("ready", None, None))
     while True:
         message = conn.recv()
         if message is None:
             return
-        name, batch = message
+        reply = answer(funcs, *message)
         try:
-            values = call_reward(funcs[name], batch)
-        except BaseException as e:  # report, never die on a user error
-            conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=-3)))
-            continue
-        try:
-            conn.send(("ok", list(values), None))
-        except Exception:  # not iterable, or values that cannot be pickled
-            conn.send(("bad", f"{reprlib.repr(values)} ({type(values).__name__})", None))
+            conn.send(reply)
+        except Exception:  # values that cannot be pickled
+            conn.send(("bad", f"{reprlib.repr(reply[1])} (not picklable)", None))
 
 
 def _exit_reason(proc) -> str:
@@ -122,11 +136,12 @@ def _exit_reason(proc) -> str:
 
 @dataclass(eq=False)
 class _Worker:
-    proc: mp.Process
-    conn: object
+    proc: object  # the process (mp.Process) or Ray actor handle
+    conn: object  # its pipe, or the Ray ObjectRef of the reply it owes (None while idle)
     ready: bool = False
     task: tuple[int, int, int] | None = None  # (job, first sample, end) being scored
     deadline: float = 0.0  # of the call, or of the import while not ready
+    death: str | None = None  # why it stopped answering, once it has (Ray actors)
 
 
 class RewardWorkerPool:
@@ -145,19 +160,57 @@ class RewardWorkerPool:
         self.broken = False
         self._lock = threading.Lock()
 
+    # How the pool reaches its workers: spawned processes and pipes here; RayRewardPool
+    # (stages/ray_rewards.py) overrides these five with Ray actors and ObjectRefs.
+
     def _spawn(self) -> _Worker:
+        """A new worker, loading the reward functions; its first reply is "ready" or "load_error"."""
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_worker_main, args=(child, self.sources), daemon=True)
         proc.start()
         child.close()
         return _Worker(proc, parent, deadline=time.monotonic() + STARTUP_TIMEOUT_S)
 
-    @staticmethod
-    def _kill(worker: _Worker) -> None:
+    def _kill(self, worker: _Worker, grace_s: float = 0.0) -> None:
+        """Stop a worker: after `grace_s` s for one that was asked to exit, at once otherwise."""
+        if grace_s:
+            worker.proc.join(timeout=grace_s)
         if worker.proc.is_alive():
             worker.proc.kill()
         worker.proc.join()
         worker.conn.close()
+
+    def _alive(self, worker: _Worker) -> bool:
+        return worker.proc.is_alive()
+
+    def _send(self, worker: _Worker, message: tuple) -> bool:
+        """Hand a (name, batch) call to an idle worker; False when it turns out to be dead."""
+        try:
+            worker.conn.send(message)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    def _receive(self, busy: list[_Worker], timeout: float) -> dict[_Worker, tuple | None]:
+        """Wait up to `timeout` s for replies of `busy` workers: {worker: reply, or None if it died}."""
+        replies: dict[_Worker, tuple | None] = {}
+        ready = wait([w.conn for w in busy], timeout=timeout)
+        for w in busy:
+            if w.conn in ready:
+                try:
+                    replies[w] = w.conn.recv()
+                except (EOFError, OSError):  # the worker died
+                    w.proc.join(timeout=1)
+                    replies[w] = None
+        return replies
+
+    def _death(self, worker: _Worker) -> str:
+        """Why a worker that stopped answering died, in a few words."""
+        return _exit_reason(worker.proc)
+
+    def _startup_hint(self) -> str:
+        """What to add to a "did not start" error (where the workers were to run)."""
+        return ""
 
     def alive(self) -> bool:
         return not self.broken and bool(self.workers)
@@ -165,20 +218,16 @@ class RewardWorkerPool:
     def close(self) -> None:
         for w in self.workers:
             try:
-                if w.proc.is_alive() and w.task is None and not self.broken:  # read after importing
-                    w.conn.send(None)
+                if self._alive(w) and w.task is None and not self.broken:  # read after importing
+                    self._send(w, None)
             except (BrokenPipeError, OSError):
                 pass
         for w in self.workers:
-            w.proc.join(timeout=1)
-            self._kill(w)
+            self._kill(w, grace_s=1.0)
         self.workers = []
 
     def _fail(self, message: str):
         self.broken = True
-        for w in self.workers:
-            if w.proc.is_alive():
-                w.proc.kill()
         self.close()
         raise RewardFunctionError(message)
 
@@ -197,7 +246,7 @@ class RewardWorkerPool:
         errors: list[dict[int, str]] = [{} for _ in jobs]
         pending = deque((j, 0, len(ids)) for j, (_, _, ids) in enumerate(jobs))  # whole batches first
         for i, w in enumerate(self.workers):  # died while idle since the last call
-            if w.ready and not w.proc.is_alive():
+            if w.ready and not self._alive(w):
                 self._kill(w)
                 self.workers[i] = self._spawn()
 
@@ -218,33 +267,28 @@ class RewardWorkerPool:
                 if pending and w.ready and w.task is None:
                     j, lo, hi = task = pending.popleft()
                     name, batch, _ = jobs[j]
-                    try:
-                        w.conn.send((name, {k: v[lo:hi] for k, v in batch.items()}))
-                    except (BrokenPipeError, ConnectionResetError):  # died while idle: not this task's fault
-                        pending.appendleft(task)
+                    if not self._send(w, (name, {k: v[lo:hi] for k, v in batch.items()})):
+                        pending.appendleft(task)  # died while idle: not this task's fault
                         self._kill(w)
                         self.workers[i] = self._spawn()
                         continue
                     w.task, w.deadline = task, time.monotonic() + self.timeout_s
             busy = [w for w in self.workers if w.task is not None or not w.ready]
             nearest = min(w.deadline for w in busy)
-            ready = wait([w.conn for w in busy], timeout=max(0.0, nearest - time.monotonic()))
+            replies = self._receive(busy, max(0.0, nearest - time.monotonic()))
             for i, w in enumerate(self.workers):
                 if w not in busy:
                     continue
-                if w.conn in ready:
-                    try:
-                        status, payload, details = w.conn.recv()
-                    except (EOFError, OSError):  # the worker died
-                        w.proc.join(timeout=1)
+                if w in replies:
+                    if replies[w] is None:  # the worker died
+                        reason = self._death(w)
                         if not w.ready:
-                            self._fail(f"a reward worker process died ({_exit_reason(w.proc)}) while importing "
-                                       f"reward_funcs {self.names}")
-                        reason = _exit_reason(w.proc)
+                            self._fail(f"a reward worker died ({reason}) while importing reward_funcs {self.names}")
                         self._kill(w)
                         self.workers[i] = self._spawn()
                         failed(w.task, f"worker process died ({reason})")
                         continue
+                    status, payload, details = replies[w]
                     if status == "load_error":
                         self._fail(f"reward function {payload!r} could not be loaded in a worker process: {details}")
                     if status == "ready":
@@ -259,7 +303,7 @@ class RewardWorkerPool:
                 elif time.monotonic() >= w.deadline:
                     if not w.ready:
                         self._fail(f"reward workers did not finish importing reward_funcs {self.names} "
-                                   f"within {STARTUP_TIMEOUT_S:g} s")
+                                   f"within {STARTUP_TIMEOUT_S:g} s{self._startup_hint()}")
                     self._kill(w)
                     self.workers[i] = self._spawn()
                     failed(w.task, f"TimeoutError after {self.timeout_s:g} s")
@@ -290,12 +334,15 @@ _POOLS_LOCK = threading.Lock()
 
 
 def shared_pool(names: list[str], num_workers: int, timeout_s: float,
-                sources: dict[str, str] | None = None) -> RewardWorkerPool:
+                sources: dict[str, str] | None = None, ray: dict | None = None) -> RewardWorkerPool:
     """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken, or
-    if the source of a `module.fn` it runs changed since its workers imported it."""
+    if the source of a `module.fn` it runs changed since its workers imported it. `ray`: the keyword
+    arguments of a RayRewardPool (address, num_cpus) to score on Ray actors instead of local processes."""
     from stages.rewards import BUILTIN_REWARDS
 
     key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
+    if ray is not None:
+        key += (("ray", tuple(sorted(ray.items()))),)
     resolved = [(sources or {}).get(name, name) for name in names]
     code = user_code(split_reward_funcs(resolved)[0], BUILTIN_REWARDS)
     with _POOLS_LOCK:  # score tasks of two rounds may ask at once (async prefetch)
@@ -303,7 +350,12 @@ def shared_pool(names: list[str], num_workers: int, timeout_s: float,
         if pool is None or not pool.alive() or _POOL_CODE.get(key) != code:
             if pool is not None:
                 pool.close()
-            pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
+            if ray is not None:
+                from stages.ray_rewards import RayRewardPool
+
+                pool = _POOLS[key] = RayRewardPool(names, num_workers, timeout_s, sources, **ray)
+            else:
+                pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
             _POOL_CODE[key] = code
         return pool
 

@@ -40,6 +40,17 @@ torch = LazyModule("torch")  # imported on first use: loading a config does not 
 __all__ = ["ScoreConfig", "group_advantages", "gdpo_advantages", "run", "RewardFunctionError"]
 
 
+class RayScoringConfig(BaseModel):
+    """Where `backend: ray` scores (stages/ray_rewards.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None
+    """Ray cluster to join (`host:6379`, `ray://host:10001`); unset: RAY_ADDRESS, else a local Ray instance."""
+    num_cpus_per_actor: float = Field(1.0, gt=0)
+    """CPUs Ray reserves for each reward actor (`reward_num_workers` actors)."""
+
+
 class ScoreConfig(BaseModel):
     """Rewards and advantages (names as in TRL's GRPOConfig)."""
 
@@ -50,7 +61,11 @@ class ScoreConfig(BaseModel):
     reward_weights: list[float] | None = None
     """One weight per reward function; unset: all 1.0."""
     reward_num_workers: int = Field(2, ge=1)
-    """Worker subprocesses scoring in parallel."""
+    """Workers scoring in parallel: subprocesses, or Ray actors with `backend: ray`."""
+    backend: Literal["local", "ray"] = "local"
+    """local: worker subprocesses of this run. ray: actors on a Ray cluster (`ray`), same contract
+    (timeouts, dead workers replaced, reward_on_error); not part of the stage key (same scores)."""
+    ray: RayScoringConfig = Field(default_factory=RayScoringConfig)
     reward_timeout_s: float = Field(60.0, gt=0)
     """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
     sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
@@ -169,7 +184,8 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
                 **{c: [r[c] for r in chunk] for c in columns},
             }
             jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
-    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources)
+    ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray)
     outputs = pool.score(jobs)
 
     # Values come back job by job: function by function, then row batch by row batch.

@@ -247,7 +247,9 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
     n = ctx.config.rollout.num_generations
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
-    section = _with_reads({**cfg.model_dump(mode="json"), "num_generations": n}, functions, BUILTIN_REWARDS, folders)
+    where = {"backend", "ray"}  # where the functions run: the same scores either way
+    section = _with_reads({**cfg.model_dump(mode="json", exclude=where), "num_generations": n}, functions,
+                          BUILTIN_REWARDS, folders)
     return materialize(
         ctx, "score", score, section, {"rollouts": rollouts, "reward_model": rm},
         lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None),

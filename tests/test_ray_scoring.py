@@ -1,0 +1,139 @@
+"""Reward scoring on Ray actors (`score.backend: ray`, stages/ray_rewards.py) against a real two-node Ray
+cluster on loopback: a head started with `ray start --head` and a second node joined with
+`ray start --address`, one CPU each, in a temporary HOME (Ray 2.60 keeps its auth token under ~/.ray)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("ray")
+
+from stages import reward_workers, score  # noqa: E402
+from stages.reward_workers import RewardFunctionError  # noqa: E402
+from stages.score import ScoreConfig  # noqa: E402
+from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """The address of a head node and one worker node, stopped (with this process's Ray client) after."""
+    home = tmp_path_factory.mktemp("ray-home")
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
+    os.environ["HOME"] = str(home)
+    os.environ.pop("RAY_ADDRESS", None)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus", "1", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
+    try:
+        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                        "--include-dashboard", "false", *common], env=env, check=True, capture_output=True,
+                       timeout=180)
+        subprocess.run([RAY, "start", "--address", address, *common], env=env, check=True, capture_output=True,
+                       timeout=180)
+        yield address
+    finally:
+        reward_workers._close_pools()
+        import ray
+
+        ray.shutdown()
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def close_pools():
+    """Each test's actors leave the cluster's two CPUs to the next test's."""
+    yield
+    reward_workers._close_pools()
+
+
+@pytest.fixture
+def rollouts_path(tmp_path: Path) -> Path:
+    return _write_rollouts(tmp_path / "rollouts.parquet", COMPLETIONS)
+
+
+def on_ray(cfg: ScoreConfig, address: str) -> ScoreConfig:
+    return ScoreConfig(**{**cfg.model_dump(), "backend": "ray", "ray": {"address": address}})
+
+
+def test_actors_on_two_nodes_score_as_the_local_pool(ray_cluster, rollouts_path, tmp_path, user_rewards):
+    cfg = ScoreConfig(reward_funcs=["accuracy", "format", f"{user_rewards}.sees_columns", f"{user_rewards}.uses_alarm",
+                                    f"{user_rewards}.async_length", f"{user_rewards}.tagged_only"],
+                      reward_batch_size=2)
+    (tmp_path / "local").mkdir(), (tmp_path / "ray").mkdir()
+    local = score.run(cfg, rollouts_path, 2, tmp_path / "local")
+    remote = score.run(on_ray(cfg, ray_cluster), rollouts_path, 2, tmp_path / "ray")
+
+    assert pq.read_table(tmp_path / "ray" / "scored.parquet").equals(pq.read_table(tmp_path / "local" / "scored.parquet"))
+    assert remote == local
+    rows = _scored(tmp_path / "ray")
+    assert {dict(r["rewards"])[f"{user_rewards}.uses_alarm"] for r in rows} == {2.0}  # signal.alarm in the actor
+    assert [r["errors"] for r in rows] == [[], [], [], []]
+    # The pool's two actors (one CPU each) are on the two nodes; the user module came with them.
+    pool = reward_workers.shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, None,
+                                      {"address": ray_cluster, "num_cpus": 1.0})
+    assert len({node for node, _ in pool.placement()}) == 2
+
+
+def test_actor_killed_mid_batch_costs_only_its_samples(ray_cluster, rollouts_path, tmp_path, user_rewards):
+    name = f"{user_rewards}.exits_on_done"
+    cfg = on_ray(ScoreConfig(reward_funcs=["format", name], scale_rewards="none", reward_batch_size=4), ray_cluster)
+
+    metrics = score.run(cfg, rollouts_path, 2, tmp_path)
+
+    rows = _scored(tmp_path)
+    assert [dict(r["rewards"])[name] for r in rows] == [1.0, 1.0, 1.0, 0.0]  # reward_on_error for the last only
+    assert [r["errors"][0].split(" (Ray actor died")[0] if r["errors"] else None for r in rows] == \
+        [None, None, None, f"{name}: worker process died"]
+    assert metrics["score/errors"] == 1
+    assert [dict(r["rewards"])["format"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
+    # The dead actor was replaced: the same pool scores the next call in full.
+    assert score.run(cfg, rollouts_path, 2, tmp_path)["score/errors"] == 1
+
+
+def test_hanging_function_times_out_on_its_sample_only(ray_cluster, rollouts_path, tmp_path, user_rewards, caplog):
+    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
+    name = f"{user_rewards}.hangs_on_guess"
+    cfg = on_ray(ScoreConfig(reward_funcs=[name], reward_timeout_s=2, reward_batch_size=2), ray_cluster)
+
+    metrics = score.run(cfg, rollouts_path, 2, tmp_path)
+
+    rows = _scored(tmp_path)
+    assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0, 1.0]
+    assert [r["errors"] for r in rows] == [[], [f"{name}: TimeoutError after 2 s"], [], []]
+    assert metrics["score/errors"] == 1
+    assert f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 2 s" in caplog.text
+
+
+def test_reward_that_cannot_load_on_an_actor_names_itself(ray_cluster, rollouts_path, tmp_path, monkeypatch):
+    # Imports here (the stage checks every function before it starts workers), fails in the actors.
+    (tmp_path / "only_here.py").write_text(
+        f"import os\nif os.getpid() != {os.getpid()}:\n    raise ImportError('a module missing on the node')\n\n"
+        "def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "out").mkdir()
+    cfg = on_ray(ScoreConfig(reward_funcs=["only_here.reward"]), ray_cluster)
+
+    with pytest.raises(RewardFunctionError, match="'only_here.reward' could not be loaded.*missing on the node"):
+        score.run(cfg, rollouts_path, 2, tmp_path / "out")
