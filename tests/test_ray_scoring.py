@@ -137,3 +137,21 @@ def test_reward_that_cannot_load_on_an_actor_names_itself(ray_cluster, rollouts_
 
     with pytest.raises(RewardFunctionError, match="'only_here.reward' could not be loaded.*missing on the node"):
         score.run(cfg, rollouts_path, 2, tmp_path / "out")
+
+
+def test_reward_model_scores_on_actors_as_locally(ray_cluster, rollouts_path, tmp_path):
+    from conftest import tiny_preference_model
+    from stages import reward_model as rm
+
+    tiny = tiny_preference_model(tmp_path / "rm", num_train=16, num_eval=4)
+    cfg = rm.RewardModelConfig(max_steps=2, adapter="none", micro_batch_size=8, logging_steps=1)
+    rm.run(cfg, tiny / "model", tiny / "prefs", tiny / "orm")
+    # The folder is read by the actors: on a real cluster it must be on a filesystem every node sees.
+    scoring = ScoreConfig(reward_funcs=[f"reward_model:{tiny / 'orm'}"], reward_num_workers=1)
+    (tmp_path / "local").mkdir(), (tmp_path / "ray").mkdir()
+    score.run(scoring, rollouts_path, 2, tmp_path / "local")
+    score.run(on_ray(scoring, ray_cluster), rollouts_path, 2, tmp_path / "ray")
+
+    local, remote = _scored(tmp_path / "local"), _scored(tmp_path / "ray")
+    assert [r["reward"] for r in remote] == pytest.approx([r["reward"] for r in local], abs=1e-6)
+    assert len({r["reward"] for r in remote}) > 1 and all(not r["errors"] for r in remote)
