@@ -142,6 +142,7 @@ class _Worker:
     task: tuple[int, int, int] | None = None  # (job, first sample, end) being scored
     deadline: float = 0.0  # of the call, or of the import while not ready
     death: str | None = None  # why it stopped answering, once it has (Ray actors)
+    sent: float = 0.0  # when its current call was handed over
 
 
 class RewardWorkerPool:
@@ -231,17 +232,21 @@ class RewardWorkerPool:
         self.close()
         raise RewardFunctionError(message)
 
-    def score(self, jobs: list[tuple[str, dict, list[str]]]) -> list[tuple[list, dict[int, str]]]:
+    def score(self, jobs: list[tuple[str, dict, list[str]]],
+              stats: list | None = None) -> list[tuple[list, dict[int, str]]]:
         """Run jobs (function name, keyword batch, sample ids) across the workers.
 
         Returns per job, in order, (values, errors): one value per sample (a float, or None where the
         function said "not applicable" or failed) and {sample index: "<name>: <what went wrong>"}.
         One call at a time: with async prefetch two rounds' score tasks share this pool from two threads.
+        `stats`, if given, receives per worker slot [samples answered, seconds busy] (a replaced worker's
+        go to its slot), for the throughput each worker reached.
         """
         with self._lock:
-            return self._score(jobs)
+            return self._score(jobs, stats if stats is not None else [])
 
-    def _score(self, jobs: list[tuple[str, dict, list[str]]]) -> list[tuple[list, dict[int, str]]]:
+    def _score(self, jobs: list[tuple[str, dict, list[str]]], stats: list) -> list[tuple[list, dict[int, str]]]:
+        stats[:] = [[0, 0.0] for _ in self.workers]
         values: list[list] = [[None] * len(ids) for _, _, ids in jobs]
         errors: list[dict[int, str]] = [{} for _ in jobs]
         pending = deque((j, 0, len(ids)) for j, (_, _, ids) in enumerate(jobs))  # whole batches first
@@ -272,7 +277,8 @@ class RewardWorkerPool:
                         self._kill(w)
                         self.workers[i] = self._spawn()
                         continue
-                    w.task, w.deadline = task, time.monotonic() + self.timeout_s
+                    w.task, w.sent = task, time.monotonic()
+                    w.deadline = w.sent + self.timeout_s
             busy = [w for w in self.workers if w.task is not None or not w.ready]
             nearest = min(w.deadline for w in busy)
             replies = self._receive(busy, max(0.0, nearest - time.monotonic()))
@@ -295,6 +301,8 @@ class RewardWorkerPool:
                         w.ready = True
                         continue
                     task, w.task = w.task, None
+                    stats[i][0] += task[2] - task[1]
+                    stats[i][1] += time.monotonic() - w.sent
                     if status == "error":
                         failed(task, payload, details)
                     else:

@@ -23,6 +23,7 @@ identical groups; stages/health.py `collapse_metrics`), which the health checks 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -186,7 +187,10 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
             jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
     ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray)
-    outputs = pool.score(jobs)
+    worker_stats: list = []
+    started = time.perf_counter()
+    outputs = pool.score(jobs, worker_stats)
+    scoring_s = time.perf_counter() - started
 
     # Values come back job by job: function by function, then row batch by row batch.
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
@@ -229,6 +233,14 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     for f, name in enumerate(cfg.reward_funcs):  # None (NaN) left out, as TRL's rewards/<name>/mean|std
         metrics[f"rewards/{_metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
         metrics[f"rewards/{_metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
+    # where the scoring ran and how fast (the nested score run in MLflow; not compared between runs)
+    answered = sum(done for done, _ in worker_stats)
+    metrics["workers/count"] = len(worker_stats)
+    metrics["workers/samples_per_s"] = answered / scoring_s if scoring_s else 0.0
+    for slot, (done, busy) in enumerate(worker_stats):
+        metrics[f"workers/{slot}/samples_per_s"] = done / busy if busy else 0.0
+    if ray is not None:
+        metrics["workers/ray_nodes"] = len({node for node, _ in pool.placement()})
     # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for stages/health.py
     metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
                                     [r["answer"] for r in rows] if "answer" in table.column_names else None))
