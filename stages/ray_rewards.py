@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from stages.imports import local_modules
-from stages.reward_workers import RewardWorkerPool, _Worker, split_reward_funcs
+from stages.reward_workers import STARTUP_TIMEOUT_S, RewardWorkerPool, _Worker, split_reward_funcs
 
 _CONNECT_LOCK = threading.Lock()
 
@@ -71,7 +72,6 @@ class RewardActor:
 
     def __init__(self, files: dict[str, str], sources: dict[str, str]):
         import importlib
-        import sys
         import tempfile
 
         root = tempfile.mkdtemp(prefix="posttrain-reward-code-")
@@ -118,10 +118,6 @@ class RayRewardPool(RewardWorkerPool):
         return ray.get([w.proc.where.remote() for w in self.workers])
 
     def _spawn(self) -> _Worker:
-        import time
-
-        from stages.reward_workers import STARTUP_TIMEOUT_S
-
         actor = self._actor_class.remote(self._files, self.sources)
         return _Worker(actor, actor.ready.remote(), deadline=time.monotonic() + STARTUP_TIMEOUT_S)
 
