@@ -222,7 +222,8 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
     handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
-    vllm = {k: v for k, v in section.pop("vllm").items() if k in handed and k not in ("server_url", "server_timeout_s")}
+    vllm = {k: v for k, v in section.pop("vllm").items() if k in handed
+            and k not in ("server_url", "server_urls", "server_timeout_s")}
     if vllm:
         section["vllm"] = vllm
     section = _with_reads({**_round_section(section, round_index), "policy_version": policy_version},
