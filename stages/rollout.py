@@ -41,6 +41,11 @@ class VLLMOptions(BaseModel):
     each other; set false to get that default (e.g. tensor_parallel_size > 1 on GPUs)."""
     server_url: str = "http://127.0.0.1:8000"
     """vllm_server: base URL of `vllm serve` (started by you or by `posttrain serve-vllm`)."""
+    server_urls: list[str] | None = None
+    """vllm_server: several servers to generate on, data parallel (replaces server_url): each round's
+    prompts are shared out among them, the round's adapter is loaded on each, and a server that stops
+    answering is dropped with a warning, its prompts re-sent to the others. Per-prompt seeds: the same
+    completions whichever server samples a prompt."""
     server_timeout_s: float = Field(300.0, gt=0)
     """vllm_server: per-request timeout."""
     server_adapter_root: str | None = None
@@ -93,6 +98,21 @@ class RolloutConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
+    def _check_server_urls(self) -> "RolloutConfig":
+        urls = self.vllm.server_urls
+        if urls is not None:
+            if not urls:
+                raise ValueError("rollout.vllm.server_urls is empty: list at least one URL, or leave it unset "
+                                 "to use rollout.vllm.server_url")
+            bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"rollout.vllm.server_urls: {bad} -- each must be a URL like http://host:8000")
+            twice = sorted({u for u in urls if urls.count(u) > 1})
+            if twice:
+                raise ValueError(f"rollout.vllm.server_urls lists {twice} more than once")
+        return self
+
+    @model_validator(mode="after")
     def _check_cpus(self) -> "RolloutConfig":
         available = list(range(os.cpu_count() or 1))
         for key in ("worker_cpus", "trainer_cpus"):
@@ -110,16 +130,19 @@ class RolloutConfig(BaseModel):
         return min(self.prefetch_depth, self.max_staleness) if self.async_prefetch else 0
 
 
+SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_adapter_root")  # vllm_server's own
+
+
 def engine_options(cfg: RolloutConfig, max_lora_rank: int) -> dict:
     """What `get_engine` needs for this config's engine."""
     if cfg.engine == "transformers":
         return {"batch_size": cfg.generation_batch_size}
     options = cfg.vllm.model_dump()
     if cfg.engine == "vllm":
-        for key in ("server_url", "server_timeout_s", "server_adapter_root"):
+        for key in SERVER_KEYS:
             options.pop(key)
     else:
-        options = {k: options[k] for k in ("server_url", "server_timeout_s", "server_adapter_root")}
+        options = {k: options[k] for k in SERVER_KEYS}
     return {**options, "max_lora_rank": max_lora_rank}
 
 
@@ -229,7 +252,7 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         records.append(rec)
     write_table(pa.Table.from_pylist(records), out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
     lengths = [len(r["completion_token_ids"]) for r in records]
-    return {
+    metrics = {
         "rows": len(records),
         "prompts": len(picked),
         "rerolled_prompts": len(rerolled),
@@ -241,3 +264,11 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         "policy_version": policy.version,
         "staleness": round_index - policy.version,
     }
+    servers = getattr(engine, "last_call", None) or {}
+    if len(servers) > 1:  # data parallel over several vLLM servers: how the round was shared out
+        metrics["servers/count"] = len(servers)
+        metrics["servers/answered"] = sum(s["completions"] > 0 for s in servers.values())
+        for index, served in enumerate(servers.values()):  # in rollout.vllm.server_urls order
+            metrics[f"servers/{index}/completions"] = served["completions"]
+            metrics[f"servers/{index}/completions_per_s"] = served["completions"] / max(seconds, 1e-9)
+    return metrics

@@ -127,6 +127,19 @@ def test_cpu_split_names_the_key():
         load_config(quickstart, ["rollout.worker_cpus=[0]"])
 
 
+def test_server_urls_are_checked():
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    ok = load_config(quickstart, ["rollout.engine=vllm_server",
+                                  'rollout.vllm.server_urls=["http://a:8000", "http://b:8000"]'])
+    assert ok.rollout.vllm.server_urls == ["http://a:8000", "http://b:8000"]
+    with pytest.raises(ConfigError, match="rollout.vllm.server_urls lists .'http://a:8000'. more than once"):
+        load_config(quickstart, ['rollout.vllm.server_urls=["http://a:8000", "http://a:8000"]'])
+    with pytest.raises(ConfigError, match="each must be a URL"):
+        load_config(quickstart, ['rollout.vllm.server_urls=["a:8000"]'])
+    with pytest.raises(ConfigError, match="server_urls is empty"):
+        load_config(quickstart, ["rollout.vllm.server_urls=[]"])
+
+
 def test_prm_reward_model_trains_on_stepwise_demo_rows():
     rm_grpo = Path(__file__).parent.parent / "configs" / "rm_grpo.yaml"
     assert load_config(rm_grpo).demo_pairs.kind == "pair"

@@ -8,11 +8,13 @@ start costs ~30 s and the server start ~1 minute on 2 CPU cores.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -191,42 +193,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    """A real `vllm serve` on loopback (from serve_command); terminated when the module ends."""
-    import httpx
-
-    from stages.engines.vllm_server import serve_command
+@contextlib.contextmanager
+def serving(base_dir: Path, log: Path):
+    """A real `vllm serve` on loopback (from serve_command): yields (url, process); terminated at exit."""
+    from stages.engines.vllm_server import serve_command, wait_until_healthy
 
     port = _free_port()
-    argv, env = serve_command(tiny["base"], port, 8, {"dtype": "float32", "gpu_memory_utilization": 0.05,
-                                                       "kv_cache_space_gib": 0.25, "max_model_len": 128,
-                                                       "enforce_eager": True})
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    argv, env = serve_command(base_dir, port, 8, {"dtype": "float32", "gpu_memory_utilization": 0.05,
+                                                  "kv_cache_space_gib": 0.25, "max_model_len": 128,
+                                                  "enforce_eager": True})
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT)
+        # its own process group: vLLM's engine-core and worker processes are stopped with it
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not healthy after 600 s:\n{log.read_text()[-4000:]}")
-            time.sleep(2)
-        yield url
+        wait_until_healthy(url, proc, 600, log)
+        yield url, proc
     finally:
-        proc.terminate()
+        _signal_group(proc, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+        _signal_group(proc, signal.SIGKILL)  # what outlived the server (or all of it)
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    with serving(tiny["base"], tmp_path_factory.mktemp("server") / "server.log") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def second_server(tiny, tmp_path_factory):
+    """Another replica of `server`, for data-parallel generation; the last test stops it."""
+    with serving(tiny["base"], tmp_path_factory.mktemp("server2") / "server.log") as (url, proc):
+        yield {"url": url, "proc": proc}
 
 
 def test_server_engine(server, tiny):
@@ -263,6 +274,11 @@ def test_server_down_is_a_clear_error(tiny):
     eng = VLLMServerEngine(tiny["base"], server_url=url, server_timeout_s=5, server_adapter_root=None, max_lora_rank=8)
     with pytest.raises(VLLMServerError, match=f"no vLLM server answers at {url}.*posttrain serve-vllm CONFIG"):
         eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
+    urls = [url, f"http://127.0.0.1:{_free_port()}"]
+    several = VLLMServerEngine(tiny["base"], server_urls=urls, server_timeout_s=5, max_lora_rank=8)
+    with pytest.raises(VLLMServerError, match="none of rollout.vllm.server_urls answers.*"
+                                              f"no vLLM server answers at {urls[1]}"):
+        several.generate(Policy(tiny["base"]), PROMPTS, sampling())
     from flows.cli import input_errors
 
     assert issubclass(VLLMServerError, input_errors())  # `posttrain run` prints it without a traceback
@@ -283,3 +299,76 @@ def test_serve_command_and_adapter_root(tiny):
     adapter = tiny["adapters"][0]
     assert adapter_path(adapter, "/mnt/art") == "/mnt/art/optimize/round1/adapter"
     assert adapter_path(adapter, None) == str(adapter.resolve())
+
+
+MANY = [[{"role": "user", "content": f"largest of {a} {b} {c}"}] for a in range(4) for b in range(4) for c in range(3)]
+
+
+def _same_completions(got: list[dict], expected: list[dict]) -> None:
+    """Equal tokens and (to float noise) equal log-probs, prompt by prompt."""
+    assert [r["completion_token_ids"] for r in got] == [r["completion_token_ids"] for r in expected]
+    gap = max(abs(a - b) for g, e in zip(got, expected) for a, b in zip(g["sampling_logprobs"], e["sampling_logprobs"]))
+    assert gap < 1e-6, gap
+
+
+def test_two_servers_give_one_servers_completions(server, second_server, tiny):
+    """Data parallel over two replicas: both serve a share, and per-prompt seeds make the result the
+    single server's, for every adapter version (each loaded on both servers)."""
+    from stages.engines import Policy
+    from stages.engines.vllm_server import VLLMServerEngine
+
+    one = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
+    two = VLLMServerEngine(tiny["base"], server_urls=[server, second_server["url"]], server_timeout_s=120,
+                           max_lora_rank=8, max_concurrency=4)
+    try:
+        for version, adapter in enumerate(tiny["adapters"], start=1):
+            policy = Policy(tiny["base"], adapter_dir=adapter, version=version)
+            expected = one.generate(policy, MANY, sampling())
+            progress = []
+            got = two.generate(policy, MANY, sampling(), on_progress=progress.append)
+            assert sum(progress) == len(MANY)
+            _same_completions(got, expected)
+            served = {url: s["completions"] for url, s in two.last_call.items()}
+            assert sum(served.values()) == len(MANY) and min(served.values()) > 0, served
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second_server, tiny, caplog):
+    """Kill one replica while a round is being generated: the round finishes on the other, with the
+    completions one server alone gives, and a warning naming the stopped server. Runs last: the
+    second server stays down."""
+    from stages.engines import Policy
+    from stages.engines.vllm_server import VLLMServerEngine
+
+    policy = Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1)
+    one = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
+    two = VLLMServerEngine(tiny["base"], server_urls=[server, second_server["url"]], server_timeout_s=120,
+                           max_lora_rank=8, max_concurrency=2)
+    expected = one.generate(policy, MANY, sampling(seed=11))
+    done = []
+
+    def progress(n):
+        done.append(n)
+        if len(done) == 6:
+            _signal_group(second_server["proc"], signal.SIGKILL)  # the server and its engine processes
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="stages.engines.vllm_server"):
+            got = two.generate(policy, MANY, sampling(seed=11), on_progress=progress)
+        _same_completions(got, expected)
+        assert sum(done) == len(MANY)
+        assert f"vllm_server: {second_server['url']} stopped answering" in caplog.text
+        served = two.last_call
+        assert served[server]["completions"] + served[second_server["url"]]["completions"] == len(MANY)
+        assert served[second_server["url"]]["completions"] < len(MANY) - 6
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stages.engines.vllm_server"):
+            again = two.generate(policy, MANY[:8], sampling(seed=11))  # the next round: on the live server alone
+        _same_completions(again, expected[:8])
+        assert f"no vLLM server answers at {second_server['url']}" in caplog.text
+        assert two.last_call[server]["completions"] == 8
+    finally:
+        one.close()
+        two.close()
