@@ -7,13 +7,8 @@ actor, in the actor's main thread (so `signal.alarm` graders work), async functi
 batch re-scored one sample at a time, each failing sample gets `reward_on_error` and its `errors` entry),
 and a function that cannot be loaded or returns the wrong shape stops the stage with RewardFunctionError.
 
-Code shipping: each actor gets, with its arguments, the source files it imports: this pipeline's
-modules it needs and the project-local modules of every `module.fn` reward (stages/imports.py
-`local_modules`, the same files the stage's key hashes), and imports them from a folder of its own. So a
-cluster node needs only the installed libraries (torch, math-verify, ...), not a copy of your project,
-and runs exactly the code whose digest is in the artifact key. (Ray's `runtime_env` working_dir would
-upload a folder too, but only once per driver process, at `ray.init`; a reward edited between two pools
-of one process would not reach the actors.)
+Code shipping (stages/ray_cluster.py): each actor gets the source of stages.reward_workers and of
+every `module.fn` reward with their project-local imports, so a node needs only the installed libraries.
 
 Where: `score.ray.address`, else `RAY_ADDRESS`, else a local Ray instance started in this process.
 """
@@ -22,47 +17,18 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
-from pathlib import Path
 
-from stages.imports import local_modules
+from stages.ray_cluster import connect, install_code, ship_by_value, source_files
 from stages.reward_workers import STARTUP_TIMEOUT_S, RewardWorkerPool, _Worker, split_reward_funcs
-
-_CONNECT_LOCK = threading.Lock()
-
-
-def connect(address: str | None) -> str:
-    """Join the Ray cluster at `address` (or RAY_ADDRESS), or start a local instance; once per process.
-    Returns where: the address, or "local"."""
-    import ray
-
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    with _CONNECT_LOCK:
-        if not ray.is_initialized():
-            if address:
-                ray.init(address=address, log_to_driver=True)
-            else:  # a local instance, small: it shares the machine with training
-                ray.init(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=True)
-    return address or "local"
-
-
-def _module_path(name: str, file: str) -> str:
-    """Where module `name` lives relative to a sys.path entry: a/b.py, or a/b/__init__.py for a package."""
-    parts = name.split(".")
-    if os.path.basename(file) == "__init__.py":
-        return os.path.join(*parts, "__init__.py")
-    return os.path.join(*parts[:-1], parts[-1] + ".py")
 
 
 def code_files(reward_sources: list[str]) -> dict[str, str]:
     """{path relative to a sys.path entry: source} of what an actor imports: stages.reward_workers' local
     closure and that of each `module.fn` reward."""
-    modules: dict[str, str] = dict(local_modules("stages.reward_workers"))
-    for source in split_reward_funcs(reward_sources)[0]:
-        if "." in source:
-            modules.update(local_modules(source.rpartition(".")[0]))
-    return {_module_path(name, file): Path(file).read_text() for name, file in modules.items()}
+    modules = ["stages.reward_workers"] + [source.rpartition(".")[0] for source in split_reward_funcs(reward_sources)[0]
+                                           if "." in source]
+    return source_files(modules)
 
 
 class RewardActor:
@@ -72,15 +38,8 @@ class RewardActor:
 
     def __init__(self, files: dict[str, str], sources: dict[str, str]):
         import importlib
-        import tempfile
 
-        root = tempfile.mkdtemp(prefix="posttrain-reward-code-")
-        for relative, text in files.items():
-            path = os.path.join(root, relative)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
-        sys.path.insert(0, root)
+        install_code(files, "posttrain-reward-code-")
         workers = importlib.import_module("stages.reward_workers")
         self.answer = workers.answer
         self.funcs, self.load_error = workers.load_rewards(sources)
@@ -106,7 +65,7 @@ class RayRewardPool(RewardWorkerPool):
         import ray
 
         self.where, self.num_cpus = connect(address), num_cpus
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ship_by_value(sys.modules[__name__], sys.modules[install_code.__module__])
         self._files = ray.put(code_files([(sources or {}).get(n, n) for n in names]))
         self._actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0, max_concurrency=1)(RewardActor)
         super().__init__(names, num_workers, timeout_s, sources)

@@ -20,7 +20,7 @@ from stages.schemas import ROLLOUTS, write_table
 
 
 class VLLMOptions(BaseModel):
-    """vLLM engine settings (in-process `vllm` and `vllm_server`)."""
+    """vLLM engine settings (`vllm`, `ray_vllm`'s engines, and `vllm_server`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,15 +53,33 @@ class VLLMOptions(BaseModel):
     or container (adapter paths are sent with this prefix instead of the local one)."""
 
 
+class RayVLLMOptions(BaseModel):
+    """ray_vllm: where its vLLM engines run (the engines' own settings are `rollout.vllm`'s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_engines: int = Field(1, ge=1)
+    """vLLM engines, one Ray actor each; each round's prompts are shared out among them."""
+    address: str | None = None
+    """Ray cluster to join; unset: RAY_ADDRESS, else a local Ray instance started by the run."""
+    num_cpus_per_engine: float = Field(1.0, gt=0)
+    num_gpus_per_engine: float | None = Field(None, ge=0)
+    """unset: rollout.vllm.tensor_parallel_size when the cluster has GPUs, else 0."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """How long the engines may take to be placed and built before the rollout fails."""
+
+
 class RolloutConfig(BaseModel):
     """Sampling settings (names as in TRL's GRPOConfig) and the engine that samples."""
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["transformers", "vllm", "vllm_server"] = "transformers"
+    engine: Literal["transformers", "vllm", "vllm_server", "ray_vllm"] = "transformers"
     """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
-    across rounds. vllm_server: an external `vllm serve --enable-lora`."""
+    across rounds. vllm_server: external `vllm serve --enable-lora` servers. ray_vllm: vLLM engines
+    in Ray actors, kept across rounds (rollout.ray_vllm)."""
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    ray_vllm: RayVLLMOptions = Field(default_factory=RayVLLMOptions)
     rollout_func: str | None = None
     """`module.fn`: your own rollout, fn(prompts, engine, policy, sampling, tokenizer) -> one dict per
     prompt with completion_token_ids, sampling_logprobs (and optionally completion, finish_reason)."""
@@ -138,11 +156,13 @@ def engine_options(cfg: RolloutConfig, max_lora_rank: int) -> dict:
     if cfg.engine == "transformers":
         return {"batch_size": cfg.generation_batch_size}
     options = cfg.vllm.model_dump()
-    if cfg.engine == "vllm":
+    if cfg.engine in ("vllm", "ray_vllm"):
         for key in SERVER_KEYS:
             options.pop(key)
     else:
         options = {k: options[k] for k in SERVER_KEYS}
+    if cfg.engine == "ray_vllm":
+        options.update(cfg.ray_vllm.model_dump())
     return {**options, "max_lora_rank": max_lora_rank}
 
 
@@ -264,11 +284,12 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         "policy_version": policy.version,
         "staleness": round_index - policy.version,
     }
-    servers = getattr(engine, "last_call", None) or {}
-    if len(servers) > 1:  # data parallel over several vLLM servers: how the round was shared out
-        metrics["servers/count"] = len(servers)
-        metrics["servers/answered"] = sum(s["completions"] > 0 for s in servers.values())
-        for index, served in enumerate(servers.values()):  # in rollout.vllm.server_urls order
-            metrics[f"servers/{index}/completions"] = served["completions"]
-            metrics[f"servers/{index}/completions_per_s"] = served["completions"] / max(seconds, 1e-9)
+    shares = getattr(engine, "last_call", None) or {}
+    if len(shares) > 1:  # data parallel over several vLLM servers or Ray engines: how the round was shared out
+        prefix = "servers" if cfg.engine == "vllm_server" else "engines"
+        metrics[f"{prefix}/count"] = len(shares)
+        metrics[f"{prefix}/answered"] = sum(s["completions"] > 0 for s in shares.values())
+        for index, share in enumerate(shares.values()):  # servers: in rollout.vllm.server_urls order
+            metrics[f"{prefix}/{index}/completions"] = share["completions"]
+            metrics[f"{prefix}/{index}/completions_per_s"] = share["completions"] / max(seconds, 1e-9)
     return metrics

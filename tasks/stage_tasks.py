@@ -222,6 +222,7 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
     handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
+    section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
     vllm = {k: v for k, v in section.pop("vllm").items() if k in handed
             and k not in ("server_url", "server_urls", "server_timeout_s")}
     if vllm:

@@ -372,3 +372,61 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
     finally:
         one.close()
         two.close()
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    """A local Ray instance in this process (temporary HOME: Ray 2.60 keeps its auth token under ~/.ray)."""
+    ray = pytest.importorskip("ray")
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
+    os.environ["HOME"] = str(tmp_path_factory.mktemp("ray-home"))
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ray, caplog):
+    """Two vLLM engines in Ray actors: LoRA versions and full weights synced to both, the same completions
+    as one in-process engine; an engine killed before a round costs nothing but its share's time, and
+    the next round starts a replacement."""
+    from stages.engines import Policy
+    from stages.engines.ray_vllm import RayVLLMEngine
+
+    ray_engine = RayVLLMEngine(tiny["base"], num_engines=2, num_cpus_per_engine=1, gpu_memory_utilization=0.05,
+                               kv_cache_space_gib=0.25, max_model_len=128, dtype="float32", tensor_parallel_size=1,
+                               enforce_eager=True, max_lora_rank=8)
+    policies = [Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1),
+                Policy(tiny["base"], adapter_dir=tiny["adapters"][1], version=2),
+                Policy(tiny["base"], weights_dir=tiny["full"], version=3)]
+    try:
+        for policy in policies:
+            progress = []
+            got = ray_engine.generate(policy, MANY, sampling(), on_progress=progress.append)
+            _same_completions(got, engine.generate(policy, MANY, sampling()))
+            assert sum(progress) == len(MANY)
+            assert [share["completions"] for share in ray_engine.last_call.values()] == [len(MANY) // 2] * 2
+        assert len({node_pid for node_pid in ray_engine.placement()}) == 2
+
+        policy = policies[0]
+        local_ray.kill(ray_engine.actors[1], no_restart=True)
+        with caplog.at_level(logging.WARNING, logger="stages.engines.ray_vllm"):
+            got = ray_engine.generate(policy, MANY, sampling(seed=5))
+        _same_completions(got, engine.generate(policy, MANY, sampling(seed=5)))
+        assert "ray_vllm: an engine was lost" in caplog.text
+        assert [(s["completions"], s["lost"]) for s in ray_engine.last_call.values()] == [(len(MANY), False),
+                                                                                           (0, True)]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stages.engines.ray_vllm"):
+            ray_engine.generate(policy, MANY[:4], sampling())
+        assert "starting 1 engine(s) in place of those lost" in caplog.text
+        assert [s["completions"] for s in ray_engine.last_call.values()] == [2, 2]
+    finally:
+        ray_engine.close()

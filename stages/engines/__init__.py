@@ -9,8 +9,10 @@ apart.
 - `vllm`: an in-process vLLM engine started once per process and kept across rounds;
   LoRA policies through a new `LoRARequest` per round, full fine-tuning through an
   in-place weight update (stages/engines/vllm_local.py).
-- `vllm_server`: an OpenAI-compatible `vllm serve --enable-lora` server
+- `vllm_server`: OpenAI-compatible `vllm serve --enable-lora` servers, one or several
   (stages/engines/vllm_server.py).
+- `ray_vllm`: in-process vLLM engines in Ray actors, several in data parallel
+  (stages/engines/ray_vllm.py).
 
 `get_engine` keeps one engine per (kind, settings, base model) per process; the flow
 calls `close_engines()` when it ends.
@@ -104,7 +106,11 @@ def _make(kind: str, base_dir: Path, options: dict) -> RolloutEngine:
         from stages.engines.vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(base_dir, **options)
-    raise ValueError(f"rollout.engine: unknown engine {kind!r}; use transformers, vllm or vllm_server")
+    if kind == "ray_vllm":
+        from stages.engines.ray_vllm import RayVLLMEngine
+
+        return RayVLLMEngine(base_dir, **options)
+    raise ValueError(f"rollout.engine: unknown engine {kind!r}; use transformers, vllm, vllm_server or ray_vllm")
 
 
 _IMPORTED = threading.Event()

@@ -38,12 +38,13 @@ def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def sampling_params(sampling: Sampling, count: int, eos_token_id: int | None) -> list:
-    """One `vllm.SamplingParams` per prompt: the sampled token's log-prob, a seed each."""
+def sampling_params(sampling: Sampling, indices: list[int], eos_token_id: int | None) -> list:
+    """One `vllm.SamplingParams` per prompt: the sampled token's log-prob, a seed each from the prompt's
+    index in the whole call (so a share of the prompts sampled elsewhere gets the same seeds)."""
     from vllm import SamplingParams
 
     params = []
-    for i in range(count):
+    for i in indices:
         params.append(SamplingParams(
             n=1,
             max_tokens=sampling.max_new_tokens,
@@ -243,8 +244,9 @@ class VLLMEngine:
         return LoRARequest(f"policy-v{version}-{lora_id}", lora_id, str(adapter_dir))
 
     def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
-                 on_progress: Callable[[int], None] | None = None) -> list[dict]:
-        """One completion per prompt from `policy` (base, base + LoRA, or full weights), in order."""
+                 on_progress: Callable[[int], None] | None = None, indices: list[int] | None = None) -> list[dict]:
+        """One completion per prompt from `policy` (base, base + LoRA, or full weights), in order.
+        `indices`: the prompts' positions in a larger call split across engines (their seeds); default 0..n-1."""
         if self.llm is None:
             self._start()
         self._set_weights(policy.model_dir)
@@ -253,7 +255,7 @@ class VLLMEngine:
         ids = prompt_token_ids(self.tokenizer, prompts)
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in ids],
-            sampling_params(sampling, len(ids), eos),
+            sampling_params(sampling, list(range(len(ids))) if indices is None else list(indices), eos),
             lora_request=lora,
             use_tqdm=progress_bar(on_progress) if on_progress else False,
         )
