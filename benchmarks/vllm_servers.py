@@ -1,6 +1,6 @@
 """Data-parallel generation over vLLM servers: one server on all cores vs one server per core.
 
-  .venv/bin/python benchmarks/vllm_servers.py [--sequences 256] [--max-new-tokens 64] [--repeats 3] [--cores 0,1]
+  .venv/bin/python benchmarks/vllm_servers.py [--sequences 256] [--max-new-tokens 64] [--repeats 3] [--cores 0,1] [--ray]
 
 Builds the ~30M-parameter Qwen2 and LoRA adapter of benchmarks/rollout_engines.py, then times the
 `vllm_server` engine with the adapter (how the pipeline samples a LoRA policy) on
@@ -8,7 +8,8 @@ Builds the ~30M-parameter Qwen2 and LoRA adapter of benchmarks/rollout_engines.p
 - `1 server`: one `vllm serve` whose CPU threads use all `--cores` (VLLM_CPU_OMP_THREADS_BIND), and
 - `N servers`: one `vllm serve` per core, the engine's `server_urls` listing them all,
 
-so both setups have the same cores. Reports each setup's server start time, first call, median
+so both setups have the same cores (with `--ray`, also the `ray_vllm` engine: 1 engine of all cores and one
+engine of 1 CPU per core, on a local Ray instance; vLLM's own thread binding there). Reports each setup's server start time, first call, median
 steady-state tokens per second over `--repeats` calls, and whether the completions equal the
 single server's token for token (they must: every prompt has its own seed). On CPU the
 servers share memory bandwidth; the point here is correctness and overhead, not speed-up.
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cores", default="0,1", help="the cores both setups share, comma-separated")
+    parser.add_argument("--ray", action="store_true",
+                        help="also time rollout.engine ray_vllm with 1 engine and with one engine per core")
     args = parser.parse_args()
 
     from stages.engines import Policy, Sampling
@@ -97,8 +100,25 @@ def main() -> None:
             engine.close()
         finally:
             stop(procs)
-    first, second = tokens.values()
-    report["same_completions"] = first == second
+    if args.ray:
+        from stages.engines.ray_vllm import RayVLLMEngine
+        from stages.ray_cluster import connect
+
+        started = time.perf_counter()
+        connect(None)  # a local Ray instance, all cores
+        report["ray_start_s"] = round(time.perf_counter() - started, 1)
+        for engines in (1, len(cores)):
+            label = f"ray_vllm {engines} engine(s)"
+            engine = RayVLLMEngine(root / "model", num_engines=engines, num_cpus_per_engine=len(cores) / engines,
+                                   max_lora_rank=16, kv_cache_space_gib=2.0, max_model_len=256, dtype="float32")
+            started = time.perf_counter()
+            engine._start()
+            report[label] = {"engines_start_s": round(time.perf_counter() - started, 1),
+                             **time_engine(engine, policy, prompts, sampling, args.repeats)}
+            tokens[label] = [r["completion_token_ids"] for r in engine.generate(policy, prompts, sampling)]
+            engine.close()
+    reference = tokens["1 server"]
+    report["same_completions_as_1_server"] = {label: toks == reference for label, toks in tokens.items()}
     print(json.dumps(report, indent=2))
 
 
