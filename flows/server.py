@@ -176,8 +176,8 @@ posttrain server: ready.
   UI:      {base_url}
   API:     {api_url}
   worker:  pool {args.pool!r} (process), runs flows in {PROJECT}
-Deploy every config in prefect.yaml, then run one (from {PROJECT}):
-  {env_prefix} {prefect} deploy --all
+Deploy the shipped configs in prefect.yaml, then run one (from {PROJECT}):
+  {env_prefix} {prefect} deploy --name quickstart --name dpo --name rm_grpo
   {env_prefix} {prefect} deployment run 'posttrain/quickstart' --param overrides={overrides} --watch
 Ctrl-C stops the worker and the server.""", flush=True)
 

@@ -1,16 +1,13 @@
 """Reward scoring on Ray actors (`score.backend: ray`, stages/ray_rewards.py) against a real two-node Ray
-cluster on loopback: a head started with `ray start --head` and a second node joined with
-`ray start --address`, one CPU each, in a temporary HOME (Ray 2.60 keeps its auth token under ~/.ray)."""
+cluster on loopback: a head and a second node started with `ray start` (tests/cluster.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import cluster
 import pyarrow.parquet as pq
 import pytest
 
@@ -21,14 +18,6 @@ from stages.reward_workers import RewardFunctionError  # noqa: E402
 from stages.score import ScoreConfig  # noqa: E402
 from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
 
-RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
@@ -37,23 +26,16 @@ def ray_cluster(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
     os.environ["HOME"] = str(home)
     os.environ.pop("RAY_ADDRESS", None)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    common = ["--num-cpus", "1", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
     try:
-        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                        "--include-dashboard", "false", *common], env=env, check=True, capture_output=True,
-                       timeout=180)
-        subprocess.run([RAY, "start", "--address", address, *common], env=env, check=True, capture_output=True,
-                       timeout=180)
-        yield address
-    finally:
-        reward_workers._close_pools()
-        import ray
+        with cluster.ray_cluster(home, nodes=2) as address:
+            try:
+                yield address
+            finally:
+                reward_workers._close_pools()
+                import ray
 
-        ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+                ray.shutdown()
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
