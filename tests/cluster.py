@@ -61,9 +61,10 @@ def kill_processes_in_home(home: Path, grace_s: float = 15.0) -> None:
 
 
 @contextmanager
-def ray_cluster(home: Path, nodes: int = 2) -> Iterator[str]:
+def ray_cluster(home: Path, nodes: int = 2, dashboard_port: int | None = None) -> Iterator[str]:
     """Start a head and nodes - 1 more nodes (1 CPU, 100 MB object store each) with HOME=home; yield the head's
-    address; kill the cluster's processes after."""
+    address; kill the cluster's processes after. With `dashboard_port`, the head serves Ray's dashboard
+    (needs `ray[default]`) on 127.0.0.1 at that port."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
     port = free_port()
@@ -71,7 +72,8 @@ def ray_cluster(home: Path, nodes: int = 2) -> Iterator[str]:
     common = ["--num-cpus", "1", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
     try:
         subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                        "--include-dashboard", "false", *common], env=env, check=True, capture_output=True,
+                        *(["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port",
+                           str(dashboard_port)] if dashboard_port else ["--include-dashboard", "false"]), *common], env=env, check=True, capture_output=True,
                        timeout=180)
         for _ in range(nodes - 1):
             subprocess.run([RAY, "start", "--address", address, *common], env=env, check=True, capture_output=True,

@@ -19,15 +19,19 @@ from stages.score import ScoreConfig  # noqa: E402
 from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
 
 
+DASHBOARD_PORT = cluster.free_port()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """The address of a head node and one worker node, stopped (with this process's Ray client) after."""
+    """The address of a head node (with Ray's dashboard on DASHBOARD_PORT) and one worker node, stopped (with
+    this process's Ray client) after."""
     home = tmp_path_factory.mktemp("ray-home")
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
     os.environ["HOME"] = str(home)
     os.environ.pop("RAY_ADDRESS", None)
     try:
-        with cluster.ray_cluster(home, nodes=2) as address:
+        with cluster.ray_cluster(home, nodes=2, dashboard_port=DASHBOARD_PORT) as address:
             try:
                 yield address
             finally:
@@ -136,3 +140,19 @@ def test_reward_model_scores_on_actors_as_locally(ray_cluster, rollouts_path, tm
     local, remote = _scored(tmp_path / "local"), _scored(tmp_path / "ray")
     assert [r["reward"] for r in remote] == pytest.approx([r["reward"] for r in local], abs=1e-6)
     assert len({r["reward"] for r in remote}) > 1 and all(not r["errors"] for r in remote)
+
+
+def test_the_dashboard_shows_the_reward_actors(ray_cluster, rollouts_path, tmp_path, user_rewards):
+    """While a pool is open (pools stay open for the next round), Ray's dashboard lists its actors, alive, one on
+    each node, under this run's job; the dashboard's own page answers."""
+    import httpx
+    import ray
+    from ray.util.state import list_actors
+
+    cfg = on_ray(ScoreConfig(reward_funcs=["accuracy", f"{user_rewards}.sees_columns"]), ray_cluster)
+    score.run(cfg, rollouts_path, 2, tmp_path)
+    actors = list_actors(address=f"http://127.0.0.1:{DASHBOARD_PORT}",
+                         filters=[("class_name", "=", "RewardActor"), ("state", "=", "ALIVE")])
+    assert len(actors) == 2 and len({a["node_id"] for a in actors}) == 2, actors
+    assert {a["job_id"] for a in actors} == {ray.get_runtime_context().get_job_id()}
+    assert httpx.get(f"http://127.0.0.1:{DASHBOARD_PORT}/", timeout=10).status_code == 200
