@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stages.base_model import BaseModelConfig
 from stages.demo_data import DemoDataConfig
+from stages.distributed import TrainConfig
 from stages.dpo import PreferenceOptimizationConfig
 from stages.evaluate import EvalConfig
 from stages.export import ExportConfig
@@ -142,6 +143,9 @@ class PipelineConfig(BaseModel):
     health: HealthConfig = Field(default_factory=HealthConfig)
     """Healthy ranges of the per-round GRPO metrics (axolotl's training-stability red flags by default);
     out of range: warn (tag + summary) or, with on_unhealthy: stop, end the run. NaN/Inf always ends it."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Where training runs: `num_processes` data-parallel ranks (torchrun) for the optimize and SFT stages;
+    not part of any stage's key (same weights up to float rounding)."""
 
     @property
     def uses_rounds(self) -> bool:

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from stages import (
     base_model,
     demo_data,
+    distributed,
     dpo,
     evaluate,
     export,
@@ -284,12 +285,21 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
     section = {**_round_section(options, round_index), "temperature": temperature,
                "max_completion_length": max_len}
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
-    return materialize(
-        ctx, "optimize", grpo, section, {"policy": policy, "adapter": adapter, "scored": scored},
-        lambda out, log: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
-                                  round_index, temperature, max_len, out, on_step=bar, on_metrics=log),
-        label=f"optimize r{round_index}",
-    )
+    label = f"optimize r{round_index}"
+    train = ctx.config.train  # where it trains, not what: not part of the key
+
+    def produce(out, log):
+        kwargs = dict(cfg=cfg, base_dir=policy.path, prev_adapter_dir=adapter.path if adapter else None,
+                      scored_path=scored.file("scored.parquet"), round_index=round_index, temperature=temperature,
+                      max_completion_length=max_len, out_dir=out)
+        if train.num_processes == 1:
+            summary = grpo.run(**kwargs, on_step=bar, on_metrics=log)
+        else:
+            summary = distributed.launch("stages.grpo:run", kwargs, train, label, on_metrics=log, on_step=bar)
+        return {**summary, "num_processes": train.num_processes}
+
+    return materialize(ctx, "optimize", grpo, section, {"policy": policy, "adapter": adapter, "scored": scored},
+                       produce, label=label)
 
 
 @task(name="preferences", cache_policy=NO_CACHE)
