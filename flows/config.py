@@ -160,6 +160,20 @@ class PipelineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _batches_split_across_processes(self):
+        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows (stages/distributed.py)."""
+        from stages.distributed import per_device
+
+        n = self.train.num_processes
+        if n > 1 and self.sft.enabled:
+            per_device(self.sft.micro_batch_size, n, "sft.micro_batch_size")
+        if n > 1 and not self.uses_rounds:
+            per_device(self.dpo.micro_batch_size, n, "dpo.micro_batch_size")
+        if n > 1 and "reward_model" in self.score.reward_funcs:
+            per_device(self.reward_model.micro_batch_size, n, "reward_model.micro_batch_size")
+        return self
+
+    @model_validator(mode="after")
     def _model_name_per_config(self):
         """export.model_name unset: the config's name, so two configs never share a registered model."""
         if self.export.model_name is None:

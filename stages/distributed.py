@@ -68,6 +68,22 @@ class TrainConfig(BaseModel):
         return self
 
 
+def per_device(micro_batch_size: int, num_processes: int, key: str) -> int:
+    """Rows per micro-batch on each of `num_processes` ranks, so that the global batch stays micro_batch_size."""
+    if micro_batch_size % num_processes:
+        raise ValueError(f"{key} is {micro_batch_size}, not divisible by train.num_processes = {num_processes}: "
+                         f"each process takes {key} / num_processes rows, so that the global batch is one "
+                         f"process's; set {key} to a multiple of {num_processes}")
+    return micro_batch_size // num_processes
+
+
+def world_size() -> int:
+    """Ranks of this process's initialized process group (HF Trainer runs DDP over it); 1 without one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 @dataclass(frozen=True)
 class Group:
     """This process's place among the ranks of a launched stage (the process group is already initialized)."""
@@ -157,7 +173,8 @@ def _root_cause(scratch: Path, log_path: Path) -> str:
     else:
         errors = sorted(scratch.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
     if errors:
-        return f"{errors[0].stem.replace('rank', 'rank ')} raised:\n{_tail(errors[0], 20)}\n(all ranks' output: {log_path})"
+        rank = errors[0].stem.removeprefix("rank")
+        return f"rank {rank} raised:\n{_tail(errors[0], 20)}\n(all ranks' output: {log_path})"
     how = f"rank {found.group(1)} ended with exit code {found.group(2).strip()}" if found else "no rank raised an error"
     return (f"{how}, without a Python error (killed, out of memory, or a crash); the last lines of the workers' "
             f"log {log_path}:\n{_tail(log_path, 15)}")

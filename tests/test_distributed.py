@@ -202,3 +202,81 @@ def test_group_sums_gradients_in_one_process():
     finally:
         dist.destroy_process_group()
 
+
+SFT_OPTIONS = {"num_train_epochs": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "save_steps": 6}
+SFT_KILL_AT = 20  # the log of step 20 comes before that step's save: the newest complete checkpoint is 18
+
+
+def sft_on_ranks(root: str, out: str, work: str, kill_at: int | None = None, on_metrics=None, group=None) -> dict:
+    """stages.sft.run on 60 rows (15 steps an epoch); rank 0 SIGKILLs itself at the log of step kill_at."""
+    from stages import sft
+
+    def report(metrics, step):
+        if on_metrics:
+            on_metrics(metrics, step)
+        if kill_at is not None and step >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return sft.run(sft.SFTConfig(**SFT_OPTIONS), Path(root) / "model", Path(root) / "sft.parquet", Path(out),
+                   on_metrics=report, work_dir=Path(work), group=group)
+
+
+def test_sft_two_processes_equal_one_and_resume(tmp_path):
+    from test_checkpoints import sft_inputs, weights
+
+    sft_inputs(tmp_path)
+    for name in ("one", "two", "resumed"):
+        (tmp_path / name).mkdir()
+    one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
+    train = distributed.TrainConfig(num_processes=2)
+    kwargs = {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")}
+    logged = []
+    two = distributed.launch("test_distributed:sft_on_ranks", kwargs, train, "sft",
+                             on_metrics=lambda m, step: logged.append(step))
+    assert two["steps"] == one["steps"] == 30 and two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert logged and max(logged) == 30
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+    # killed on 2 processes, rerun on 2 processes: continues from the complete checkpoint of step 18
+    resumed = {**kwargs, "out": str(tmp_path / "resumed"), "work": str(tmp_path / "work-resumed")}
+    with pytest.raises(distributed.DistributedError, match="sft: training on 2 processes failed"):
+        distributed.launch("test_distributed:sft_on_ranks", {**resumed, "kill_at": SFT_KILL_AT}, train, "sft")
+    assert (tmp_path / "work-resumed" / "checkpoint-18" / "_complete").is_file()
+    again = distributed.launch("test_distributed:sft_on_ranks", resumed, train, "sft")
+    assert again["resumed_from_step"] == 18 and again["reused_tokenized_dataset"]
+    w3 = weights(tmp_path / "resumed")
+    assert max(float((w2[k] - w3[k]).abs().max()) for k in w2) < 1e-5
+
+
+PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_steps": 4, "save_steps": None,
+                      "max_length": 64}
+
+
+def preference_stage(module: str, root: str, out: str, on_metrics=None, group=None) -> dict:
+    """stages.<module>.run (dpo or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
+    import importlib
+
+    stage = importlib.import_module(f"stages.{module}")
+    config = stage.PreferenceOptimizationConfig if module == "dpo" else stage.RewardModelConfig
+    return stage.run(config(**PREFERENCE_OPTIONS), Path(root) / "model", Path(root) / "prefs", Path(out),
+                     on_metrics=on_metrics, group=group)
+
+
+@pytest.mark.parametrize("module", ["dpo", "reward_model"])
+def test_preference_stages_two_processes_equal_one(tmp_path, module):
+    from conftest import tiny_preference_model
+    from test_checkpoints import weights
+
+    tiny_preference_model(tmp_path, num_train=96, num_eval=4)
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one = preference_stage(module, str(tmp_path), str(tmp_path / "one"))
+    two = distributed.launch("test_distributed:preference_stage",
+                             {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two")},
+                             distributed.TrainConfig(num_processes=2), module)
+    assert two["steps"] == one["steps"] == 24
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
