@@ -4,7 +4,8 @@
 (`python -m torch.distributed.run --nproc_per_node N -m stages.distributed <spec>`) as a child of
 the flow's process and waits for it. Every rank calls the function with the same kwargs plus
 `group=Group(rank, world_size, strategy)`; the function splits the work by rank and sums gradients
-across ranks itself (stages/grpo.py), or hands the process group to HF Trainer (stages/sft.py).
+across ranks itself (stages/grpo.py), or lets HF Trainer run DDP over the process group (stages/sft.py,
+dpo.py, reward_model.py; each rank takes micro_batch_size / world_size rows).
 Rank 0 alone writes the output folder, and streams `on_metrics` / `on_step` as JSON lines to a file
 the parent tails while it waits, so MLflow step metrics and the progress bar work as in one process;
 its return value comes back as JSON. Backend: gloo for CPU tensors, NCCL for CUDA tensors.
@@ -49,9 +50,10 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_processes: int = Field(1, ge=1)
-    """Data-parallel processes (ranks) of the optimize and SFT stages on this machine, launched with torchrun.
-    The global batch stays the config's (micro_batch_size * gradient_accumulation_steps), split across ranks,
-    so the result equals one process's up to float rounding. 1 (default): train in the flow's own process.
+    """Data-parallel processes (ranks) of the training stages (optimize, sft, the dpo family, reward_model) on
+    this machine, launched with torchrun. The global batch stays the config's (micro_batch_size *
+    gradient_accumulation_steps), split across ranks, so the result equals one process's up to float rounding;
+    the HF Trainer stages need their micro_batch_size divisible by it. 1 (default): train in the flow's process.
     Higher: the step's micro-batches run in parallel; each process loads the model, and torch's threads are
     divided between them (no speed-up when the machine has fewer cores than processes x threads)."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
