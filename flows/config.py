@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stages.base_model import BaseModelConfig
 from stages.demo_data import DemoDataConfig
+from stages.distributed import TrainConfig
 from stages.dpo import PreferenceOptimizationConfig
 from stages.evaluate import EvalConfig
 from stages.export import ExportConfig
@@ -142,6 +143,9 @@ class PipelineConfig(BaseModel):
     health: HealthConfig = Field(default_factory=HealthConfig)
     """Healthy ranges of the per-round GRPO metrics (axolotl's training-stability red flags by default);
     out of range: warn (tag + summary) or, with on_unhealthy: stop, end the run. NaN/Inf always ends it."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Where training runs: `num_processes` data-parallel ranks (torchrun) for the optimize and SFT stages;
+    not part of any stage's key (same weights up to float rounding)."""
 
     @property
     def uses_rounds(self) -> bool:
@@ -153,6 +157,20 @@ class PipelineConfig(BaseModel):
         if self.seed is not None:
             for section in SEEDED_SECTIONS:
                 setattr(self, section, getattr(self, section).model_copy(update={"seed": self.seed}))
+        return self
+
+    @model_validator(mode="after")
+    def _batches_split_across_processes(self):
+        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows (stages/distributed.py)."""
+        from stages.distributed import per_device
+
+        n = self.train.num_processes
+        if n > 1 and self.sft.enabled:
+            per_device(self.sft.micro_batch_size, n, "sft.micro_batch_size")
+        if n > 1 and not self.uses_rounds:
+            per_device(self.dpo.micro_batch_size, n, "dpo.micro_batch_size")
+        if n > 1 and "reward_model" in self.score.reward_funcs:
+            per_device(self.reward_model.micro_batch_size, n, "reward_model.micro_batch_size")
         return self
 
     @model_validator(mode="after")

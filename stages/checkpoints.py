@@ -71,7 +71,11 @@ def mark_complete_callback(work_dir: Path, trainer, earlier_loss_sum: float):
     class MarkComplete(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             folder = Path(work_dir) / f"checkpoint-{state.global_step}"
-            if folder.is_dir():
+            if args.world_size > 1:  # every rank has written its part (rng_state_<rank>.pth) before the marker
+                import torch.distributed as dist
+
+                dist.barrier()
+            if folder.is_dir() and state.is_world_process_zero:
                 marker = folder / f".{COMPLETE}.tmp"
                 marker.write_text(json.dumps({"step": state.global_step,
                                               "loss_sum": _loss_sum(trainer, earlier_loss_sum)}))

@@ -146,16 +146,19 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
     return {"beta": cfg.rl_beta, "loss_type": "simpo", "simpo_gamma": cfg.simpo_gamma, "cpo_alpha": cfg.cpo_alpha}
 
 
-def cpu_training_args(cfg, output_dir: Path) -> dict:
+def cpu_training_args(cfg, output_dir: Path, section: str = "dpo") -> dict:
     """TRL/HF training arguments shared by our TRL-driven stages (dpo, reward_model): the config's
     schedule, fp32 on CPU, checkpoints every `save_steps` (stages/checkpoints.py), no reporting (metrics go
-    to on_metrics instead)."""
+    to on_metrics instead). Under a process group (train.num_processes, stages/distributed.py) each rank
+    takes micro_batch_size / world_size rows, so the global batch is the config's."""
+    from stages.distributed import per_device, world_size
+
     return dict(
         output_dir=str(output_dir),
         learning_rate=cfg.learning_rate,
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
-        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_train_batch_size=per_device(cfg.micro_batch_size, world_size(), f"{section}.micro_batch_size"),
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_length=cfg.max_length,
         logging_steps=cfg.logging_steps,
@@ -380,6 +383,7 @@ def run(
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
+    group=None,
 ) -> dict:
     """Train the policy in model_dir on preferences_dir/<split>.parquet; save to out_dir.
 
@@ -390,7 +394,8 @@ def run(
     Returns {rl, reference, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
     eval_accuracy_before, eval_accuracy_after}; the eval entries are None without an eval split
     of pairs. Checkpoints go to work_dir and training resumes from the newest complete one there
-    (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
+    (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end. `group`: on ranks launched
+    by stages/distributed.py HF Trainer runs DDP; rank 0 alone writes out_dir.
     """
     from transformers import AutoTokenizer
 
@@ -418,11 +423,12 @@ def run(
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None
 
-    trained.save_pretrained(out_dir)  # PeftModel: adapter_model.safetensors + adapter_config.json
-    if cfg.adapter == "none":
-        tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-    if work_dir is None:
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+    if group is None or group.rank == 0:
+        trained.save_pretrained(out_dir)  # PeftModel: adapter_model.safetensors + adapter_config.json
+        if cfg.adapter == "none":
+            tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
     return {
         "rl": cfg.rl,
         "reference": reference_kind(cfg),

@@ -24,6 +24,9 @@ the sampler's recorded log-probs enter only through the importance-sampling corr
 rollouts from any engine are treated alike -- except that rows the transformers engine sampled
 from that very policy bring pi_old with them (`reuse_sampling_logps`: no forward pass for them);
 optimizer state is carried between rounds in the adapter folder; warmup step s uses (s + 1) / warmup_steps of the learning rate (HF: s / ...).
+
+Across processes (`train.num_processes`, launched by stages/distributed.py): each rank runs every
+world_size-th micro-batch of a step and the gradients are summed before the step (`run`'s `group`).
 """
 
 from __future__ import annotations
@@ -77,12 +80,14 @@ class GRPOConfig(BaseModel):
     `grad_norm` is the norm before clipping."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay of the optimizer (AdamW's, Adafactor's); 0 as TRL."""
-    optim: Literal["adamw", "adamw_8bit", "adafactor"] = "adamw"
+    optim: Literal["adamw", "adamw_8bit", "adafactor", "sgd"] = "adamw"
     """Optimizer (TRL/axolotl `optim`). adamw: torch AdamW, two fp32 moments per weight. adafactor:
     transformers' Adafactor with a fixed learning rate (scale_parameter=False, relative_step=False):
     factored second moment, no first moment: far less optimizer memory for full fine-tuning, noisier
     steps. adamw_8bit: bitsandbytes' 8-bit AdamW (moments in 8 bits); needs bitsandbytes and the weights
     on a CUDA GPU, which this stage (it trains on the CPU) does not give it: the stage stops with an error.
+    sgd: plain torch SGD (no momentum), the update is learning_rate * gradient: for checks that compare
+    gradients through weights (Adam's first step is the gradient's sign and hides its scale).
     The optimizer state is carried from round to round (optimizer.pt); a round whose previous state was
     made by another optimizer starts this one fresh, with a warning."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
@@ -452,6 +457,8 @@ def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.O
     """The optimizer named by `grpo.optim` over `params`, at the peak learning rate."""
     if cfg.optim == "adamw":
         return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    if cfg.optim == "sgd":
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     if cfg.optim == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -470,7 +477,7 @@ def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.O
                              "pip install bitsandbytes (its 8-bit optimizers need a CUDA GPU), "
                              "or use grpo.optim: adamw") from e
         return bitsandbytes.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    raise ValueError(f"grpo.optim: unknown {cfg.optim!r}; use adamw, adamw_8bit or adafactor")
+    raise ValueError(f"grpo.optim: unknown {cfg.optim!r}; use adamw, adamw_8bit, adafactor or sgd")
 
 
 def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, prev_dir: Path | None) -> str:
@@ -509,13 +516,20 @@ def run(
     out_dir: Path,
     on_step: Callable[[int, int], None] | None = None,
     on_metrics: Callable[[dict, int], None] | None = None,
+    group=None,
 ) -> dict:
     """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
     the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
     round's output folder (None in round 0). `on_step(done, total)` reports progress over the round's
     optimizer steps (all passes, skipped ones included); `on_metrics(metrics, step)` receives each taken
     step's loss, kl, clip_ratio, entropy, grad_norm, learning_rate, ... with its position in the run's
-    schedule (round_index * steps per round + step in the round)."""
+    schedule (round_index * steps per round + step in the round).
+
+    `group` (a stages.distributed.Group, when launched on several ranks by stages.distributed.launch):
+    every rank makes the same plan (shuffle, steps, skips, dapo's token count) from the same rows, runs
+    micro-batches rank, rank + world_size, ... of each step, and the gradients and step statistics are
+    summed across ranks before the optimizer step, so each replica takes the one-process step (up to the
+    order of float additions). Rank 0 alone saves. None: this process alone."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -578,10 +592,11 @@ def run(
     # pi_old: the policy at the start of the round, before any update (TRL computes it when a
     # generation batch spans several optimizer steps or num_iterations > 1, and always when it corrects
     # for vLLM); every pass of the round is clipped against it.
-    old_logps: dict[str, list[float]] = {}
+    rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
+    old_logps: dict[str, list[float]] = {}  # of the rows this rank trains
     reused = 0
     with torch.no_grad():
-        for micro_batch in (mb for run in runs for mb in run):
+        for micro_batch in (mb for run in runs for mb in run[rank::world_size]):
             chunk = []
             for row in micro_batch:
                 if sampled_by_round_start(row):
@@ -594,6 +609,8 @@ def run(
             logps, _ = batch_logps(model, collate(chunk, tokenizer.pad_token_id), temperature)
             for row, lp in zip(chunk, logps):
                 old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
+    if group is not None:
+        reused = int(group.all_reduce([reused])[0])
     replayed = [r for r in rows if r.get("replayed")]
     if cfg.replay_recompute_logps:  # the stale sample counts as drawn from pi_old (docstring of the option)
         for row in replayed:
@@ -625,7 +642,7 @@ def run(
             num_items = sum(len(r["completion_token_ids"]) for mb in micro_batches for r in mb
                             if r["rollout_id"] not in masked_out)
             step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
-            for rows_mb in live:
+            for rows_mb in live[rank::world_size]:
                 batch = collate(rows_mb, tokenizer.pad_token_id)
                 mask = loss_mask(rows_mb, batch["completion_mask"])
                 sampling_logps = batch["old_per_token_logps"]
@@ -670,12 +687,15 @@ def run(
                 step_stats["entropy"] += float((entropy * mask).sum())
                 step_stats["tokens"] += stats["tokens"]
                 step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
+            if group is not None:
+                group.sum_gradients(params)
+                step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
             learning_rate = lr_at(position)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
+            for param_group in optimizer.param_groups:
+                param_group["lr"] = learning_rate
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             history.append({**_step_metrics(step_stats, float(grad_norm)), "learning_rate": learning_rate})
@@ -684,10 +704,13 @@ def run(
             if on_step:
                 on_step(position + 1, steps_per_round)
 
-    model.save_pretrained(out_dir)
-    if cfg.adapter == "none":
-        tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-    torch.save({"optim": cfg.optim, "state_dict": optimizer.state_dict()}, out_dir / "optimizer.pt")
+    if rank == 0:  # every replica holds the same weights and optimizer state
+        model.save_pretrained(out_dir)
+        if cfg.adapter == "none":
+            tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
+        torch.save({"optim": cfg.optim, "state_dict": optimizer.state_dict()}, out_dir / "optimizer.pt")
+    if group is not None:
+        group.barrier()  # the folder is complete before any rank returns
     lengths = [len(r["completion_token_ids"]) for r in rows]
     metrics = {}
     if history:  # means over the steps taken
@@ -712,6 +735,21 @@ def _track_is(step_stats: dict, weights: torch.Tensor, mask: torch.Tensor) -> No
     per_token = weights.expand_as(mask)
     step_stats["is_sum"] = step_stats.get("is_sum", 0.0) + float((per_token * mask).sum())
     step_stats["is_max"] = max(step_stats.get("is_max", 0.0), float((per_token * mask).max()))
+
+
+_SUMMED_STATS = ("loss", "kl", "clip_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")
+
+
+def _sum_step_stats(group, step_stats: dict, tracks_is: bool) -> dict:
+    """A step's statistics over all ranks: sums (is_max: max); a rank that ran no micro-batch of the step
+    contributes zeros. The keys are those one process has after a taken step."""
+    sums = group.all_reduce([step_stats.get(k, 0.0) for k in _SUMMED_STATS])
+    total = dict(zip(_SUMMED_STATS, sums))
+    if tracks_is:
+        total["is_max"] = group.all_reduce([step_stats.get("is_max", 0.0)], op="max")[0]
+    else:
+        del total["is_sum"]
+    return total
 
 
 def _step_metrics(step_stats: dict, grad_norm: float) -> dict:

@@ -115,7 +115,7 @@ def build_trl_config(cfg: RewardModelConfig, output_dir: Path):
 
     from stages.dpo import cpu_training_args
 
-    return RewardConfig(**cpu_training_args(cfg, output_dir))
+    return RewardConfig(**cpu_training_args(cfg, output_dir, "reward_model"))
 
 
 def lora_config(cfg: RewardModelConfig):
@@ -560,6 +560,7 @@ def run(
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
+    group=None,
 ) -> dict:
     """Train a reward model from the causal LM in model_dir on preferences_dir/<split>.parquet.
 
@@ -580,7 +581,7 @@ def run(
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
-        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir)
+        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir, group)
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
     if not train_path.exists():
@@ -609,9 +610,10 @@ def run(
         trained = trained.merge_and_unload()  # the plain sequence-classification model, score head trained
     trained.eval()
     accuracy_after = pairwise_accuracy(trained, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
-    if work_dir is None:
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-    _save(trained, tokenizer, cfg, out_dir)
+    if group is None or group.rank == 0:  # on ranks launched by stages/distributed.py: rank 0 alone writes
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+        _save(trained, tokenizer, cfg, out_dir)
     return {
         "kind": cfg.kind,
         "rows": len(rows),
@@ -661,6 +663,7 @@ def run_prm(
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
+    group=None,
 ) -> dict:
     """`kind: prm`: train a process reward model on the `stepwise` rows of preferences_dir/<split>.parquet.
 
@@ -715,7 +718,7 @@ def run_prm(
         model = get_peft_model(model, peft_config)
 
     logged: list[dict] = []
-    args = {k: v for k, v in cpu_training_args(cfg, work_dir or out_dir / "_trainer").items() if k != "max_length"}
+    args = {k: v for k, v in cpu_training_args(cfg, work_dir or out_dir / "_trainer", "reward_model").items() if k != "max_length"}
     trainer = quiet_trainer(_step_trainer_class()(
         model=model, args=TrainingArguments(**args, remove_unused_columns=False),
         train_dataset=datasets.Dataset.from_list(features),
@@ -730,9 +733,10 @@ def run_prm(
     accuracy_after = held_out_accuracy(trained)
     if on_metrics and accuracy_after is not None:
         on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_after}, result.global_step)
-    if work_dir is None:
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-    _save(trained, tokenizer, cfg, out_dir)
+    if group is None or group.rank == 0:  # on ranks launched by stages/distributed.py: rank 0 alone writes
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+        _save(trained, tokenizer, cfg, out_dir)
     eval_labels = [label for row in eval_rows for label in row["labels"]]
     return {
         "kind": cfg.kind,

@@ -13,6 +13,7 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages import checkpoints
+from stages.distributed import per_device
 
 
 class SFTConfig(BaseModel):
@@ -45,11 +46,17 @@ def run(
     out_dir: Path,
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
+    group=None,
 ) -> dict:
     """Fine-tune the model in model_dir on the split's prompt/completion pairs; save to out_dir.
 
     Checkpoints go to work_dir (stages/checkpoints.py), and training continues from the newest
-    complete one found there; None: a folder inside out_dir, deleted at the end."""
+    complete one found there; None: a folder inside out_dir, deleted at the end.
+
+    `group` (stages.distributed.Group, on ranks launched by stages.distributed.launch): HF Trainer runs
+    DDP over the already-initialized process group; each rank takes micro_batch_size / world_size rows
+    per micro-batch, so the global batch, the data order and (TRL averages tokens across devices) the
+    loss are one process's. Rank 0 alone writes out_dir."""
     import datasets
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -66,6 +73,8 @@ def run(
     dataset = datasets.Dataset.from_list(
         [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[cfg.completion_field]}]} for r in rows]
     )
+    world_size = group.world_size if group is not None else 1
+    per_device_batch_size = per_device(cfg.micro_batch_size, world_size, "sft.micro_batch_size")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     prepared = checkpoints.load_prepared(work_dir)  # this key's tokenized rows, saved by an earlier start
@@ -79,7 +88,7 @@ def run(
         output_dir=str(work_dir or out_dir / "_trainer"),
         num_train_epochs=cfg.num_train_epochs,
         learning_rate=cfg.learning_rate,
-        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_train_batch_size=per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         warmup_steps=math.ceil(cfg.warmup_ratio * len(rows) * cfg.num_train_epochs / cfg.micro_batch_size),
         lr_scheduler_type="cosine",
@@ -102,11 +111,15 @@ def run(
         model=model, args=args, train_dataset=dataset if prepared is None else prepared, processing_class=tokenizer,
         callbacks=[ReportMetrics()],
     )
-    checkpoints.save_prepared(work_dir, trainer.train_dataset)  # tokenized: a rerun of this key skips it
+    if trainer.is_world_process_zero():
+        checkpoints.save_prepared(work_dir, trainer.train_dataset)  # tokenized: a rerun of this key skips it
     result, resumed_from = checkpoints.train(trainer, Path(args.output_dir))
-    trainer.model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    if work_dir is None:
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    if group is not None:
+        group.barrier()  # the folder is complete, and no rank still reads the trainer's folder
+    if work_dir is None and trainer.is_world_process_zero():
         import shutil
 
         shutil.rmtree(args.output_dir, ignore_errors=True)

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from stages import (
     base_model,
     demo_data,
+    distributed,
     dpo,
     evaluate,
     export,
@@ -161,6 +162,19 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     return materialize(ctx, "base_model", base_model, section, {"prompts": prompts}, produce)
 
 
+def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_metrics, on_step=None,
+                 **kwargs) -> dict:
+    """A training stage's `function(**kwargs)`: in this process (train.num_processes 1), or data-parallel on
+    train.num_processes ranks (stages/distributed.py; where it trains, not what: train.* is in no key)."""
+    processes = ctx.config.train.num_processes
+    if processes == 1:
+        summary = function(**kwargs, on_metrics=on_metrics, **({"on_step": on_step} if on_step else {}))
+    else:
+        summary = distributed.launch(f"{function.__module__}:{function.__name__}", kwargs, ctx.config.train, label,
+                                     on_metrics=on_metrics, on_step=on_step)
+    return {**summary, "num_processes": processes}
+
+
 def _trained_section(cfg) -> dict:
     """A training stage's section for its key: without `save_steps`, which says when checkpoints are
     written, not what is trained (a resumed run ends with the same weights)."""
@@ -172,8 +186,9 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     cfg = ctx.config.sft
     return materialize(
         ctx, "sft", sft, _trained_section(cfg), {"model": model, "prompts": prompts},
-        lambda out, log, work: sft.run(cfg, model.path, prompts.file(f"{cfg.split}.parquet"), out, on_metrics=log,
-                                       work_dir=work),
+        lambda out, log, work: run_training(ctx, sft.run, "sft", log, cfg=cfg, model_dir=model.path,
+                                            prompts_path=prompts.file(f"{cfg.split}.parquet"), out_dir=out,
+                                            work_dir=work),
         resumable=True,
     )
 
@@ -285,11 +300,14 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
     section = {**_round_section(options, round_index), "temperature": temperature,
                "max_completion_length": max_len}
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
+    label = f"optimize r{round_index}"
     return materialize(
         ctx, "optimize", grpo, section, {"policy": policy, "adapter": adapter, "scored": scored},
-        lambda out, log: grpo.run(cfg, policy.path, adapter.path if adapter else None, scored.file("scored.parquet"),
-                                  round_index, temperature, max_len, out, on_step=bar, on_metrics=log),
-        label=f"optimize r{round_index}",
+        lambda out, log: run_training(ctx, grpo.run, label, log, on_step=bar, cfg=cfg, base_dir=policy.path,
+                                      prev_adapter_dir=adapter.path if adapter else None,
+                                      scored_path=scored.file("scored.parquet"), round_index=round_index,
+                                      temperature=temperature, max_completion_length=max_len, out_dir=out),
+        label=label,
     )
 
 
@@ -313,7 +331,8 @@ def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artif
     cfg = ctx.config.dpo
     return materialize(
         ctx, "dpo", dpo, _trained_section(cfg), {"policy": policy, "preferences": prefs},
-        lambda out, log, work: dpo.run(cfg, policy.path, prefs.path, out, on_metrics=log, work_dir=work),
+        lambda out, log, work: run_training(ctx, dpo.run, label, log, cfg=cfg, model_dir=policy.path,
+                                            preferences_dir=prefs.path, out_dir=out, work_dir=work),
         label=label, resumable=True,
     )
 
@@ -323,7 +342,9 @@ def reward_model_task(ctx: RunContext, policy: Artifact, prefs: Artifact) -> Art
     cfg = ctx.config.reward_model
     return materialize(
         ctx, "reward_model", reward_model, _trained_section(cfg), {"policy": policy, "preferences": prefs},
-        lambda out, log, work: reward_model.run(cfg, policy.path, prefs.path, out, on_metrics=log, work_dir=work),
+        lambda out, log, work: run_training(ctx, reward_model.run, "reward_model", log, cfg=cfg,
+                                            model_dir=policy.path, preferences_dir=prefs.path, out_dir=out,
+                                            work_dir=work),
         resumable=True,
     )
 

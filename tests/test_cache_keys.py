@@ -29,7 +29,7 @@ class Quiet:
 @pytest.fixture
 def key_of(monkeypatch, tmp_path):
     """key_of(task, config_dict, *args): the key the task would look up for that config."""
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None:
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None, **_:
                         stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
 
     def key_of(task, config: dict, *args):
@@ -234,3 +234,13 @@ def test_an_edited_reward_function_rescored_on_the_next_run(prefect_harness, tin
     scored = Path(next(row["path"] for row in second["stages"] if row["stage"] == "score r0")) / "scored.parquet"
     rewards = [dict(r)["keys_e2e_reward.fixed"] for r in pq.read_table(scored).column("rewards").to_pylist()]
     assert set(rewards) == {0.75}
+
+
+def test_where_training_runs_is_not_part_of_its_key(key_of, tmp_path):
+    """train.* (how many processes, which port) changes where optimize and sft train, not what."""
+    policy, scored, prompts = (artifact(s, tmp_path) for s in ("sft", "score", "transform"))
+    elsewhere = {"train": {"num_processes": 2, "master_port": 29511}}
+    for config in ({}, elsewhere):
+        assert key_of(stage_tasks.optimize_task, config, policy, None, scored, 0) == \
+            key_of(stage_tasks.optimize_task, {}, policy, None, scored, 0)
+        assert key_of(stage_tasks.sft_task, config, policy, prompts) == key_of(stage_tasks.sft_task, {}, policy, prompts)

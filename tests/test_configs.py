@@ -146,3 +146,14 @@ def test_prm_reward_model_trains_on_stepwise_demo_rows():
     assert load_config(rm_grpo, ["reward_model.kind=prm"]).demo_pairs.kind == "stepwise"
     with pytest.raises(ConfigError, match="reward_model.kind: prm trains on stepwise rows"):
         load_config(rm_grpo, ["reward_model.kind=prm", "demo_pairs.kind=pair"])
+
+
+def test_train_section_typos_and_batch_split(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'train.num_processes'"):
+        load_config(CONFIGS[0], ["train.num_proceses=2"])
+    with pytest.raises(ConfigError, match="sft.micro_batch_size is 30, not divisible by train.num_processes = 4"):
+        load_config(CONFIGS[0], ["train.num_processes=4", "sft.micro_batch_size=30"])
+    with pytest.raises(ConfigError, match="train.strategy: fsdp is not built yet"):
+        load_config(CONFIGS[0], ["train.strategy=fsdp"])
+    cfg = load_config(CONFIGS[0], ["train.num_processes=2"])
+    assert cfg.train.num_processes == 2 and cfg.train.strategy == "ddp" and cfg.train.master_port is None

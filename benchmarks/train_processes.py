@@ -1,0 +1,137 @@
+"""Training across processes (issue 14 item 3): 1 vs 2 processes at equal global batch.
+
+The optimize stage (one GRPO round) and SFT on a model of the quickstart's size (4 layers, width 128),
+each run three ways: in the flow's process (what `train.num_processes: 1` does), and launched with
+torchrun (stages/distributed.py) on 1 and on 2 processes. Reports wall time (torchrun's start and the
+ranks' imports included), the time inside the stage function (rank 0's), the loss, and max |weight
+difference| against the in-process run.
+
+    .venv/bin/python benchmarks/train_processes.py [--rows 512] [--sft-rows 1024] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+QUICKSTART_MODEL = dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=512)
+GRPO = dict(micro_batch_size=32, gradient_accumulation_steps=4, learning_rate=1e-3)  # 128-row optimizer steps
+SFT = dict(num_train_epochs=1, micro_batch_size=32, learning_rate=2e-3, save_steps=None)
+
+
+def setup(root: Path, rows: int, sft_rows: int) -> Path:
+    """A quickstart-sized model, `rows` rollouts of it scored with random-sign advantages, `sft_rows` SFT rows."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages import base_model, rollout, transform
+    from stages.engines import Policy
+    from stages.schemas import ROLLOUTS, SCORED, write_table
+
+    texts = [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>" for i in range(400)]
+    base_model.run(base_model.BaseModelConfig(**QUICKSTART_MODEL), texts, root / "model")
+    prompts = rows // 16
+    (root / "raw.jsonl").write_text("\n".join(json.dumps({"question": f"say {i}", "answer": str(i)})
+                                              for i in range(prompts)))
+    (root / "prompts").mkdir()
+    transform.run(transform.TransformConfig(), {"train": root / "raw.jsonl"}, root / "prompts")
+    (root / "rollouts").mkdir()
+    rollout.run(rollout.RolloutConfig(num_generations=16, prompts_per_round=prompts, max_completion_length=16),
+                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
+    table = pq.read_table(root / "rollouts" / "rollouts.parquet")
+    rng = random.Random(0)
+    values = [rng.choice([-1.0, 1.0]) * rng.random() for _ in range(table.num_rows)]
+    table = (pa.Table.from_pylist(table.to_pylist(), schema=ROLLOUTS)
+             .append_column("rewards", pa.array([[("toy", a)] for a in values], type=SCORED.field("rewards").type))
+             .append_column("reward", pa.array(values, type=pa.float64()))
+             .append_column("advantage", pa.array(values, type=pa.float64()))
+             .append_column("errors", pa.array([[] for _ in values], type=SCORED.field("errors").type)))
+    write_table(table, root / "scored.parquet", SCORED)
+    sft_table = [{"prompt": [{"role": "user", "content": f"say {i}"}], "teacher_completion": str(i * 7)}
+                 for i in range(sft_rows)]
+    pq.write_table(pa.Table.from_pylist(sft_table), root / "sft.parquet")
+    return root
+
+
+def optimize(root: str, out: str, on_metrics=None, on_step=None, group=None) -> dict:
+    from stages import grpo
+
+    started = time.perf_counter()
+    summary = grpo.run(grpo.GRPOConfig(**GRPO), Path(root) / "model", None, Path(root) / "scored.parquet", 0, 1.0,
+                       16, Path(out), on_metrics=on_metrics, on_step=on_step, group=group)
+    return {**summary, "stage_s": time.perf_counter() - started}  # in the rank: no torchrun start, no imports
+
+
+def sft(root: str, out: str, on_metrics=None, group=None) -> dict:
+    from stages import sft as stage
+
+    started = time.perf_counter()
+    summary = stage.run(stage.SFTConfig(**SFT), Path(root) / "model", Path(root) / "sft.parquet", Path(out),
+                        on_metrics=on_metrics, group=group)
+    return {**summary, "stage_s": time.perf_counter() - started}
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def measure(name: str, function, root: Path, loss_key: str, repeat: int) -> list[dict]:
+    """Each way `repeat` times, interleaved (the host is shared: the fastest of the repeats is reported)."""
+    from stages import distributed
+
+    results = {how: {"stage": name, "how": how, "walls": []} for how in ("in-process", "torchrun 1", "torchrun 2")}
+    for attempt in range(repeat):
+        for how, r in results.items():
+            out = root / f"{name}-{how.replace(' ', '')}-{attempt}"
+            out.mkdir()
+            started = time.perf_counter()
+            if how == "in-process":
+                summary = function(str(root), str(out))
+            else:
+                summary = distributed.launch(f"train_processes:{function.__name__}",
+                                             {"root": str(root), "out": str(out)},
+                                             distributed.TrainConfig(num_processes=int(how.split()[1])), name)
+            r["walls"].append(time.perf_counter() - started)
+            r.setdefault("stage_walls", []).append(summary["stage_s"])
+            r.update(loss=summary[loss_key], out=out, wall_s=min(r["walls"]), stage_s=min(r["stage_walls"]))
+    results = list(results.values())
+    reference = weights(results[0]["out"])
+    for r in results:
+        w = weights(r["out"])
+        r["max_dw"] = max(float((w[k] - reference[k]).abs().max()) for k in reference)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=512, help="rollouts in the optimize round (16 per prompt)")
+    parser.add_argument("--sft-rows", type=int, default=1024, help="SFT rows (one epoch)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each way; the fastest is reported")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="train_processes-") as tmp:
+        root = setup(Path(tmp), args.rows, args.sft_rows)
+        rows = (measure("optimize", optimize, root, "loss", args.repeat)
+                + measure("sft", sft, root, "train_loss", args.repeat))
+    print("| stage | how | wall (fastest) | all walls | in the stage function | loss | max abs weight diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        print(f"| {r['stage']} | {r['how']} | {r['wall_s']:.1f} s | {walls} | {r['stage_s']:.1f} s | {r['loss']:.6f} "
+              f"| {r['max_dw']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

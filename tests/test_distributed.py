@@ -1,0 +1,282 @@
+"""Training across processes (issue 14 item 3): a 2-process (gloo) run equals the 1-process run.
+
+Each torchrun start costs several seconds of imports, so one launch runs every GRPO case
+(`run_grpo_cases`, imported by the ranks from this module). AdamW's first step hides the scale of
+the gradient (m / sqrt(v) is its sign), so besides the weights the per-step grad_norm (before
+clipping) and loss are compared: a rank that averaged instead of summed would halve them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import tiny_say_policy
+
+from stages import distributed, grpo, rollout
+from stages.engines import Policy
+from stages.schemas import ROLLOUTS, SCORED, write_table
+
+pytestmark = pytest.mark.slow
+
+SIGNAL = [1.0, -0.5, 0.8, -1.3]  # advantage per group index
+
+CASES = {
+    # per-micro-batch normalization; 4 micro-batches in steps of 3: step 0 runs 2 + 1 on the ranks, step 1
+    # runs 1 + 0 (rank 1 contributes a zero gradient)
+    "grpo_odd": dict(loss_type="grpo", micro_batch_size=8, gradient_accumulation_steps=3,
+                     skip_zero_advantage_batches=False, optim="sgd", learning_rate=0.1),
+    # default loss (dapo, beta 0): only rows with signal run, regrouped by prompt; a step's normalizer is
+    # the token count of the whole step, not of a rank's share
+    "dapo_skip": dict(loss_type="dapo", micro_batch_size=4, gradient_accumulation_steps=4, optim="sgd",
+                      learning_rate=0.1),
+    # dapo with a KL term (reference = adapter disabled): micro-batches as cut, all-zero ones skipped
+    "dapo_kl_skip": dict(loss_type="dapo", beta=0.04, micro_batch_size=4, gradient_accumulation_steps=3,
+                         optim="sgd", learning_rate=0.1),
+    # the default optimizer: Adam divides by sqrt(v), which turns float noise in gradient entries near 0
+    # into weight differences up to ~1e-3 of the learning rate, hence its looser tolerance
+    "dapo_adamw": dict(loss_type="dapo", micro_batch_size=4, gradient_accumulation_steps=4, learning_rate=1e-2),
+}
+WEIGHT_TOLERANCE = {"dapo_adamw": 2e-5}  # others: 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(root, scored path): a tiny policy, one round of its rollouts, advantages by hand: groups 0-3
+    of prompts 0-4 have signal, the other prompts' groups have advantage 0 (skipped micro-batches)."""
+    root = tiny_say_policy(tmp_path_factory.mktemp("distributed"), num_prompts=16)
+    (root / "rollouts").mkdir()
+    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=8, max_completion_length=6),
+                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
+    rows = pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
+    prompts = sorted({r["prompt_id"] for r in rows})
+    values = [SIGNAL[r["group_index"]] if r["prompt_id"] in prompts[:3] else 0.0 for r in rows]
+    table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
+             .append_column("rewards", pa.array([[("toy", a)] for a in values], type=SCORED.field("rewards").type))
+             .append_column("reward", pa.array(values, type=pa.float64()))
+             .append_column("advantage", pa.array(values, type=pa.float64()))
+             .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
+    scored = root / "scored.parquet"
+    write_table(table, scored, SCORED)
+    return root, scored
+
+
+def run_grpo_cases(root: str, scored: str, out: str, on_metrics=None, on_step=None, group=None) -> dict:
+    """grpo.run round 0 and round 1 (optimizer state carried) of every case into out/<case>/r<i>; returns
+    {case: [summary r0, summary r1]} with each step's metrics under "steps". Runs in one process or on ranks."""
+    from pathlib import Path
+
+    results = {}
+    for name, options in CASES.items():
+        cfg = grpo.GRPOConfig(**options)
+        prev, results[name] = None, []
+        for round_index in range(2):
+            folder = Path(out) / name / f"r{round_index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            steps = []
+
+            def record(metrics, step):
+                steps.append(metrics)
+                if on_metrics:
+                    on_metrics(metrics, step)
+
+            summary = grpo.run(cfg, Path(root) / "model", prev, Path(scored), round_index, 1.0, 6, folder,
+                               on_metrics=record, on_step=on_step, group=group)
+            results[name].append({**summary, "steps": steps})
+            prev = folder
+    return results
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_grpo_two_processes_equal_one(tiny, tmp_path):
+    root, scored = tiny
+    one = run_grpo_cases(str(root), str(scored), str(tmp_path / "one"))
+    events = []
+    progress = []
+    two = distributed.launch("test_distributed:run_grpo_cases",
+                             dict(root=str(root), scored=str(scored), out=str(tmp_path / "two")),
+                             distributed.TrainConfig(num_processes=2), "optimize (test)",
+                             on_metrics=lambda m, step: events.append((step, m)),
+                             on_step=lambda done, total: progress.append((done, total)))
+    for name in CASES:
+        for round_index in range(2):
+            a, b = one[name][round_index], two[name][round_index]
+            assert a["optimizer_steps"] == b["optimizer_steps"] > 0, name
+            assert (a["skipped_batches"], a["trained_rows"]) == (b["skipped_batches"], b["trained_rows"]), name
+            for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
+                for key in ("loss", "grad_norm", "kl", "clip_ratio", "entropy", "is_ratio_mean"):
+                    assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (name, key)
+            w1, w2 = (_weights(run / name / f"r{round_index}") for run in (tmp_path / "one", tmp_path / "two"))
+            assert w1.keys() == w2.keys()
+            diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+            assert diff < WEIGHT_TOLERANCE.get(name, 1e-6), (name, round_index, diff)
+            assert float(max((w1[k] - _weights(tmp_path / "one" / name / "r0")[k]).abs().max() for k in w1)) > 0 \
+                or round_index == 0  # round 1 moved the weights
+            # rank 0 alone wrote the folder, and carried the optimizer state to round 1
+            assert (tmp_path / "two" / name / f"r{round_index}" / "optimizer.pt").is_file()
+        assert two[name][1]["optimizer_state"] == "loaded"
+    assert one["dapo_skip"][0]["trained_rows"] < 32 and one["dapo_kl_skip"][0]["skipped_batches"] > 0
+    assert one["grpo_odd"][0]["optimizer_steps"] == 2  # steps of 3 and 1 micro-batches
+    # the parent received rank 0's step metrics and progress as they happened
+    assert len(events) == sum(len(r["steps"]) for runs in one.values() for r in runs)
+    assert progress and progress[-1][0] == progress[-1][1]
+
+
+def crash_on_rank_1(out: str, on_metrics=None, on_step=None, group=None) -> dict:
+    """Rank 0 writes into the stage's folder; rank 1 dies by SIGKILL while rank 0 waits in a collective."""
+    import torch.distributed as dist
+
+    if group.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    (Path(out) / "adapter_model.safetensors").write_text("half")
+    dist.barrier()
+    return {}
+
+
+def raise_on_rank_0(on_metrics=None, on_step=None, group=None) -> dict:
+    if group.rank == 0:
+        raise ValueError("grpo.loss_type: a bad value")
+    import torch.distributed as dist
+
+    dist.barrier()
+    return {}
+
+
+def test_dead_rank_fails_the_stage_and_publishes_nothing(tmp_path):
+    from tasks.store import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "artifacts")
+    with pytest.raises(distributed.DistributedError) as e:
+        store.write("optimize", "k" * 16,
+                    lambda out: distributed.launch("test_distributed:crash_on_rank_1", {"out": str(out)},
+                                                   distributed.TrainConfig(num_processes=2), "optimize r3"),
+                    inputs={}, config={})
+    message = str(e.value)
+    assert message.startswith("optimize r3: training on 2 processes failed"), message
+    assert "rank 1 ended with exit code -9" in message and "SIGKILL" in message and "workers' log" in message
+    assert not store.path("optimize", "k" * 16).exists()
+    assert store.get("optimize", "k" * 16) is None
+    assert not list(store.path("optimize", "k" * 16).parent.glob(".tmp-*"))  # the half-written folder is gone
+
+
+def test_error_on_a_rank_is_quoted():
+    with pytest.raises(distributed.DistributedError) as e:
+        distributed.launch("test_distributed:raise_on_rank_0", {}, distributed.TrainConfig(num_processes=2), "sft")
+    message = str(e.value)
+    assert message.startswith("sft: training on 2 processes failed") and "rank 0 raised:" in message
+    assert "ValueError: grpo.loss_type: a bad value" in message
+
+
+def test_fsdp_is_a_clear_config_error():
+    from flows.config import PipelineConfig
+
+    with pytest.raises(ValueError, match="train.strategy: fsdp is not built yet"):
+        PipelineConfig.model_validate({"train": {"num_processes": 2, "strategy": "fsdp"}})
+
+
+def test_group_sums_gradients_in_one_process():
+    """The all-reduce helpers on a world of one: gradients and stats come back unchanged."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = distributed.Group(0, 1)
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.tensor([1.0, 2.0, 3.0])
+        q = torch.nn.Parameter(torch.ones(2))  # no gradient: zeros
+        group.sum_gradients([p, q])
+        assert p.grad.tolist() == [1.0, 2.0, 3.0] and q.grad.tolist() == [0.0, 0.0]
+        assert group.all_reduce([1.5, 2.0]) == [1.5, 2.0]
+    finally:
+        dist.destroy_process_group()
+
+
+SFT_OPTIONS = {"num_train_epochs": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "save_steps": 6}
+SFT_KILL_AT = 20  # the log of step 20 comes before that step's save: the newest complete checkpoint is 18
+
+
+def sft_on_ranks(root: str, out: str, work: str, kill_at: int | None = None, on_metrics=None, group=None) -> dict:
+    """stages.sft.run on 60 rows (15 steps an epoch); rank 0 SIGKILLs itself at the log of step kill_at."""
+    from stages import sft
+
+    def report(metrics, step):
+        if on_metrics:
+            on_metrics(metrics, step)
+        if kill_at is not None and step >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return sft.run(sft.SFTConfig(**SFT_OPTIONS), Path(root) / "model", Path(root) / "sft.parquet", Path(out),
+                   on_metrics=report, work_dir=Path(work), group=group)
+
+
+def test_sft_two_processes_equal_one_and_resume(tmp_path):
+    from test_checkpoints import sft_inputs, weights
+
+    sft_inputs(tmp_path)
+    for name in ("one", "two", "resumed"):
+        (tmp_path / name).mkdir()
+    one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
+    train = distributed.TrainConfig(num_processes=2)
+    kwargs = {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")}
+    logged = []
+    two = distributed.launch("test_distributed:sft_on_ranks", kwargs, train, "sft",
+                             on_metrics=lambda m, step: logged.append(step))
+    assert two["steps"] == one["steps"] == 30 and two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert logged and max(logged) == 30
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+    # killed on 2 processes, rerun on 2 processes: continues from the complete checkpoint of step 18
+    resumed = {**kwargs, "out": str(tmp_path / "resumed"), "work": str(tmp_path / "work-resumed")}
+    with pytest.raises(distributed.DistributedError, match="sft: training on 2 processes failed"):
+        distributed.launch("test_distributed:sft_on_ranks", {**resumed, "kill_at": SFT_KILL_AT}, train, "sft")
+    assert (tmp_path / "work-resumed" / "checkpoint-18" / "_complete").is_file()
+    again = distributed.launch("test_distributed:sft_on_ranks", resumed, train, "sft")
+    assert again["resumed_from_step"] == 18 and again["reused_tokenized_dataset"]
+    w3 = weights(tmp_path / "resumed")
+    assert max(float((w2[k] - w3[k]).abs().max()) for k in w2) < 1e-5
+
+
+PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_steps": 4, "save_steps": None,
+                      "max_length": 64}
+
+
+def preference_stage(module: str, root: str, out: str, on_metrics=None, group=None) -> dict:
+    """stages.<module>.run (dpo or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
+    import importlib
+
+    stage = importlib.import_module(f"stages.{module}")
+    config = stage.PreferenceOptimizationConfig if module == "dpo" else stage.RewardModelConfig
+    return stage.run(config(**PREFERENCE_OPTIONS), Path(root) / "model", Path(root) / "prefs", Path(out),
+                     on_metrics=on_metrics, group=group)
+
+
+@pytest.mark.parametrize("module", ["dpo", "reward_model"])
+def test_preference_stages_two_processes_equal_one(tmp_path, module):
+    from conftest import tiny_preference_model
+    from test_checkpoints import weights
+
+    tiny_preference_model(tmp_path, num_train=96, num_eval=4)
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one = preference_stage(module, str(tmp_path), str(tmp_path / "one"))
+    two = distributed.launch("test_distributed:preference_stage",
+                             {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two")},
+                             distributed.TrainConfig(num_processes=2), module)
+    assert two["steps"] == one["steps"] == 24
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
