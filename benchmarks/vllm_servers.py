@@ -98,6 +98,7 @@ def main() -> None:
             tokens[label] = [r["completion_token_ids"] for r in engine.generate(policy, prompts, sampling)]
             report[label]["completions_per_server"] = [s["completions"] for s in engine.last_call.values()]
             engine.close()
+            print(json.dumps({label: report[label]}), file=sys.stderr, flush=True)
         finally:
             stop(procs)
     if args.ray:
@@ -117,6 +118,7 @@ def main() -> None:
                              **time_engine(engine, policy, prompts, sampling, args.repeats)}
             tokens[label] = [r["completion_token_ids"] for r in engine.generate(policy, prompts, sampling)]
             engine.close()
+            print(json.dumps({label: report[label]}), file=sys.stderr, flush=True)
     reference = tokens["1 server"]
     report["same_completions_as_1_server"] = {label: toks == reference for label, toks in tokens.items()}
     print(json.dumps(report, indent=2))

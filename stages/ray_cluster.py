@@ -33,8 +33,10 @@ def connect(address: str | None) -> str:
         if not ray.is_initialized():
             if address:
                 ray.init(address=address, log_to_driver=True)
-            else:  # a local instance, small: it shares the machine with training
-                ray.init(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=True)
+            else:  # a new local instance, small: it shares the machine with training. ("local": without it,
+                # ray.init joins a cluster that someone else started on this machine, if there is one.)
+                ray.init(address="local", include_dashboard=False, object_store_memory=200 * 1024 * 1024,
+                         log_to_driver=True)
     return address or "local"
 
 
