@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,14 +71,20 @@ def ray_cluster(home: Path, nodes: int = 2, dashboard_port: int | None = None) -
     port = free_port()
     address = f"127.0.0.1:{port}"
     common = ["--num-cpus", "1", "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats"]
+    dashboard = (["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)]
+                 if dashboard_port else ["--include-dashboard", "false"])
+    started = time.time()
     try:
-        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                        *(["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port",
-                           str(dashboard_port)] if dashboard_port else ["--include-dashboard", "false"]), *common], env=env, check=True, capture_output=True,
-                       timeout=180)
+        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), *dashboard,
+                        *common], env=env, check=True, capture_output=True, timeout=180)
         for _ in range(nodes - 1):
             subprocess.run([RAY, "start", "--address", address, *common], env=env, check=True, capture_output=True,
                            timeout=180)
         yield address
     finally:
         kill_processes_in_home(home)
+        # `ray start --head` names the machine's "current cluster" in /tmp/ray; `ray stop` would remove that
+        # file, and a later ray.init() without an address would try to join the dead cluster it names
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.stat().st_mtime >= started - 1:
+            current.unlink(missing_ok=True)

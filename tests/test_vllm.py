@@ -381,7 +381,7 @@ def local_ray(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
     os.environ["HOME"] = str(tmp_path_factory.mktemp("ray-home"))
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024)
     try:
         yield ray
     finally:
@@ -430,3 +430,14 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
         assert [s["completions"] for s in ray_engine.last_call.values()] == [2, 2]
     finally:
         ray_engine.close()
+
+
+def test_ray_vllm_engine_that_cannot_start_says_why(local_ray, tmp_path):
+    from stages.engines import Policy
+    from stages.engines.ray_vllm import RayVLLMEngine, RayVLLMError
+
+    missing = tmp_path / "no-model"
+    ray_engine = RayVLLMEngine(missing, num_engines=1, startup_timeout_s=300, max_model_len=128, kv_cache_space_gib=0.25)
+    with pytest.raises(RayVLLMError, match=f"(?s)a vLLM engine on {missing} failed to start on its Ray actor.*no-model"):
+        ray_engine.generate(Policy(missing), PROMPTS, sampling())
+    assert ray_engine.actors == []

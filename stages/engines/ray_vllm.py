@@ -32,6 +32,11 @@ class RayVLLMError(RuntimeError):
     """No engine could be started or none is left; the message says how many and why."""
 
 
+def _first_error_lines(text: str, lines: int = 12) -> str:
+    """The end of the actor's traceback, where its error is (Ray puts its own wording first)."""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 class VLLMActor:
     """One Ray actor: installs the shipped engine code, then samples with a VLLMEngine kept for its life."""
 
@@ -40,6 +45,7 @@ class VLLMActor:
 
         install_code(files, "posttrain-vllm-code-")
         self.engine = importlib.import_module("stages.engines.vllm_local").VLLMEngine(base_dir, **options)
+        self.engine.start()  # built now, so the driver's start-up wait covers it and a failure names itself
 
     def generate(self, policy: dict, prompts: list, sampling: dict, indices: list[int]) -> list[dict]:
         from stages.engines import Policy, Sampling
@@ -98,12 +104,21 @@ class RayVLLMEngine:
             self._wait_started(started)
 
     def _wait_started(self, actors: list) -> None:
-        """Wait until the new actors have built their engines: one that cannot be placed in time is an error
-        naming the resources asked and free; one whose engine fails to build is dropped (generate sees it)."""
+        """Wait until the new actors have built their engines: one that cannot be placed and built in time is an
+        error naming the resources asked and free; one whose engine fails to build is an error quoting why."""
         import ray
 
+        from ray.exceptions import RayActorError
+
         refs = [a.where.remote() for a in actors]
-        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.startup_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:  # the engine could not be built: every engine would fail the same way
+                self.close()
+                raise RayVLLMError(f"ray_vllm: a vLLM engine on {self.base_dir} failed to start on its Ray actor: "
+                                   f"{_first_error_lines(str(exc))}") from None
         if waiting:
             self.close()
             free = ray.available_resources()

@@ -173,6 +173,11 @@ class VLLMEngine:
         self._lora_ids: dict[tuple, int] = {}
         self.weight_reloads = 0
 
+    def start(self) -> None:
+        """Build the engine now rather than at the first generate (nothing to do once built)."""
+        if self.llm is None:
+            self._start()
+
     def _start(self, model_dir: Path | None = None):
         from transformers import AutoTokenizer
 
