@@ -15,12 +15,15 @@ Where: `score.ray.address`, else `RAY_ADDRESS`, else a local Ray instance starte
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 
 from stages.ray_cluster import connect, install_code, ship_by_value, source_files
 from stages.reward_workers import STARTUP_TIMEOUT_S, RewardWorkerPool, _Worker, split_reward_funcs
+
+log = logging.getLogger(__name__)
 
 
 def code_files(reward_sources: list[str]) -> dict[str, str]:
@@ -68,6 +71,13 @@ class RayRewardPool(RewardWorkerPool):
         ship_by_value(sys.modules[__name__], sys.modules[install_code.__module__])
         self._files = ray.put(code_files([(sources or {}).get(n, n) for n in names]))
         self._actor_class = ray.remote(num_cpus=num_cpus, max_restarts=0, max_concurrency=1)(RewardActor)
+        free = ray.available_resources().get("CPU", 0)
+        if free < num_workers * num_cpus:  # e.g. ray_vllm engines hold them: say so now, not at the time limit
+            log.warning("score: Ray at %s has %g free CPUs and the %d reward actors ask for %g; those that do not fit "
+                        "wait for CPUs to free up (at most %.0f s). Other actors of this run (rollout.ray_vllm "
+                        "engines) keep theirs for the whole run: lower score.reward_num_workers, "
+                        "score.ray.num_cpus_per_actor or rollout.ray_vllm.num_cpus_per_engine, or add nodes",
+                        self.where, free, num_workers, num_workers * num_cpus, STARTUP_TIMEOUT_S)
         super().__init__(names, num_workers, timeout_s, sources)
 
     def placement(self) -> list[tuple[str, int]]:
