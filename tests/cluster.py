@@ -66,9 +66,7 @@ def ray_cluster(home: Path, nodes: int = 2, dashboard_port: int | None = None) -
     """Start a head and nodes - 1 more nodes (1 CPU, 100 MB object store each) with HOME=home; yield the head's
     address; kill the cluster's processes after. With `dashboard_port`, the head serves Ray's dashboard
     (needs `ray[default]`) on 127.0.0.1 at that port."""
-    # RAY_AUTH_MODE: an earlier in-process ray.init sets it to "token", and a head started with it in a HOME
-    # without a token fails (its GCS finds none); without it the head makes its own token, as for a user
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_AUTH_MODE: see tests/conftest.py
     env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
     port = free_port()
     address = f"127.0.0.1:{port}"

@@ -18,6 +18,21 @@ def prefect_harness():
         yield
 
 
+# Ray 2.60's token authentication is off for the loopback clusters the tests start: a token lives in
+# ~/.ray, ray.init caches it in the process and sets RAY_AUTH_MODE=token there, so a cluster started later
+# in another HOME gets another token (or, inheriting the mode, none: its GCS exits) and this process
+# presents the stale one. Measured: local instance, then a `ray start` cluster in a new HOME, then a local
+# instance again works with auth disabled and fails with it on. Users' clusters keep Ray's default.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+
+@pytest.fixture(scope="session")
+def ray_home(tmp_path_factory):
+    """The HOME of every Ray cluster and local Ray instance this test process starts or joins (Ray writes
+    under ~/.ray; this keeps it out of the real HOME)."""
+    return tmp_path_factory.mktemp("ray-home")
+
+
 @pytest.fixture
 def tiny_config_text(tmp_path):
     """A whole pipeline small enough for a test: ~1 minute on 2 cores."""

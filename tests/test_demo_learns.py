@@ -20,18 +20,15 @@ SCALED_OUT = ["score.backend=ray", "train.num_processes=2"]
 
 
 @pytest.mark.parametrize("where", ["one process", "ray + 2 training processes"])
-def test_trained_policy_beats_the_constant_answer(prefect_harness, tmp_path, monkeypatch, where):
+def test_trained_policy_beats_the_constant_answer(prefect_harness, tmp_path, monkeypatch, where, ray_home):
     from flows.pipeline import posttrain_pipeline
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     extra = []
     if where != "one process":
         pytest.importorskip("ray")
-        monkeypatch.setenv("HOME", str(tmp_path / "home"))  # Ray 2.60 keeps its auth token under ~/.ray
+        monkeypatch.setenv("HOME", str(ray_home))  # Ray 2.60 keeps its auth token under ~/.ray (conftest.py)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        # ray.init sets RAY_AUTH_MODE=token in this process; a later `ray start` in another HOME (no token
-        # there) would inherit it and its GCS would fail: undone with the rest of monkeypatch's changes
-        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
         extra = SCALED_OUT
     try:
         results = posttrain_pipeline(str(QUICKSTART), [f"artifacts_dir={tmp_path / 'artifacts'}",

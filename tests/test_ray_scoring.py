@@ -23,11 +23,11 @@ DASHBOARD_PORT = cluster.free_port()
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster(ray_home):
     """The address of a head node (with Ray's dashboard on DASHBOARD_PORT) and one worker node, stopped (with
     this process's Ray client) after."""
-    home = tmp_path_factory.mktemp("ray-home")
-    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS", "RAY_AUTH_MODE")}
+    home = ray_home
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
     os.environ["HOME"] = str(home)
     os.environ.pop("RAY_ADDRESS", None)
     try:

@@ -375,11 +375,11 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
+def local_ray(ray_home):
     """A local Ray instance in this process (temporary HOME: Ray 2.60 keeps its auth token under ~/.ray)."""
     ray = pytest.importorskip("ray")
-    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS", "RAY_AUTH_MODE")}  # ray.init sets the last
-    os.environ["HOME"] = str(tmp_path_factory.mktemp("ray-home"))
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
+    os.environ["HOME"] = str(ray_home)
     os.environ.pop("RAY_ADDRESS", None)
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024)
     try:
