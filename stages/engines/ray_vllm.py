@@ -2,7 +2,7 @@
 
 Each actor holds one in-process vLLM engine (stages/engines/vllm_local.py: LoRA adapters as new
 `LoRARequest`s, full fine-tuned weights taken in place), started on first use and kept across
-rounds. A call's prompts are cut into one contiguous share per live engine; every prompt keeps the
+rounds. A call's prompts are dealt out in turn, one share per live engine; every prompt keeps the
 seed of its index in the whole call, so the completions do not depend on how many engines there
 are or which one sampled a prompt. The policy is synced by path: each round the actors read the
 round's adapter (or weights) folder, so the artifacts folder must be on a filesystem every node
@@ -107,7 +107,6 @@ class RayVLLMEngine:
         """Wait until the new actors have built their engines: one that cannot be placed and built in time is an
         error naming the resources asked and free; one whose engine fails to build is an error quoting why."""
         import ray
-
         from ray.exceptions import RayActorError
 
         refs = [a.where.remote() for a in actors]
@@ -147,8 +146,7 @@ class RayVLLMEngine:
             if not self.actors:
                 raise RayVLLMError(f"ray_vllm: every engine was lost with {len(pending)} of {len(prompts)} prompts "
                                    f"left ({'; '.join(lost)})")
-            shares = [pending[i::len(self.actors)] for i in range(len(self.actors))]
-            shares = [sorted(share) for share in shares]
+            shares = [pending[i::len(self.actors)] for i in range(len(self.actors))]  # pending is sorted: so are they
             calls = {actor.generate.remote(policy_fields, [prompts[i] for i in share], sampling_fields, share):
                      (actor, share) for actor, share in zip(self.actors, shares) if share}
             pending = []
