@@ -171,6 +171,10 @@ class PipelineConfig(BaseModel):
             per_device(self.dpo.micro_batch_size, n, "dpo.micro_batch_size")
         if n > 1 and "reward_model" in self.score.reward_funcs:
             per_device(self.reward_model.micro_batch_size, n, "reward_model.micro_batch_size")
+        if n > 1 and self.train.strategy == "fsdp" and self.grpo.optim in ("adafactor", "adamw_8bit"):
+            raise ValueError(f"train.strategy: fsdp shards the optimizer state, which grpo.optim {self.grpo.optim} "
+                             "keeps in shapes of its own (factored or 8-bit); use grpo.optim adamw or sgd with fsdp, "
+                             "or train.strategy: ddp")
         return self
 
     @model_validator(mode="after")

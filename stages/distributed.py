@@ -15,6 +15,11 @@ naming the stage and quoting the workers' log. The children run in a session of 
 parent kills on any exception (KeyboardInterrupt included) and at interpreter exit; each rank also
 exits by itself when the flow's process is gone (killed with SIGKILL), as rollout and reward workers do.
 
+`train.strategy: fsdp` (optimize stage): `shard_model` shards the model with FSDP2, and the stage runs
+filler passes so every rank makes as many forward/backward calls as the others; its files are written
+whole (`full_state_dict`, `full_optimizer_state`), the same as a one-process run's, so either can resume
+the other.
+
 Single node only: torchrun's `--nnodes` / rendezvous across machines is not wired.
 """
 
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 LOG_TAIL_LINES = 40
 
@@ -58,16 +63,12 @@ class TrainConfig(BaseModel):
     divided between them (no speed-up when the machine has fewer cores than processes x threads)."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every rank holds the whole model, gradients are summed across ranks before each optimizer step.
-    fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded across ranks) is not built yet."""
+    fsdp: the optimize stage shards its trainable model with FSDP2 (`fully_shard` per transformer block):
+    each rank holds 1/num_processes of the weights, gradients and optimizer state between steps and gathers
+    a block's weights only while it computes it. Less memory per rank, more communication; same result.
+    The HF Trainer stages (sft, the dpo family, reward_model) train with ddp under either setting."""
     master_port: int | None = Field(None, ge=1, le=65535)
     """TCP port of the ranks' rendezvous on 127.0.0.1. Unset: a free port is picked (torchrun --standalone)."""
-
-    @model_validator(mode="after")
-    def _strategy_is_built(self):
-        if self.strategy == "fsdp":
-            raise ValueError("train.strategy: fsdp is not built yet; use ddp (every rank holds the whole model, "
-                             "gradients summed across ranks)")
-        return self
 
 
 def per_device(micro_batch_size: int, num_processes: int, key: str) -> int:
@@ -123,6 +124,76 @@ class Group:
         for p, g in zip(params, grads):
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
+
+
+# ---------------------------------------------------------------- FSDP2 (train.strategy: fsdp)
+
+
+def shard_model(model, group: Group) -> None:
+    """Shard `model` across the group's ranks in place with FSDP2: `fully_shard` on each transformer block
+    (the classes HF lists in `_no_split_modules`), then on the whole model for what is left (embeddings,
+    norm, head). Gradients are reduce-scattered as sums, not means: the losses here are already scaled for
+    the global step (as `Group.sum_gradients`). Every rank must then run the same number of forward and
+    backward passes of the model, since each one gathers and scatters with the others."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (group.world_size,))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a PEFT wrapper
+    block_names = set(getattr(base, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"train.strategy fsdp: found no transformer blocks to shard in {type(base).__name__} "
+                         f"(its _no_split_modules is {sorted(block_names)}); use train.strategy: ddp")
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+
+
+def _full(value):
+    """A sharded tensor (DTensor) gathered whole on every rank (a collective); anything else as it is."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def full_state_dict(model) -> dict:
+    """The model's state dict with every sharded tensor gathered (all ranks call it; same keys as unsharded).
+    A weight shared by two names (tied embeddings) is gathered once, so both names hold one tensor and
+    `save_pretrained` writes it once, as it does for the unsharded model."""
+    gathered: dict[int, object] = {}
+    state = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in gathered:
+            gathered[id(value)] = _full(value.detach())
+        state[name] = gathered[id(value)]
+    return state
+
+
+def full_optimizer_state(optimizer) -> dict:
+    """`optimizer.state_dict()` with sharded state gathered: the file a one-process run writes (all ranks call)."""
+    saved = optimizer.state_dict()
+    return {**saved, "state": {index: {k: _full(v) for k, v in state.items()}
+                               for index, state in saved["state"].items()}}
+
+
+def shard_optimizer_state(saved: dict, optimizer) -> dict:
+    """The inverse of `full_optimizer_state`: each whole state tensor of a sharded parameter cut the way the
+    parameter is (a collective), so that `optimizer.load_state_dict` takes a one-process run's file."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in saved["state"].items():
+        param = params[index] if isinstance(index, int) and index < len(params) else None
+        if isinstance(param, DTensor):
+            entry = {k: distribute_tensor(v, param.device_mesh, param.placements)
+                     if getattr(v, "shape", None) == param.shape and v.dim() > 0 else v for k, v in entry.items()}
+        state[index] = entry
+    return {**saved, "state": state}
 
 
 class DistributedError(RuntimeError):

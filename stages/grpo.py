@@ -27,6 +27,13 @@ optimizer state is carried between rounds in the adapter folder; warmup step s u
 
 Across processes (`train.num_processes`, launched by stages/distributed.py): each rank runs every
 world_size-th micro-batch of a step and the gradients are summed before the step (`run`'s `group`).
+With `train.strategy: fsdp` the model is sharded (FSDP2); every forward then gathers weights from all
+ranks, so each rank makes the same number of forward calls: a rank short of a micro-batch runs a one-row
+filler whose loss is multiplied by 0, and a micro-batch's log-probs come from one plain forward, not
+`batch_logps`'s shared prompt pass (two forwards before one backward: FSDP2 reshards a block after the
+backward of the second and the first then finds its weights freed). The plain forward's float rounding
+differs from the shared pass's by ~1e-7, so AdamW, which turns noise in near-zero gradient entries into
+whole steps, ends a few 1e-4 of the learning rate away from a one-process run (SGD: < 1e-6).
 """
 
 from __future__ import annotations
@@ -480,9 +487,11 @@ def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.O
     raise ValueError(f"grpo.optim: unknown {cfg.optim!r}; use adamw, adamw_8bit, adafactor or sgd")
 
 
-def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, prev_dir: Path | None) -> str:
+def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, prev_dir: Path | None,
+                          sharded: bool = False) -> str:
     """Continue from the previous round's optimizer.pt: 'loaded', 'new' (none there) or 'reset' (made by
-    another optimizer or for other weights: this one starts fresh, with a warning)."""
+    another optimizer or for other weights: this one starts fresh, with a warning). `sharded`: the
+    optimizer's parameters are FSDP shards, and the file's whole tensors are cut to match."""
     path = prev_dir / "optimizer.pt" if prev_dir is not None else None
     if path is None or not path.exists():
         return "new"
@@ -494,6 +503,10 @@ def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, pre
                     cfg.optim)
         return "reset"
     try:
+        if sharded:
+            from stages.distributed import shard_optimizer_state
+
+            state = shard_optimizer_state(state, optimizer)
         optimizer.load_state_dict(state)
     except ValueError as e:  # another set of trainable weights
         log.warning("%s does not fit these trainable weights (%s); starting %s fresh", path, e, cfg.optim)
@@ -544,9 +557,27 @@ def run(
         torch.manual_seed(cfg.seed * 100_003 + round_index)
         model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
     model.train()
+    rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
+    sharded = group is not None and group.strategy == "fsdp"
+    if sharded:
+        from stages.distributed import shard_model
+
+        shard_model(model, group)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(cfg, params)
-    optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir)
+    optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir, sharded)
+
+    def forward_logps(module, batch: dict):
+        """(log-probs, entropies) of a collated batch: one plain forward when sharded (module docstring)."""
+        if sharded:
+            return completion_logps(module, *_inputs(batch), temperature)
+        return batch_logps(module, batch, temperature)
+
+    def rank_share(micro_batches: list[list[dict]]) -> tuple[list[list[dict]], int]:
+        """(this rank's micro-batches of a step, how many passes it runs): with fsdp every rank runs as many
+        as the rank with the most; the passes past its own micro-batches are fillers."""
+        mine = micro_batches[rank::world_size]
+        return mine, (-(-len(micro_batches) // world_size) if sharded else len(mine))
 
     rows = pq.read_table(scored_path).to_pylist()
     random.Random(cfg.seed * 100_003 + round_index).shuffle(rows)
@@ -592,23 +623,26 @@ def run(
     # pi_old: the policy at the start of the round, before any update (TRL computes it when a
     # generation batch spans several optimizer steps or num_iterations > 1, and always when it corrects
     # for vLLM); every pass of the round is clipped against it.
-    rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
     old_logps: dict[str, list[float]] = {}  # of the rows this rank trains
     reused = 0
     with torch.no_grad():
-        for micro_batch in (mb for run in runs for mb in run[rank::world_size]):
-            chunk = []
-            for row in micro_batch:
-                if sampled_by_round_start(row):
-                    old_logps[row["rollout_id"]] = list(row["sampling_logprobs"])
-                    reused += 1
-                else:
-                    chunk.append(row)
-            if not chunk:
-                continue
-            logps, _ = batch_logps(model, collate(chunk, tokenizer.pad_token_id), temperature)
-            for row, lp in zip(chunk, logps):
-                old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
+        for run in runs:
+            mine, passes = rank_share(run)
+            for slot in range(passes):
+                chunk = []
+                for row in mine[slot] if slot < len(mine) else []:
+                    if sampled_by_round_start(row):
+                        old_logps[row["rollout_id"]] = list(row["sampling_logprobs"])
+                        reused += 1
+                    else:
+                        chunk.append(row)
+                if not chunk:
+                    if sharded:  # the filler forward the other ranks' passes need
+                        forward_logps(model, collate(run[0][:1], tokenizer.pad_token_id))
+                    continue
+                logps, _ = forward_logps(model, collate(chunk, tokenizer.pad_token_id))
+                for row, lp in zip(chunk, logps):
+                    old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
     if group is not None:
         reused = int(group.all_reduce([reused])[0])
     replayed = [r for r in rows if r.get("replayed")]
@@ -642,22 +676,28 @@ def run(
             num_items = sum(len(r["completion_token_ids"]) for mb in micro_batches for r in mb
                             if r["rollout_id"] not in masked_out)
             step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
-            for rows_mb in live[rank::world_size]:
+            mine, passes = rank_share(live)
+            for slot in range(passes):
+                filler = slot >= len(mine)
+                rows_mb = live[0][:1] if filler else mine[slot]
                 batch = collate(rows_mb, tokenizer.pad_token_id)
                 mask = loss_mask(rows_mb, batch["completion_mask"])
                 sampling_logps = batch["old_per_token_logps"]
-                old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
-                logps, entropy = batch_logps(model, batch, temperature)
+                logps, entropy = forward_logps(model, batch)
                 with torch.no_grad():
                     if cfg.beta == 0.0:  # as TRL: no reference forward and no KL when nothing weighs it
                         ref_logps = None
                     elif ref_model is not None:
-                        ref_logps, _ = batch_logps(ref_model, batch, temperature)
+                        ref_logps, _ = forward_logps(ref_model, batch)
                     elif cfg.adapter == "lora":
                         with model.disable_adapter():
-                            ref_logps, _ = batch_logps(model, batch, temperature)
+                            ref_logps, _ = forward_logps(model, batch)
                     else:
                         ref_logps = None
+                if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
+                    (logps.sum() * 0.0).backward()
+                    continue
+                old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
                 is_weights = keep_mask = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
@@ -688,9 +728,14 @@ def run(
                 step_stats["tokens"] += stats["tokens"]
                 step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
             if group is not None:
-                group.sum_gradients(params)
+                if not sharded:  # FSDP summed them in each backward (reduce-scatter)
+                    group.sum_gradients(params)
                 step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if sharded:
+                from stages.distributed import _full
+
+                grad_norm = _full(grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
             learning_rate = lr_at(position)
@@ -704,11 +749,17 @@ def run(
             if on_step:
                 on_step(position + 1, steps_per_round)
 
+    weights = optimizer_file = None
+    if sharded:  # gathered whole (every rank takes part), so the files are those of one process
+        from stages.distributed import full_optimizer_state, full_state_dict
+
+        weights, optimizer_file = full_state_dict(model), full_optimizer_state(optimizer)
     if rank == 0:  # every replica holds the same weights and optimizer state
-        model.save_pretrained(out_dir)
+        model.save_pretrained(out_dir, **({"state_dict": weights} if sharded else {}))
         if cfg.adapter == "none":
             tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-        torch.save({"optim": cfg.optim, "state_dict": optimizer.state_dict()}, out_dir / "optimizer.pt")
+        torch.save({"optim": cfg.optim, "state_dict": optimizer_file or optimizer.state_dict()},
+                   out_dir / "optimizer.pt")
     if group is not None:
         group.barrier()  # the folder is complete before any rank returns
     lengths = [len(r["completion_token_ids"]) for r in rows]
@@ -722,6 +773,9 @@ def run(
                    skipped_steps=skipped_steps, skipped_batches=skipped_batches,
                    learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
                    optimizer_state=optimizer_state, reused_sampling_logps=reused,
+                   # trainable weights this rank holds: all of them, or its 1/world_size shard under fsdp
+                   trainable_params_per_rank=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                                 for p in params),
                    trained_rows=trained_rows / cfg.num_iterations)  # rows through forward/backward per pass
     if replayed:
         metrics["replayed_rows"] = len(replayed)

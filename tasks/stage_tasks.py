@@ -5,6 +5,7 @@ nested MLflow run, and report progress. No ML logic here.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -167,6 +168,9 @@ def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_
     """A training stage's `function(**kwargs)`: in this process (train.num_processes 1), or data-parallel on
     train.num_processes ranks (stages/distributed.py; where it trains, not what: train.* is in no key)."""
     processes = ctx.config.train.num_processes
+    if processes > 1 and ctx.config.train.strategy == "fsdp" and function is not grpo.run:
+        logging.getLogger(__name__).warning("%s: train.strategy fsdp shards the optimize stage only; this stage trains with "
+                                 "ddp (each rank holds the whole model) on %d processes", label, processes)
     if processes == 1:
         summary = function(**kwargs, on_metrics=on_metrics, **({"on_step": on_step} if on_step else {}))
     else:
