@@ -20,7 +20,8 @@ filler passes so every rank makes as many forward/backward calls as the others; 
 whole (`full_state_dict`, `full_optimizer_state`), the same as a one-process run's, so either can resume
 the other.
 
-Single node only: torchrun's `--nnodes` / rendezvous across machines is not wired.
+Across machines: `train.backend: ray` runs the ranks as Ray Train workers (stages/ray_training.py)
+instead of torchrun's processes on this machine.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ from pydantic import BaseModel, ConfigDict, Field
 LOG_TAIL_LINES = 40
 
 
+class RayTrainConfig(BaseModel):
+    """Where `train.backend: ray` places the ranks (stages/ray_training.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None
+    """Ray cluster to join (`host:6379`); unset: RAY_ADDRESS, else a local Ray instance."""
+    num_cpus_per_process: float = Field(1.0, gt=0)
+    """CPUs Ray reserves for each rank; its torch threads follow (at least 1)."""
+    num_gpus_per_process: float = Field(0.0, ge=0)
+    """GPUs per rank (0: CPU training with gloo; 1: one GPU each, NCCL for CUDA tensors)."""
+    placement: Literal["spread", "pack"] = "spread"
+    """spread: ranks on as many nodes as possible (Ray's SPREAD); pack: as few as possible (PACK, less
+    traffic between machines)."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """Seconds the ranks may wait for the cluster's free resources before the stage fails, naming them."""
+
+
 class TrainConfig(BaseModel):
     """Where training runs: on how many processes, with which data-parallel strategy. Not part of any
     stage's key: a 2-process run trains the same weights as a 1-process run (within float rounding)."""
@@ -55,8 +74,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_processes: int = Field(1, ge=1)
-    """Data-parallel processes (ranks) of the training stages (optimize, sft, the dpo family, reward_model) on
-    this machine, launched with torchrun. The global batch stays the config's (micro_batch_size *
+    """Data-parallel processes (ranks) of the training stages (optimize, sft, the dpo family, reward_model):
+    on this machine with torchrun, or on a Ray cluster's nodes (`backend: ray`). The global batch stays the config's (micro_batch_size *
     gradient_accumulation_steps), split across ranks, so the result equals one process's up to float rounding;
     the HF Trainer stages need their micro_batch_size divisible by it. 1 (default): train in the flow's process.
     Higher: the step's micro-batches run in parallel; each process loads the model, and torch's threads are
@@ -68,7 +87,13 @@ class TrainConfig(BaseModel):
     a block's weights only while it computes it. Less memory per rank, more communication; same result.
     The HF Trainer stages (sft, the dpo family, reward_model) train with ddp under either setting."""
     master_port: int | None = Field(None, ge=1, le=65535)
-    """TCP port of the ranks' rendezvous on 127.0.0.1. Unset: a free port is picked (torchrun --standalone)."""
+    """backend torchrun: TCP port of the ranks' rendezvous on 127.0.0.1. Unset: a free port is picked
+    (torchrun --standalone)."""
+    backend: Literal["torchrun", "ray"] = "torchrun"
+    """torchrun: the ranks are processes of this machine. ray: the ranks are Ray Train workers
+    (TorchTrainer) placed on the nodes of a Ray cluster (`train.ray`), which sets up the process group
+    across machines; the artifacts folder must then be mounted at the same path on every node."""
+    ray: RayTrainConfig = Field(default_factory=RayTrainConfig)
 
 
 def per_device(micro_batch_size: int, num_processes: int, key: str) -> int:
@@ -259,7 +284,12 @@ def launch(target: str, kwargs: dict, train: TrainConfig, label: str,
     """Run `target` ("module:function") on train.num_processes ranks with torchrun and return rank 0's
     return value. `kwargs` are pickled to the ranks (configs, paths); each rank gets them plus
     `group`, and rank 0 also those of `on_metrics` / `on_step` given here, whose calls reach them.
-    Raises DistributedError, naming `label`, if any rank fails."""
+    Raises DistributedError, naming `label`, if any rank fails. With `train.backend: ray` the ranks are
+    Ray Train workers on a cluster's nodes (stages/ray_training.py), with the same contract."""
+    if train.backend == "ray":
+        from stages.ray_training import launch_on_ray
+
+        return launch_on_ray(target, kwargs, train, label, on_metrics, on_step, poll_s)
     n = train.num_processes
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-ranks-"))
     spec, events, result, log_path = (scratch / "spec.pkl", scratch / "events.jsonl", scratch / "result.json",
@@ -288,11 +318,7 @@ def launch(target: str, kwargs: dict, train: TrainConfig, label: str,
                 done = proc.poll() is not None
                 *lines, pending = (pending + stream.read()).split("\n")  # a line still being written waits
                 for line in lines:
-                    event = json.loads(line)
-                    if event["kind"] == "metrics" and on_metrics:
-                        on_metrics(event["metrics"], event["step"])
-                    elif event["kind"] == "step" and on_step:
-                        on_step(event["done"], event["total"])
+                    deliver(json.loads(line), on_metrics, on_step)
                 if done:
                     break
                 time.sleep(poll_s)
@@ -321,6 +347,27 @@ def _watch_parent(pid: int) -> None:
             pass
 
 
+def run_rank(spec: dict, group: Group, emit: Callable[[dict], None] | None):
+    """Call spec's target on this rank with spec's kwargs and `group`; on rank 0 (`emit` given) its
+    on_metrics / on_step calls become events for the parent ({"kind": "metrics" | "step", ...})."""
+    module, name = spec["target"].split(":")
+    function = getattr(importlib.import_module(module), name)
+    callbacks = {}
+    if emit is not None:
+        callbacks = {"on_metrics": lambda metrics, step=0: emit({"kind": "metrics", "metrics": metrics, "step": step}),
+                     "on_step": lambda done, total: emit({"kind": "step", "done": done, "total": total})}
+        callbacks = {name: fn for name, fn in callbacks.items() if name in spec["callbacks"]}
+    return function(**spec["kwargs"], **callbacks, group=group)
+
+
+def deliver(event: dict, on_metrics, on_step) -> None:
+    """Parent side: hand one of rank 0's events to the stage's callbacks."""
+    if event["kind"] == "metrics" and on_metrics:
+        on_metrics(event["metrics"], event["step"])
+    elif event["kind"] == "step" and on_step:
+        on_step(event["done"], event["total"])
+
+
 def _main(spec_path: str) -> None:
     """One rank: join the process group, run the target, rank 0 streams events and writes the result."""
     import torch
@@ -332,9 +379,7 @@ def _main(spec_path: str) -> None:
     # one group for both kinds of tensor: collectives on CPU tensors use gloo, on CUDA tensors NCCL
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     group = Group(dist.get_rank(), dist.get_world_size(), spec["strategy"])
-    module, name = spec["target"].split(":")
-    function = getattr(importlib.import_module(module), name)
-    callbacks = {}
+    emit = None
     if group.rank == 0:
         stream = open(spec["events"], "a")
 
@@ -342,11 +387,8 @@ def _main(spec_path: str) -> None:
             stream.write(json.dumps(event, default=float) + "\n")
             stream.flush()
 
-        callbacks = {"on_metrics": lambda metrics, step=0: emit({"kind": "metrics", "metrics": metrics, "step": step}),
-                     "on_step": lambda done, total: emit({"kind": "step", "done": done, "total": total})}
-        callbacks = {name: fn for name, fn in callbacks.items() if name in spec["callbacks"]}
     try:
-        value = function(**spec["kwargs"], **callbacks, group=group)
+        value = run_rank(spec, group, emit)
         if group.rank == 0:
             temp = Path(spec["result"] + ".tmp")
             temp.write_text(json.dumps(value, default=str))

@@ -88,3 +88,26 @@ def ray_cluster(home: Path, nodes: int = 2, dashboard_port: int | None = None) -
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
         if current.exists() and current.stat().st_mtime >= started - 1:
             current.unlink(missing_ok=True)
+
+
+@contextmanager
+def joined_ray_cluster(home: Path, nodes: int = 2, dashboard_port: int | None = None) -> Iterator[str]:
+    """`ray_cluster` with this process's HOME set to `home` (so its Ray client finds the cluster's token
+    files) and RAY_ADDRESS unset while it runs; this process's Ray client is shut down before the cluster."""
+    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
+    os.environ["HOME"] = str(home)
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        with ray_cluster(home, nodes=nodes, dashboard_port=dashboard_port) as address:
+            try:
+                yield address
+            finally:
+                import ray
+
+                ray.shutdown()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import cluster
 from conftest import tiny_say_policy
 
 from stages import distributed, grpo, rollout
@@ -72,14 +73,15 @@ def tiny(tmp_path_factory):
     return root, scored
 
 
-def run_grpo_cases(root: str, scored: str, out: str, on_metrics=None, on_step=None, group=None) -> dict:
+def run_grpo_cases(root: str, scored: str, out: str, on_metrics=None, on_step=None, group=None,
+                   cases: list[str] | None = None) -> dict:
     """grpo.run round 0 and round 1 (optimizer state carried) of every case into out/<case>/r<i>; returns
     {case: [summary r0, summary r1]} with each step's metrics under "steps". Runs in one process or on ranks."""
     from pathlib import Path
 
     results = {}
-    for name, options in CASES.items():
-        cfg = grpo.GRPOConfig(**options)
+    for name in cases or CASES:
+        cfg = grpo.GRPOConfig(**CASES[name])
         prev, results[name] = None, []
         for round_index in range(2):
             folder = Path(out) / name / f"r{round_index}"
@@ -113,6 +115,38 @@ def one_process(tiny, tmp_path_factory):
     return out, run_grpo_cases(str(root), str(scored), str(out))
 
 
+def assert_equal_runs(first: Path, one: dict, second: Path, two: dict, strategy: str) -> None:
+    """The cases of `two` (written under `second`) trained what the one-process run did (`one`, under `first`)."""
+    for name in two:
+        for round_index in range(2):
+            a, b = one[name][round_index], two[name][round_index]
+            assert a["optimizer_steps"] == b["optimizer_steps"] > 0, name
+            assert (a["skipped_batches"], a["trained_rows"]) == (b["skipped_batches"], b["trained_rows"]), name
+            for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
+                for key in ("loss", "grad_norm", "kl", "clip_ratio", "entropy", "is_ratio_mean"):
+                    assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (name, key)
+            w1, w2 = (_weights(run / name / f"r{round_index}") for run in (first, second))
+            assert w1.keys() == w2.keys()
+            diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+            tolerance = FSDP_ADAMW_TOLERANCE if (strategy, name) == ("fsdp", "dapo_adamw") else \
+                WEIGHT_TOLERANCE.get(name, 1e-6)
+            assert diff < tolerance, (name, round_index, diff)
+            assert float(max((w1[k] - _weights(first / name / "r0")[k]).abs().max() for k in w1)) > 0 \
+                or round_index == 0  # round 1 moved the weights
+            # rank 0 alone wrote the folder, and carried the optimizer state to round 1
+            assert (second / name / f"r{round_index}" / "optimizer.pt").is_file()
+        assert two[name][1]["optimizer_state"] == "loaded"
+        # the optimizer file is a one-process run's (whole tensors, same keys and shapes): either resumes the other
+        saved_one, saved_two = (torch.load(run / name / "r1" / "optimizer.pt", weights_only=True)["state_dict"]
+                                for run in (first, second))
+        assert saved_one["state"].keys() == saved_two["state"].keys(), name
+        for index, state in saved_one["state"].items():
+            for key, value in state.items():
+                assert getattr(saved_two["state"][index][key], "shape", None) == getattr(value, "shape", None)
+        held = two[name][0]["trainable_params_per_rank"] / one[name][0]["trainable_params_per_rank"]
+        assert held == (1.0 if strategy == "ddp" else pytest.approx(0.5, abs=0.05)), (name, held)  # sharded
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_grpo_two_processes_equal_one(tiny, one_process, tmp_path, strategy):
     """ddp: replicas, gradients summed. fsdp: weights, gradients and optimizer state sharded (FSDP2), with
@@ -127,27 +161,7 @@ def test_grpo_two_processes_equal_one(tiny, one_process, tmp_path, strategy):
                              distributed.TrainConfig(num_processes=2, strategy=strategy), "optimize (test)",
                              on_metrics=lambda m, step: events.append((step, m)),
                              on_step=lambda done, total: progress.append((done, total)))
-    for name in CASES:
-        for round_index in range(2):
-            a, b = one[name][round_index], two[name][round_index]
-            assert a["optimizer_steps"] == b["optimizer_steps"] > 0, name
-            assert (a["skipped_batches"], a["trained_rows"]) == (b["skipped_batches"], b["trained_rows"]), name
-            for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
-                for key in ("loss", "grad_norm", "kl", "clip_ratio", "entropy", "is_ratio_mean"):
-                    assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (name, key)
-            w1, w2 = (_weights(run / name / f"r{round_index}") for run in (first, tmp_path / "two"))
-            assert w1.keys() == w2.keys()
-            diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-            tolerance = FSDP_ADAMW_TOLERANCE if (strategy, name) == ("fsdp", "dapo_adamw") else \
-                WEIGHT_TOLERANCE.get(name, 1e-6)
-            assert diff < tolerance, (name, round_index, diff)
-            assert float(max((w1[k] - _weights(first / name / "r0")[k]).abs().max() for k in w1)) > 0 \
-                or round_index == 0  # round 1 moved the weights
-            # rank 0 alone wrote the folder, and carried the optimizer state to round 1
-            assert (tmp_path / "two" / name / f"r{round_index}" / "optimizer.pt").is_file()
-        assert two[name][1]["optimizer_state"] == "loaded"
-        held = two[name][0]["trainable_params_per_rank"] / one[name][0]["trainable_params_per_rank"]
-        assert held == (1.0 if strategy == "ddp" else pytest.approx(0.5, abs=0.05)), (name, held)  # sharded
+    assert_equal_runs(first, one, tmp_path / "two", two, strategy)
     assert one["dapo_skip"][0]["trained_rows"] < 32 and one["dapo_kl_skip"][0]["skipped_batches"] > 0
     assert one["grpo_odd"][0]["optimizer_steps"] == 2  # steps of 3 and 1 micro-batches
     # the parent received rank 0's step metrics and progress as they happened
@@ -173,6 +187,41 @@ def raise_on_rank_0(on_metrics=None, on_step=None, group=None) -> dict:
 
     dist.barrier()
     return {}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_home):
+    """A Ray cluster of two loopback nodes, one CPU each."""
+    with cluster.joined_ray_cluster(ray_home, nodes=2) as address:
+        yield address
+
+
+def test_grpo_on_ray_train_workers_on_two_nodes_equals_one_process(tiny, one_process, two_nodes, tmp_path):
+    """train.backend: ray: the ranks are Ray Train workers, one on each node (gloo across the nodes' processes),
+    sharded with fsdp; same weights as one process, step metrics streamed back, rank 0 wrote the folders."""
+    root, scored = tiny
+    first, one = one_process
+    events, progress = [], []
+    train = distributed.TrainConfig(num_processes=2, strategy="fsdp", backend="ray", ray={"address": two_nodes})
+    two = distributed.launch("test_distributed:run_grpo_cases",
+                             dict(root=str(root), scored=str(scored), out=str(tmp_path / "two"),
+                                  cases=["dapo_skip", "full_kl"]),
+                             train, "optimize (ray)", on_metrics=lambda m, step: events.append((step, m)),
+                             on_step=lambda done, total: progress.append((done, total)))
+    assert two.pop("train_nodes") == 2
+    assert_equal_runs(first, one, tmp_path / "two", two, "fsdp")
+    assert len(events) == sum(len(r["steps"]) for name in two for r in one[name])
+    assert progress and progress[-1][0] == progress[-1][1]
+
+
+def test_ray_train_failures_are_clear(two_nodes):
+    train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
+    with pytest.raises(distributed.DistributedError) as e:
+        distributed.launch("test_distributed:raise_on_rank_0", {}, train, "sft")
+    assert str(e.value).startswith("sft: training on 2 Ray Train workers") and "grpo.loss_type: a bad value" in str(e.value)
+    too_many = train.model_copy(update={"num_processes": 3})
+    with pytest.raises(distributed.DistributedError, match=r"3 ranks .* cannot fit .*CPU.*3 asked, 2 in the cluster"):
+        distributed.launch("test_distributed:raise_on_rank_0", {}, too_many, "optimize r0")
 
 
 def test_dead_rank_fails_the_stage_and_publishes_nothing(tmp_path):

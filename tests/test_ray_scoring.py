@@ -26,25 +26,11 @@ DASHBOARD_PORT = cluster.free_port()
 def ray_cluster(ray_home):
     """The address of a head node (with Ray's dashboard on DASHBOARD_PORT) and one worker node, stopped (with
     this process's Ray client) after."""
-    home = ray_home
-    saved = {k: os.environ.get(k) for k in ("HOME", "RAY_ADDRESS")}
-    os.environ["HOME"] = str(home)
-    os.environ.pop("RAY_ADDRESS", None)
-    try:
-        with cluster.ray_cluster(home, nodes=2, dashboard_port=DASHBOARD_PORT) as address:
-            try:
-                yield address
-            finally:
-                reward_workers._close_pools()
-                import ray
-
-                ray.shutdown()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with cluster.joined_ray_cluster(ray_home, nodes=2, dashboard_port=DASHBOARD_PORT) as address:
+        try:
+            yield address
+        finally:
+            reward_workers._close_pools()
 
 
 @pytest.fixture(autouse=True)
