@@ -323,6 +323,24 @@ def test_sft_two_processes_equal_one_and_resume(tmp_path):
     assert max(float((w2[k] - w3[k]).abs().max()) for k in w2) < 1e-5
 
 
+def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
+    """An HF Trainer stage on Ray Train workers: Trainer runs DDP over the process group Ray Train set up."""
+    from test_checkpoints import sft_inputs, weights
+
+    sft_inputs(tmp_path)
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
+    train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
+    two = distributed.launch("test_distributed:sft_on_ranks",
+                             {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")},
+                             train, "sft")
+    assert two["train_nodes"] == 2 and two["steps"] == one["steps"] == 30
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+
 PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_steps": 4, "save_steps": None,
                       "max_length": 64}
 
