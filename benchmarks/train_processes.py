@@ -1,10 +1,12 @@
 """Training across processes (issue 14 item 3): 1 vs 2 processes at equal global batch.
 
 The optimize stage (one GRPO round) and SFT on a model of the quickstart's size (4 layers, width 128),
-each run three ways: in the flow's process (what `train.num_processes: 1` does), and launched with
-torchrun (stages/distributed.py) on 1 and on 2 processes. Reports wall time (torchrun's start and the
-ranks' imports included), the time inside the stage function (rank 0's), the loss, and max |weight
-difference| against the in-process run.
+each run several ways: in the flow's process (what `train.num_processes: 1` does), launched with
+torchrun (stages/distributed.py) on 1 and on 2 processes, on 2 processes with `train.strategy: fsdp`
+(optimize only: the HF Trainer stages run ddp), and on 2 Ray Train workers of a local Ray instance
+(`train.backend: ray`, stages/ray_training.py). Reports wall time (the launcher's start and the ranks'
+imports included), the time inside the stage function (rank 0's), the loss, the trainable weights each
+rank holds (fsdp: a shard), and max |weight difference| against the in-process run.
 
     .venv/bin/python benchmarks/train_processes.py [--rows 512] [--sft-rows 1024] [--repeat 2]
 """
@@ -88,23 +90,28 @@ def weights(folder: Path) -> dict:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def measure(name: str, function, root: Path, loss_key: str, repeat: int) -> list[dict]:
+WAYS = {"in-process": None, "torchrun 1": dict(num_processes=1), "torchrun 2": dict(num_processes=2),
+        "torchrun 2 fsdp": dict(num_processes=2, strategy="fsdp"), "ray 2": dict(num_processes=2, backend="ray")}
+
+
+def measure(name: str, function, root: Path, loss_key: str, repeat: int, ways: list[str]) -> list[dict]:
     """Each way `repeat` times, interleaved (the host is shared: the fastest of the repeats is reported)."""
     from stages import distributed
 
-    results = {how: {"stage": name, "how": how, "walls": []} for how in ("in-process", "torchrun 1", "torchrun 2")}
+    results = {how: {"stage": name, "how": how, "walls": []} for how in ways}
     for attempt in range(repeat):
         for how, r in results.items():
             out = root / f"{name}-{how.replace(' ', '')}-{attempt}"
             out.mkdir()
             started = time.perf_counter()
-            if how == "in-process":
+            if WAYS[how] is None:
                 summary = function(str(root), str(out))
             else:
                 summary = distributed.launch(f"train_processes:{function.__name__}",
                                              {"root": str(root), "out": str(out)},
-                                             distributed.TrainConfig(num_processes=int(how.split()[1])), name)
+                                             distributed.TrainConfig(**WAYS[how]), name)
             r["walls"].append(time.perf_counter() - started)
+            r["held"] = summary.get("trainable_params_per_rank")
             r.setdefault("stage_walls", []).append(summary["stage_s"])
             r.update(loss=summary[loss_key], out=out, wall_s=min(r["walls"]), stage_s=min(r["stage_walls"]))
     results = list(results.values())
@@ -123,14 +130,17 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="train_processes-") as tmp:
         root = setup(Path(tmp), args.rows, args.sft_rows)
-        rows = (measure("optimize", optimize, root, "loss", args.repeat)
-                + measure("sft", sft, root, "train_loss", args.repeat))
-    print("| stage | how | wall (fastest) | all walls | in the stage function | loss | max abs weight diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+        rows = (measure("optimize", optimize, root, "loss", args.repeat, list(WAYS))
+                + measure("sft", sft, root, "train_loss", args.repeat,
+                          [w for w in WAYS if "fsdp" not in w]))
+    print("| stage | how | wall (fastest) | all walls | in the stage function | loss | trainable weights per rank "
+          "| max abs weight diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        held = f"{r['held']:,}" if r.get("held") else "-"
         print(f"| {r['stage']} | {r['how']} | {r['wall_s']:.1f} s | {walls} | {r['stage_s']:.1f} s | {r['loss']:.6f} "
-              f"| {r['max_dw']:.1e} |")
+              f"| {held} | {r['max_dw']:.1e} |")
 
 
 if __name__ == "__main__":
