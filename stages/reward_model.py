@@ -628,6 +628,21 @@ def run(
     }
 
 
+def labelled_token_loss(outputs, labels, num_items_in_batch=None):
+    """Cross-entropy summed over the labelled step-end tokens, divided by the labelled tokens of the whole
+    optimizer step (Trainer's `num_items_in_batch`: every micro-batch of the step, on every rank). So a
+    step's loss weighs every labelled token alike however the rows are cut into micro-batches and ranks,
+    and train.num_processes 2 trains what one process does (a per-rank mean would weigh a rank's tokens
+    by its own count)."""
+    import torch
+
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE_INDEX).sum()
+    return total / count
+
+
 def _step_trainer_class():
     """transformers Trainer that also reports `step_accuracy` (train steps whose argmax matches the label,
     over the labelled tokens since the last log), as TRL's RewardTrainer reports `accuracy`."""
@@ -648,8 +663,18 @@ def _step_trainer_class():
             return (loss, outputs) if return_outputs else loss
 
         def log(self, logs, *args, **kwargs):
-            if "loss" in logs and self._total:
-                logs["step_accuracy"] = self._correct / self._total
+            if "loss" in logs:  # every rank logs the loss at the same steps: the counts are summed over ranks
+                from stages.distributed import world_size
+
+                correct, total = self._correct, self._total
+                if world_size() > 1:
+                    import torch.distributed as dist
+
+                    counts = torch.tensor([correct, total], dtype=torch.float64)
+                    dist.all_reduce(counts)
+                    correct, total = counts.tolist()
+                if total:
+                    logs["step_accuracy"] = correct / total
                 self._correct, self._total = 0, 0
             super().log(logs, *args, **kwargs)
 
@@ -723,6 +748,7 @@ def run_prm(
         model=model, args=TrainingArguments(**args, remove_unused_columns=False),
         train_dataset=datasets.Dataset.from_list(features),
         data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
+        compute_loss_func=labelled_token_loss,
         callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)]), cfg)
     result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
 

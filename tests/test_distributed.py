@@ -218,7 +218,8 @@ def test_ray_train_failures_are_clear(two_nodes):
     train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
     with pytest.raises(distributed.DistributedError) as e:
         distributed.launch("test_distributed:raise_on_rank_0", {}, train, "sft")
-    assert str(e.value).startswith("sft: training on 2 Ray Train workers") and "grpo.loss_type: a bad value" in str(e.value)
+    message = str(e.value)
+    assert message.startswith("sft: training on 2 Ray Train workers") and "grpo.loss_type: a bad value" in message
     too_many = train.model_copy(update={"num_processes": 3})
     with pytest.raises(distributed.DistributedError, match=r"3 ranks .* cannot fit .*CPU.*3 asked, 2 in the cluster"):
         distributed.launch("test_distributed:raise_on_rank_0", {}, too_many, "optimize r0")
@@ -345,29 +346,32 @@ PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_ste
                       "max_length": 64}
 
 
-def preference_stage(module: str, root: str, out: str, on_metrics=None, group=None) -> dict:
-    """stages.<module>.run (dpo or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
+def preference_stage(module: str, root: str, out: str, rl: str = "dpo", on_metrics=None, group=None) -> dict:
+    """stages.<module>.run (dpo with loss `rl`, or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
     import importlib
 
     stage = importlib.import_module(f"stages.{module}")
-    config = stage.PreferenceOptimizationConfig if module == "dpo" else stage.RewardModelConfig
-    return stage.run(config(**PREFERENCE_OPTIONS), Path(root) / "model", Path(root) / "prefs", Path(out),
-                     on_metrics=on_metrics, group=group)
+    if module == "dpo":
+        config = stage.PreferenceOptimizationConfig(**PREFERENCE_OPTIONS, rl=rl)
+    else:
+        config = stage.RewardModelConfig(**PREFERENCE_OPTIONS)
+    return stage.run(config, Path(root) / "model", Path(root) / "prefs", Path(out), on_metrics=on_metrics, group=group)
 
 
-@pytest.mark.parametrize("module", ["dpo", "reward_model"])
-def test_preference_stages_two_processes_equal_one(tmp_path, module):
+@pytest.mark.parametrize("module,rl", [("dpo", "dpo"), ("dpo", "kto"), ("dpo", "orpo"), ("dpo", "simpo"),
+                                       ("reward_model", None)])
+def test_preference_stages_two_processes_equal_one(tmp_path, module, rl):
     from conftest import tiny_preference_model
     from test_checkpoints import weights
 
     tiny_preference_model(tmp_path, num_train=96, num_eval=4)
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
-    one = preference_stage(module, str(tmp_path), str(tmp_path / "one"))
+    one = preference_stage(module, str(tmp_path), str(tmp_path / "one"), rl or "dpo")
     two = distributed.launch("test_distributed:preference_stage",
-                             {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two")},
+                             {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two"), "rl": rl or "dpo"},
                              distributed.TrainConfig(num_processes=2), module)
-    assert two["steps"] == one["steps"] == 24
+    assert two["steps"] == one["steps"] == (48 if rl == "kto" else 24)  # kto: each pair is two rows
     assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert w1.keys() == w2.keys()

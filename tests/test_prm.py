@@ -199,3 +199,35 @@ def test_prm_lora_is_merged_and_rows_are_checked(tiny, tmp_path):
     write_split([two_lines], prefs / "train.parquet")
     with pytest.raises(ValueError, match=r"step_separator.*train-000004"):
         rm.run(rm.RewardModelConfig(kind="prm"), tiny / "model", prefs, tmp_path / "out")
+
+
+def prm_on_ranks(root: str, out: str, on_metrics=None, group=None) -> dict:
+    """A 20-step PRM run (stages.distributed.launch calls it on each rank)."""
+    from pathlib import Path
+
+    return rm.run(rm.RewardModelConfig(max_steps=20, **FAST), Path(root) / "model", Path(root) / "prefs", Path(out),
+                  on_metrics=on_metrics, group=group)
+
+
+@pytest.mark.slow
+def test_prm_on_two_processes_equals_one(tiny, tmp_path):
+    """train.num_processes 2: the same weights, and step_accuracy counted over both ranks' rows (a rank's
+    own share would differ from the one-process value)."""
+    from stages import distributed
+    from test_checkpoints import weights
+
+    seen_one, seen_two = [], []
+    KEY = "reward_model/step_accuracy"
+    prm_on_ranks(str(tiny), str(tmp_path / "one"), on_metrics=lambda m, s: seen_one.append((m, s)))
+    distributed.launch("test_prm:prm_on_ranks", {"root": str(tiny), "out": str(tmp_path / "two")},
+                       distributed.TrainConfig(num_processes=2), "reward_model",
+                       on_metrics=lambda m, s: seen_two.append((m, s)))
+    accuracy_one, accuracy_two = ([(s, m[KEY]) for m, s in seen if KEY in m]
+                                  for seen in (seen_one, seen_two))
+    assert len(accuracy_one) == 2 and [s for s, _ in accuracy_one] == [s for s, _ in accuracy_two]
+    # step 10 counts the same tokens under equal weights; by step 20 the weights differ by float rounding,
+    # which can flip the argmax of a near-tie token (one in ~200 here)
+    assert accuracy_two[0][1] == pytest.approx(accuracy_one[0][1], abs=1e-9)
+    assert accuracy_two[1][1] == pytest.approx(accuracy_one[1][1], abs=0.011)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
