@@ -170,7 +170,8 @@ def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_
     processes = ctx.config.train.num_processes
     if processes > 1 and ctx.config.train.strategy == "fsdp" and function is not grpo.run:
         logging.getLogger(__name__).warning("%s: train.strategy fsdp shards the optimize stage only; this stage trains with "
-                                 "ddp (each rank holds the whole model) on %d processes", label, processes)
+                                 "ddp (each rank holds the whole model) on %d processes (HF Trainer, through "
+                                 "accelerate, runs CPU ranks as DDP only)", label, processes)
     if processes == 1:
         summary = function(**kwargs, on_metrics=on_metrics, **({"on_step": on_step} if on_step else {}))
     else:

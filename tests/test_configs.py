@@ -153,7 +153,13 @@ def test_train_section_typos_and_batch_split(tmp_path):
         load_config(CONFIGS[0], ["train.num_proceses=2"])
     with pytest.raises(ConfigError, match="sft.micro_batch_size is 30, not divisible by train.num_processes = 4"):
         load_config(CONFIGS[0], ["train.num_processes=4", "sft.micro_batch_size=30"])
-    with pytest.raises(ConfigError, match="train.strategy: fsdp is not built yet"):
-        load_config(CONFIGS[0], ["train.strategy=fsdp"])
+    with pytest.raises(ConfigError, match="train.strategy: fsdp shards the optimizer state"):
+        load_config(CONFIGS[0], ["train.num_processes=2", "train.strategy=fsdp", "grpo.optim=adafactor"])
+    with pytest.raises(ConfigError, match="did you mean 'train.ray.num_cpus_per_process'"):
+        load_config(CONFIGS[0], ["train.backend=ray", "train.ray.num_cpus_per_proces=2"])
+    with pytest.raises(ConfigError, match="train.backend"):
+        load_config(CONFIGS[0], ["train.backend=slurm"])
+    sharded = load_config(CONFIGS[0], ["train.num_processes=2", "train.strategy=fsdp", "train.backend=ray"])
+    assert (sharded.train.strategy, sharded.train.backend, sharded.train.ray.placement) == ("fsdp", "ray", "spread")
     cfg = load_config(CONFIGS[0], ["train.num_processes=2"])
     assert cfg.train.num_processes == 2 and cfg.train.strategy == "ddp" and cfg.train.master_port is None
