@@ -89,7 +89,8 @@ class Scorer:
                     future.set_result(reply)
 
     def score(self, requests: list[tuple[dict, list[str]]]) -> list[dict]:
-        """Score requests in one call of the pool: a job per (function, columns) group and batch chunk."""
+        """Score requests in one call of the pool: a job per (function, columns) group and chunk, the
+        chunks shared out among the workers."""
         samples = []
         for body, _ in requests:
             columns = {k: v for k, v in body.items() if k not in REQUEST_KEYS and not k.startswith("_")}
@@ -103,8 +104,10 @@ class Scorer:
             for name in names:
                 groups.setdefault((name, tuple(sorted(samples[i]))), []).append(i)
         jobs, where = [], []
-        size = self.cfg.reward_batch_size
         for (name, keys), members in groups.items():
+            # even one request's batch is shared out, in 4 chunks per worker so that none waits long for
+            # the slowest at the end of the call; at most reward_batch_size samples per chunk
+            size = min(self.cfg.reward_batch_size, -(-len(members) // (4 * self.cfg.reward_num_workers)))
             for start in range(0, len(members), size):
                 chunk = members[start : start + size]
                 jobs.append((name, {k: [samples[i][k] for i in chunk] for k in keys}, [f"request {i}" for i in chunk]))

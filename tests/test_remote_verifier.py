@@ -317,3 +317,31 @@ def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
             assert r["errors"] == []
     finally:
         stop(server)
+
+
+def test_score_key_has_the_verifier_url_and_version_not_code(monkeypatch, tmp_path):
+    """A remote verifier is keyed like user code by name: its options (URL and `version` label) are in the
+    score stage's key; nothing of this machine is hashed for it (no `user_code` entry)."""
+    from tasks import stage_tasks
+    from tasks.store import Artifact, ArtifactStore
+
+    sections = []
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, **_:
+                        sections.append(section) or stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def key(**verifier):
+        config = {"score": {"reward_funcs": ["remote:math"], "remote_verifiers": {"math": verifier}}}
+        ctx = stage_tasks.RunContext(load_config_dict(config), ArtifactStore(tmp_path / "artifacts"), None, None)
+        return stage_tasks.score_task.fn(ctx, Artifact("rollout", "k", tmp_path, {}), 0)
+
+    base = key(url="http://a:1")
+    assert "user_code" not in sections[-1]
+    assert key(url="http://a:1") == base
+    assert key(url="http://b:1") != base
+    assert key(url="http://a:1", version="v2") != base
+
+
+def load_config_dict(data: dict):
+    from flows.config import PipelineConfig
+
+    return PipelineConfig.model_validate(data)
