@@ -26,7 +26,7 @@ import sys
 from contextlib import asynccontextmanager
 
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
-from stages.rewards.remote import completion_from_response
+from stages.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ class Scorer:
         self.routes = {route_name(n): n for n in self.names}
         self.queue: asyncio.Queue | None = None
         self.sources = {}
-        from stages.rewards.remote import REMOTE_PREFIX, remote_source
-
         for name in self.names:  # a served config may itself use remote verifiers (a proxy)
             if name.startswith(REMOTE_PREFIX):
                 self.sources[name] = remote_source(score_cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])

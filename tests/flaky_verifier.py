@@ -39,3 +39,12 @@ def hangs_on_hang(completions, prompt_id, **kwargs):
     if any("hang" in p for p in prompt_id):
         time.sleep(3600)
     return [1.0] * len(completions)
+
+
+def refuses_long(completions, **kwargs):
+    """Fails single samples without raising: a SampleError for completions over 10 characters, else 1.0."""
+    from stages.reward_workers import SampleError
+    from stages.rewards import completion_text
+
+    return [SampleError(f"{len(completion_text(c))} characters is too long") if len(completion_text(c)) > 10
+            else 1.0 for c in completions]

@@ -345,3 +345,17 @@ def load_config_dict(data: dict):
     from flows.config import PipelineConfig
 
     return PipelineConfig.model_validate(data)
+
+
+def test_a_function_returning_sample_errors_fails_only_those_samples(tmp_path):
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=2)
+    metrics = run_score(ScoreConfig(reward_funcs=["flaky_verifier.refuses_long"], reward_num_workers=1,
+                                    reward_on_error=-2.0), rollouts, tmp_path / "out")
+    rows = read_scored(tmp_path / "out")
+    for r in rows:
+        if len(r["completion"]) > 10:
+            assert r["rewards"] == [("flaky_verifier.refuses_long", -2.0)]
+            assert r["errors"] == [f"flaky_verifier.refuses_long: {len(r['completion'])} characters is too long"]
+        else:
+            assert r["rewards"] == [("flaky_verifier.refuses_long", 1.0)] and r["errors"] == []
+    assert 0 < metrics["score/errors"] < len(rows)

@@ -87,7 +87,9 @@ class PolicyEndpoint:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning"))
+        # log_config None: leave this process's logging alone (reconfiguring it would flush Prefect's API
+        # log handler from inside a task run, which deadlocks on the logging lock)
+        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -86,8 +86,9 @@ def check_remote_names(reward_funcs: list[str], verifiers: dict[str, RemoteVerif
     """Each `remote:<name>` names a verifier of score.remote_verifiers; raise with the closest name."""
     import difflib
 
-    for bad in [n for n in verifiers if not NAME_PATTERN.match(n)]:
-        raise ValueError(f"remote_verifiers: name {bad!r} may only use letters, digits, '_' and '-'")
+    bad = [n for n in verifiers if not NAME_PATTERN.match(n)]
+    if bad:
+        raise ValueError(f"remote_verifiers: name {bad[0]!r} may only use letters, digits, '_' and '-'")
     for name in reward_funcs:
         if name.startswith(REMOTE_PREFIX) and name[len(REMOTE_PREFIX):] not in verifiers:
             wanted = name[len(REMOTE_PREFIX):]
