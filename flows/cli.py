@@ -3,6 +3,7 @@
   posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
   posttrain validate CONFIG [KEY.PATH=VALUE ...]  check a config and print it resolved
   posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
+  posttrain serve-rewards CONFIG [--host H] [--port N]  serve a config's reward functions at /verify
   posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
   posttrain compare RUN RUN... [--artifacts DIR] [--plot PATH]  runs side by side, plus a curves PNG
   posttrain data add FILE [--config CONFIG] [--emit]   register a training data version, announce it
@@ -153,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
-    from flows import resume, retrain, server, verify
+    from flows import resume, retrain, serve_rewards, server, verify
+
+    p = serve_rewards.add_arguments(sub.add_parser(
+        "serve-rewards", help="serve the config's score.reward_funcs as an HTTP verification service (NeMo Gym "
+                              "/verify shape), for `remote:<name>` reward functions of runs on other machines"))
+    p.set_defaults(handler=serve_rewards.serve_command, extras_into="overrides")
 
     p = sub.add_parser("data", help="registered training data versions: add FILE, list, watch (data.inbox)")
     retrain.add_data_arguments(p)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -232,10 +233,16 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Valid key names of the section at `loc` (for suggestions)."""
-    for part in loc:
+    """Valid key names of the section at `loc` (for suggestions); a dict or list of sections
+    (`score.remote_verifiers.<name>`) is walked through its key or index."""
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
         field = model.model_fields.get(part) if isinstance(part, str) else None
         annotation = getattr(field, "annotation", None)
+        if typing.get_origin(annotation) in (dict, list) and parts:
+            annotation = typing.get_args(annotation)[-1]
+            parts.pop(0)  # the entry's key or index
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

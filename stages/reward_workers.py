@@ -6,9 +6,11 @@ awaited. A flaky sample does not stop the stage: a call that raises, runs past `
 its worker is retried one sample at a time (a hung or dead worker is killed and replaced first), so
 the healthy samples of the batch still get their values, and each sample that fails on its own comes
 back as an error string ("accuracy: TimeoutError after 60 s") with a logged warning naming the
-function and the sample. Bugs do stop the stage with `RewardFunctionError`, naming the function: a
-reward module that cannot be loaded in a worker, a function that returns the wrong number of values
-or something that is not a number (or None).
+function and the sample. A function may also fail single samples itself, without raising: a
+`SampleError` in place of a value (remote verifiers do, for a request that failed).
+Bugs do stop the stage with `RewardFunctionError`, naming the function: a reward module that cannot
+be loaded in a worker, a function that returns the wrong number of values or something that is not a
+number (or None).
 """
 
 from __future__ import annotations
@@ -45,20 +47,38 @@ class RewardFunctionError(RuntimeError):
     """A reward function is broken (not merely failing on a sample); the message says which and how."""
 
 
+class SampleError(Exception):
+    """What a reward function returns in place of a value for a sample it could not score: that sample
+    gets `reward_on_error` and this message in its `errors` entry; the batch's other samples keep theirs."""
+
+
 REWARD_MODEL_PREFIX = "reward_model:"
 """`reward_model:/path/to/folder`: a trained reward model (AutoModelForSequenceClassification) as a
 reward function. In a config, plain `reward_model` means this run's reward_model stage."""
 
 
 def split_reward_funcs(names) -> tuple[list[str], list[str]]:
-    """(the functions: built-in names and `module.fn`, the reward-model folders of `reward_model:<folder>`)."""
+    """(the functions: built-in names and `module.fn`, the reward-model folders of `reward_model:<folder>`);
+    remote verifiers (`remote:...`) are neither: no code or files of this machine."""
+    from stages.rewards.remote import REMOTE_PREFIX
+
     folders = [n[len(REWARD_MODEL_PREFIX):] for n in names if n.startswith(REWARD_MODEL_PREFIX)]
-    return [n for n in names if not n.startswith(REWARD_MODEL_PREFIX)], folders
+    return [n for n in names if not n.startswith((REWARD_MODEL_PREFIX, REMOTE_PREFIX))], folders
 
 
 def resolve_reward(name: str, load: bool = True) -> Callable | None:
-    """A built-in reward by name, `module.fn`, or `reward_model:<folder>` (loaded once per process).
-    With `load=False` a reward model's folder is only checked, not loaded."""
+    """A built-in reward by name, `module.fn`, `reward_model:<folder>` (loaded once per process), or a
+    remote verifier (`remote:{its config as JSON}`, stages/rewards/remote.py `remote_source`).
+    With `load=False` a reward model's folder or a verifier's config is only checked, not loaded."""
+    from stages.rewards.remote import REMOTE_PREFIX, remote_verifier, verifier_from_source
+
+    if name.startswith(REMOTE_PREFIX):
+        try:
+            cfg = verifier_from_source(name)
+        except ValueError:
+            raise ValueError(f"reward_funcs: {name!r}: a remote verifier is named in score.remote_verifiers "
+                             "and used as remote:<name> in score.reward_funcs") from None
+        return remote_verifier(cfg) if load else None
     if name.startswith(REWARD_MODEL_PREFIX):
         folder = Path(name[len(REWARD_MODEL_PREFIX):])
         if not (folder / "config.json").exists():
@@ -307,6 +327,11 @@ class RewardWorkerPool:
                         failed(task, payload, details)
                     else:
                         self._check(jobs[task[0]], task, status, payload)
+                        for i, v in enumerate(payload):  # samples the function failed on itself
+                            if isinstance(v, BaseException):
+                                payload[i] = None
+                                failed((task[0], task[1] + i, task[1] + i + 1),
+                                       str(v) if isinstance(v, SampleError) else f"{type(v).__name__}: {v}")
                         values[task[0]][task[1] : task[2]] = payload
                 elif time.monotonic() >= w.deadline:
                     if not w.ready:
@@ -324,12 +349,12 @@ class RewardWorkerPool:
         where = f"samples {ids[lo]}..{ids[hi - 1]}" if hi - lo > 1 else f"sample {ids[lo]}"
         if status == "bad":
             self._fail(f"reward function {name!r} returned {payload} for {where}; it must return a list with "
-                       "one float (or None) per completion")
+                       "one float (or None, or a SampleError) per completion")
         if len(payload) != hi - lo:
             self._fail(f"reward function {name!r} returned {len(payload)} values for {hi - lo} completions "
                        f"({where}); it must return one float (or None) per completion")
         for sample_id, v in zip(ids[lo:hi], payload):
-            if v is not None and not isinstance(v, numbers.Real):
+            if v is not None and not isinstance(v, (numbers.Real, BaseException)):
                 self._fail(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample "
                            f"{sample_id}; expected a float or None")
 

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.health import collapse_metrics
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
+from stages.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 from stages.imports import LazyModule
 from stages.schemas import ROLLOUTS, SCORED, write_table
 
@@ -58,7 +59,12 @@ class ScoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"], min_length=1)
-    """Built-in names (accuracy, format) or `module.fn` with TRL's signature."""
+    """Built-in names (accuracy, format), `module.fn` with TRL's signature, `reward_model` (this run's) or
+    `reward_model:<folder>`, or `remote:<name>`: the HTTP verifier `<name>` of `remote_verifiers`."""
+    remote_verifiers: dict[str, RemoteVerifierConfig] = Field(default_factory=dict)
+    """HTTP verification services by name (NeMo Gym resources-server `/verify`, or `posttrain
+    serve-rewards`), each scoring the completions of `remote:<name>` (stages/rewards/remote.py). They run
+    inside the reward workers, so reward_timeout_s, reward_on_error and the errors column hold for them."""
     reward_weights: list[float] | None = None
     """One weight per reward function; unset: all 1.0."""
     reward_num_workers: int = Field(2, ge=1)
@@ -85,6 +91,18 @@ class ScoreConfig(BaseModel):
     then weighted sum, then normalize over the batch; keeps e.g. (format 1, correct 0) and (format 0,
     correct 1) apart where their sums collide. Same result with a single reward function up to the batch
     normalization."""
+
+    @model_validator(mode="after")
+    def _remote_names_defined(self):
+        check_remote_names(self.reward_funcs, self.remote_verifiers)
+        for name, verifier in self.remote_verifiers.items():
+            worst = verifier.worst_case_s()
+            if worst > self.reward_timeout_s:
+                raise ValueError(
+                    f"remote_verifiers.{name}: timeout_s x (retries + 1) + backoff = {worst:g} s is more than "
+                    f"reward_timeout_s = {self.reward_timeout_s:g} s, so a hanging service would be cut off by the "
+                    "worker pool's timeout instead of its own; lower timeout_s or retries, or raise reward_timeout_s")
+        return self
 
     @model_validator(mode="after")
     def _weights_match(self):
@@ -166,6 +184,9 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
             raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
                              "(or name a folder: reward_model:/path/to/model)")
         sources["reward_model"] = f"reward_model:{Path(reward_model_dir).resolve()}"
+    for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
+        if name.startswith(REMOTE_PREFIX):
+            sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     n = len(rows)

@@ -1,0 +1,362 @@
+"""Remote verifiers (stages/rewards/remote.py) against real servers: `posttrain serve-rewards` in a uvicorn
+subprocess on a free loopback port, and a NeMo Gym-shaped service that hangs, fails or dies on purpose
+(tests/flaky_verifier.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cluster import free_port
+from flows.cli import main
+from flows.config import ConfigError, load_config
+from stages import reward_workers, score
+from stages.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
+from stages.schemas import ROLLOUTS
+from stages.score import ScoreConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_GENERATIONS = 4
+
+
+@pytest.fixture(autouse=True)
+def close_pools():
+    yield
+    reward_workers._close_pools()
+    assert mp.active_children() == []
+
+
+def write_rollouts(path: Path, num_prompts: int = 8, prompt_ids: list[str] | None = None) -> Path:
+    """A rollouts table of arithmetic prompts with right, wrong, unformatted and equivalent-form answers."""
+    rng = random.Random(0)
+    rows = []
+    for p in range(num_prompts):
+        a, b = rng.randint(1, 50), rng.randint(1, 50)
+        pid = prompt_ids[p] if prompt_ids else f"train-{p}"
+        kinds = [f"<answer>{a + b}</answer>", f"<answer>{a + b + 1}</answer>", f"{a + b}",
+                 f"<answer>{(a + b) * 2}/2</answer> done"]
+        for g, completion in enumerate(kinds[:NUM_GENERATIONS]):
+            rows.append({
+                "rollout_id": f"r0-{pid}-g{g}", "prompt_id": pid, "group_index": g,
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "completion": completion,
+                "prompt_token_ids": [1, 2, 3], "completion_token_ids": list(range(len(completion))),
+                "sampling_logprobs": [-0.5] * len(completion), "policy_version": 0, "engine": "hf",
+                "finish_reason": "stop", "answer": str(a + b),
+            })
+    schema = pa.schema(list(ROLLOUTS) + [pa.field("answer", pa.string())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def start_server(argv: list[str], url: str, env: dict | None = None, timeout_s: float = 120.0) -> subprocess.Popen:
+    """Start a server subprocess and wait until GET <url>/health (or any HTTP answer) comes back."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not answer on {url} within {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`posttrain serve-rewards` on a config with accuracy + format and a function that hangs on some samples."""
+    config = tmp_path_factory.mktemp("serve") / "rewards.yaml"
+    config.write_text("score:\n  reward_funcs: [accuracy, format, flaky_verifier.hangs_on_hang]\n"
+                      "  reward_num_workers: 2\n  reward_timeout_s: 3\n  reward_on_error: -5.0\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server([sys.executable, "-m", "flows.cli", "serve-rewards", str(config), "--port", str(port)], url)
+    yield url
+    stop(proc)
+    assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read()  # uvicorn re-raises the SIGTERM it handled
+
+
+def remote_config(url: str, routes: dict[str, str], **options) -> ScoreConfig:
+    """remote:<name> for each {name: the served function's route}."""
+    return ScoreConfig(reward_funcs=[f"remote:{n}" for n in routes], reward_num_workers=2, reward_on_error=-1.0,
+                       remote_verifiers={n: {"url": f"{url}/{route}", **options} for n, route in routes.items()})
+
+
+def run_score(cfg: ScoreConfig, rollouts: Path, out: Path, num_generations: int = NUM_GENERATIONS) -> dict:
+    out.mkdir(parents=True)
+    return score.run(cfg, rollouts, num_generations, out)
+
+
+def read_scored(out: Path) -> list[dict]:
+    return pq.read_table(out / "scored.parquet").to_pylist()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["per-sample", "batch"])
+def test_remote_scores_equal_in_process(tmp_path, served, batch):
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet")
+    local_metrics = run_score(ScoreConfig(reward_funcs=["accuracy", "format"], reward_num_workers=2), rollouts,
+                              tmp_path / "local")
+    remote_metrics = run_score(remote_config(served, {"accuracy": "accuracy", "format": "format"}, batch=batch),
+                               rollouts, tmp_path / "remote")
+    local, remote = read_scored(tmp_path / "local"), read_scored(tmp_path / "remote")
+    assert [[v for _, v in r["rewards"]] for r in remote] == [[v for _, v in r["rewards"]] for r in local]
+    assert [r["reward"] for r in remote] == [r["reward"] for r in local]
+    assert [r["advantage"] for r in remote] == [r["advantage"] for r in local]
+    assert all(r["errors"] == [] for r in remote) and remote_metrics["score/errors"] == 0
+    assert remote_metrics["rewards/remote:accuracy/mean"] == local_metrics["rewards/accuracy/mean"]
+    # the rows have signal: right, wrong and equivalent-form answers, with and without the format
+    assert {v for r in local for _, v in r["rewards"]} == {0.0, 1.0}
+    assert remote[3]["rewards"] == [("remote:accuracy", 1.0), ("remote:format", 0.0)]  # "(2n)/2" is n
+
+
+def test_whole_service_reward_is_the_weighted_sum(tmp_path, served):
+    """`<url>/verify` answers the served config's weighted sum; null (None) rewards count 0 as in the stage."""
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=2)
+    cfg = ScoreConfig(reward_funcs=["remote:all"], reward_num_workers=1, remote_verifiers={"all": {"url": served}})
+    run_score(cfg, rollouts, tmp_path / "remote")
+    local = ScoreConfig(reward_funcs=["accuracy", "format", "flaky_verifier.hangs_on_hang"], reward_num_workers=1)
+    run_score(local, rollouts, tmp_path / "local")
+    assert [r["reward"] for r in read_scored(tmp_path / "remote")] == [r["reward"] for r in read_scored(tmp_path / "local")]
+
+
+def test_function_hanging_inside_the_server_costs_only_its_samples(tmp_path, served):
+    """The server's own worker pool times the function out (reward_timeout_s 3 there) on the samples of
+    prompt `hang-1`; those, and only those, get the client's reward_on_error and the server's reason."""
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=3, prompt_ids=["train-0", "hang-1", "train-2"])
+    cfg = remote_config(served, {"hangs": "flaky_verifier.hangs_on_hang"}, timeout_s=50, retries=0)
+    cfg = cfg.model_copy(update={"reward_timeout_s": 120.0})
+    run_score(cfg, rollouts, tmp_path / "out")
+    rows = read_scored(tmp_path / "out")
+    for r in rows:
+        value = r["rewards"][0][1]
+        if r["prompt_id"] == "hang-1":
+            assert value == -1.0
+            assert len(r["errors"]) == 1 and "TimeoutError after 3 s" in r["errors"][0], r["errors"]
+            assert r["errors"][0].startswith("remote:hangs: flaky_verifier.hangs_on_hang: ")
+        else:
+            assert value == 1.0 and r["errors"] == []
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "tests"), "flaky_verifier:app",
+                         "--port", str(port), "--log-level", "warning"], url)
+    yield url, proc
+    stop(proc)
+
+
+def test_hang_and_500_cost_only_their_samples(tmp_path, flaky):
+    url, _ = flaky
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=4,
+                              prompt_ids=["train-0", "hang-1", "error-2", "train-3"])
+    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0,
+                      remote_verifiers={"math": {"url": url, "timeout_s": 1.5, "retries": 1, "backoff_s": 0.1}})
+    started = time.monotonic()
+    metrics = run_score(cfg, rollouts, tmp_path / "out")
+    elapsed = time.monotonic() - started
+    rows = read_scored(tmp_path / "out")
+    by_prompt = {}
+    for r in rows:
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
+    for r in by_prompt["hang-1"]:
+        assert r["rewards"] == [("remote:math", -1.0)]
+        assert r["errors"] == [f"remote:math: TimeoutError: no answer from {url}/verify within 1.5 s (after 2 attempts)"]
+    for r in by_prompt["error-2"]:
+        assert r["rewards"] == [("remote:math", -1.0)]
+        assert r["errors"][0].startswith(f"remote:math: HTTP 500 from {url}/verify: ")
+        assert "verifier crashed" in r["errors"][0] and "after 2 attempts" in r["errors"][0]
+    for pid in ("train-0", "train-3"):  # right, wrong, unformatted-but-right, equivalent form
+        assert [r["rewards"][0][1] for r in by_prompt[pid]] == [1.0, 0.0, 1.0, 1.0]
+        assert all(r["errors"] == [] for r in by_prompt[pid])
+    assert metrics["score/errors"] == 8
+    assert elapsed < 30  # concurrent: the 4 hanging samples' 2 x 1.5 s waits overlap
+
+
+def test_server_killed_mid_batch(tmp_path, flaky):
+    """One request at a time: the samples answered before the server died keep their rewards; the one it
+    died on and every later one get reward_on_error, saying the connection failed."""
+    url, proc = flaky
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=3, prompt_ids=["train-0", "die-1", "train-2"])
+    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0,
+                      remote_verifiers={"math": {"url": url, "max_concurrency": 1, "retries": 1, "backoff_s": 0.1}})
+    run_score(cfg, rollouts, tmp_path / "out")
+    rows = read_scored(tmp_path / "out")
+    assert proc.wait(timeout=10) == -9  # it was killed
+    assert [r["rewards"][0][1] for r in rows[:4]] == [1.0, 0.0, 1.0, 1.0] and all(r["errors"] == [] for r in rows[:4])
+    for r in rows[4:]:
+        assert r["rewards"] == [("remote:math", -1.0)]
+        [error] = r["errors"]
+        assert error.startswith("remote:math: ") and ("ConnectError" in error or "RemoteProtocolError" in error)
+        assert "after 2 attempts" in error
+
+
+def test_request_is_nemo_gym_verify_shape():
+    """The request's `response` validates as an OpenAI Responses API object (what NeMo Gym's
+    BaseVerifyRequest.response extends), and the prompt is its create params' input. (openai comes with the
+    vllm extras; without them this test is skipped.)"""
+    Response = pytest.importorskip("openai.types.responses").Response
+
+    body = verify_request([{"role": "user", "content": "2+3?"}], [{"role": "assistant", "content": "<answer>5</answer>"}],
+                          {"answer": "5"})
+    response = Response.model_validate(body["response"])
+    assert response.output_text == "<answer>5</answer>"
+    assert body["responses_create_params"] == {"input": [{"role": "user", "content": "2+3?"}]}
+    assert body["answer"] == "5"
+
+
+def test_unreachable_service_fails_each_sample_not_the_call():
+    verifier = RemoteVerifier(RemoteVerifierConfig(url=f"http://127.0.0.1:{free_port()}", retries=0))
+    values = verifier(prompts=["a", "b"], completions=["1", "2"], answer=["1", "2"])
+    assert [type(v).__name__ for v in values] == ["SampleError", "SampleError"]
+    assert "ConnectError" in str(values[0])
+
+
+def test_config_typos_get_suggestions(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("score:\n  reward_funcs: [remote:math]\n  remote_verifiers:\n"
+                   "    math: {url: 'http://127.0.0.1:8001', timeut_s: 3}\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'score.remote_verifiers.math.timeut_s'; "
+                                          r"did you mean 'score.remote_verifiers.math.timeout_s'\?"):
+        load_config(bad)
+    bad.write_text("score:\n  reward_funcs: [remote:mth]\n  remote_verifiers:\n    math: {url: 'http://h:1'}\n")
+    with pytest.raises(ConfigError, match=r"'remote:mth' names no entry of score.remote_verifiers; "
+                                          r"did you mean 'remote:math'\?"):
+        load_config(bad)
+    bad.write_text("score:\n  reward_funcs: [remote:math]\n  remote_verifiers:\n    math: {url: 'host:8001'}\n")
+    with pytest.raises(ConfigError, match=r"score.remote_verifiers.math.url: .*'host:8001' is not a URL"):
+        load_config(bad)
+    bad.write_text("score:\n  reward_funcs: [remote:math]\n  remote_verifiers:\n    math: {url: 'http://h:1', "
+                   "timeout_s: 40}\n")
+    with pytest.raises(ConfigError, match=r"remote_verifiers.math: timeout_s x \(retries \+ 1\) \+ backoff = 121.5 s "
+                                          r"is more than reward_timeout_s = 60 s"):
+        load_config(bad)
+
+
+def test_serve_rewards_config_error_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("score:\n  reward_fucns: [accuracy]\n")
+    assert main(["serve-rewards", str(bad)]) == 2
+    assert "did you mean 'score.reward_funcs'" in capsys.readouterr().err
+    bad.write_text("score:\n  reward_funcs: [reward_model]\n")
+    assert main(["serve-rewards", str(bad)]) == 2
+    assert "reward_model:<folder>" in capsys.readouterr().err
+
+
+def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
+    """examples/multiturn: the rollout_func serves the tiny policy at /v1/responses, the episode server's
+    /run plays up to two turns per prompt (a wrong answer gets feedback and another try); each row is the
+    episode's last model turn, scored by the same server's /verify as a remote verifier."""
+    from conftest import tiny_say_policy
+    from transformers import AutoTokenizer
+
+    from stages import rollout
+    from stages.engines import Policy
+
+    root = tiny_say_policy(tmp_path, num_prompts=4)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "examples" / "multiturn"),
+                           "episode_server:app", "--port", str(port), "--log-level", "warning"], url)
+    try:
+        monkeypatch.setenv("EPISODE_SERVER_URL", url)
+        monkeypatch.syspath_prepend(str(ROOT / "examples" / "multiturn"))
+        out = tmp_path / "rollouts"
+        out.mkdir()
+        cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=3, max_completion_length=6,
+                                    rollout_func="multiturn_rollout.run_episodes")
+        rollout.run(cfg, Policy(root / "model"), root / "prompts" / "train.parquet", 0, out)
+        rows = pq.read_table(out / "rollouts.parquet").to_pylist()
+        tokenizer = AutoTokenizer.from_pretrained(root / "model")
+        assert len(rows) == 6
+        for row in rows:
+            assert row["engine"] == "transformers+multiturn_rollout.run_episodes"
+            assert len(row["sampling_logprobs"]) == len(row["completion_token_ids"]) >= 1
+            assert all(lp <= 0 for lp in row["sampling_logprobs"])
+            assert tokenizer.decode(row["completion_token_ids"], skip_special_tokens=True) == row["completion"]
+            conversation = tokenizer.decode(row["prompt_token_ids"])
+            assert conversation.startswith("<|im_start|>user\n" + row["prompt"][0]["content"])
+        # the untrained policy answers "say i" wrongly, so episodes went to a second turn after feedback
+        second_turns = [r for r in rows if "That is not it." in tokenizer.decode(r["prompt_token_ids"])]
+        assert second_turns
+        for r in second_turns:  # the first turn's answer and the feedback are in the prompt tokens
+            assert tokenizer.decode(r["prompt_token_ids"]).count("<|im_start|>assistant") == 2
+
+        cfg = ScoreConfig(reward_funcs=["remote:episode"], reward_num_workers=1,
+                          remote_verifiers={"episode": {"url": url}})
+        run_score(cfg, out / "rollouts.parquet", tmp_path / "scored", num_generations=2)
+        scored = read_scored(tmp_path / "scored")
+        for r in scored:
+            said = r["completion"].replace("<answer>", "").replace("</answer>", "").strip()
+            assert r["rewards"] == [("remote:episode", float(said == r["prompt"][0]["content"].split()[-1]))]
+            assert r["errors"] == []
+    finally:
+        stop(server)
+
+
+def test_score_key_has_the_verifier_url_and_version_not_code(monkeypatch, tmp_path):
+    """A remote verifier is keyed like user code by name: its options (URL and `version` label) are in the
+    score stage's key; nothing of this machine is hashed for it (no `user_code` entry)."""
+    from tasks import stage_tasks
+    from tasks.store import Artifact, ArtifactStore
+
+    sections = []
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, **_:
+                        sections.append(section) or stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def key(**verifier):
+        config = {"score": {"reward_funcs": ["remote:math"], "remote_verifiers": {"math": verifier}}}
+        ctx = stage_tasks.RunContext(load_config_dict(config), ArtifactStore(tmp_path / "artifacts"), None, None)
+        return stage_tasks.score_task.fn(ctx, Artifact("rollout", "k", tmp_path, {}), 0)
+
+    base = key(url="http://a:1")
+    assert "user_code" not in sections[-1]
+    assert key(url="http://a:1") == base
+    assert key(url="http://b:1") != base
+    assert key(url="http://a:1", version="v2") != base
+
+
+def load_config_dict(data: dict):
+    from flows.config import PipelineConfig
+
+    return PipelineConfig.model_validate(data)
+
+
+def test_a_function_returning_sample_errors_fails_only_those_samples(tmp_path):
+    rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=2)
+    metrics = run_score(ScoreConfig(reward_funcs=["flaky_verifier.refuses_long"], reward_num_workers=1,
+                                    reward_on_error=-2.0), rollouts, tmp_path / "out")
+    rows = read_scored(tmp_path / "out")
+    for r in rows:
+        if len(r["completion"]) > 10:
+            assert r["rewards"] == [("flaky_verifier.refuses_long", -2.0)]
+            assert r["errors"] == [f"flaky_verifier.refuses_long: {len(r['completion'])} characters is too long"]
+        else:
+            assert r["rewards"] == [("flaky_verifier.refuses_long", 1.0)] and r["errors"] == []
+    assert 0 < metrics["score/errors"] < len(rows)
