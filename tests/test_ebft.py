@@ -171,3 +171,35 @@ def test_tiny_run_raises_the_feature_matching_reward(tiny_policy):
     distances = [h["ebft/feature_distance"] for h in history]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.5, rewards
     assert sum(distances[-2:]) / 2 < sum(distances[:2]) / 2 - 0.5, distances
+
+
+def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path):
+    """The score key of rl: ebft changes with the frozen feature model and any ebft option; ce_coef enters the
+    optimize key (and only when set: a GRPO run's optimize keys stay as they were)."""
+    from test_cache_keys import Quiet, artifact
+
+    from flows.config import PipelineConfig
+    from tasks import stage_tasks
+    from tasks.store import ArtifactStore
+
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
+                        **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def context(config: dict, feature_model: str = "policy"):
+        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                     lineage=None, reporter=Quiet())
+        ctx.feature_model = artifact(feature_model, tmp_path)
+        return ctx
+
+    rollouts, policy, scored = (artifact(s, tmp_path) for s in ("rollout", "sft", "score"))
+    score_key = lambda config, feature_model="policy": stage_tasks.score_task.fn(  # noqa: E731
+        context(config, feature_model), rollouts, 0)
+    optimize_key = lambda config: stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0)  # noqa: E731
+    ebft_run = {"rl": "ebft"}
+    keys = {score_key(ebft_run), score_key(ebft_run, "other_policy"), score_key({"rl": "grpo"}),
+            score_key({"rl": "ebft", "ebft": {"diversity_coef": 0.5}}),
+            score_key({"rl": "ebft", "ebft": {"ground_truth": "<answer>{answer}</answer>"}}),
+            score_key({"rl": "ebft", "score": {"scale_rewards": "none"}})}
+    assert len(keys) == 6
+    assert optimize_key(ebft_run) == optimize_key({"rl": "grpo"})
+    assert optimize_key({"rl": "ebft", "ebft": {"ce_coef": 0.1}}) != optimize_key(ebft_run)
