@@ -203,3 +203,35 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
     assert len(keys) == 6
     assert optimize_key(ebft_run) == optimize_key({"rl": "grpo"})
     assert optimize_key({"rl": "ebft", "ebft": {"ce_coef": 0.1}}) != optimize_key(ebft_run)
+
+
+@pytest.mark.slow
+def test_ebft_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_path):
+    """rl: ebft through the flow: the GRPO round stages, score artifacts with the SFT policy as the frozen
+    feature model among their inputs, ebft/* metrics per round in MLflow, and a rerun that computes nothing."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from conftest import computed
+    from flows.pipeline import posttrain_pipeline
+    from tasks.store import MANIFEST
+
+    root = tmp_path / "artifacts"
+    overrides = ["rl=ebft", "grpo.rounds=2", 'ebft.ground_truth="<answer>{answer}</answer>"']
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert [row["stage"] for row in first["stages"]] == [
+        "demo_data", "transform", "base_model", "sft", "eval base", "rollout r0", "score r0", "optimize r0",
+        "rollout r1", "score r1", "optimize r1", "export", "eval final"]
+    sft_key = next(row["path"] for row in first["stages"] if row["stage"] == "sft").rsplit("/", 1)[-1]
+    for folder in (root / "score").iterdir():
+        manifest = json.loads((folder / MANIFEST).read_text())
+        assert manifest["inputs"]["feature_model"] == f"sft/{sft_key}"
+        assert {"ebft/alignment", "ebft/diversity", "ebft/feature_distance"} <= set(manifest["summary"])
+        rows = pq.read_table(folder / "scored.parquet").to_pylist()
+        assert all(set(dict(r["rewards"])) == {"alignment", "diversity"} for r in rows)
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    for name in ("ebft/alignment", "ebft/diversity", "ebft/feature_distance", "rewards/alignment/mean"):
+        assert [m.step for m in client.get_metric_history(first["mlflow_run_id"], name)] == [1, 2], name
+    second = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    assert computed(second) == []
