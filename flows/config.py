@@ -20,6 +20,7 @@ from stages.base_model import BaseModelConfig
 from stages.demo_data import DemoDataConfig
 from stages.distributed import TrainConfig
 from stages.dpo import PreferenceOptimizationConfig
+from stages.ebft import EBFTConfig
 from stages.evaluate import EvalConfig
 from stages.export import ExportConfig
 from stages.grpo import GRPOConfig
@@ -33,7 +34,7 @@ from stages.transform import TransformConfig
 from tasks.publish import TrackingConfig
 
 
-ROUND_METHODS = ("grpo", "gdpo")
+ROUND_METHODS = ("grpo", "gdpo", "ebft")
 SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
 
@@ -112,9 +113,10 @@ class PipelineConfig(BaseModel):
     sft.seed, rollout.seed, grpo.seed, dpo.seed and reward_model.seed. The demo data keep their own
     demo_data.seed, so runs with different seeds evaluate on the same held-out prompts. Unset: each
     section's own seed (all 0 by default)."""
-    rl: Literal["grpo", "gdpo", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
+    rl: Literal["grpo", "gdpo", "ebft", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
     """Post-training method (axolotl's `rl`). grpo: rollout/score/optimize rounds (sections rollout,
-    score, grpo); gdpo: the same rounds with score.multi_objective_aggregation normalize_then_sum. The
+    score, grpo); gdpo: the same rounds with score.multi_objective_aggregation normalize_then_sum; ebft:
+    the same rounds scored by feature matching against a reference completion (section ebft). The
     others: one preference-optimization stage on the `preferences` table (section dpo)."""
     demo_data: DemoDataConfig = Field(default_factory=DemoDataConfig)
     transform: TransformConfig = Field(default_factory=TransformConfig)
@@ -123,6 +125,8 @@ class PipelineConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    ebft: EBFTConfig = Field(default_factory=EBFTConfig)
+    """rl: ebft: feature-matching rewards from a frozen copy of the starting policy (stages/ebft.py)."""
     preferences: PreferenceConfig | None = None
     """Your preference data (axolotl's RLHF formats); unset: demo pairs for the built-in task."""
     demo_pairs: DemoPairsConfig = Field(default_factory=DemoPairsConfig)
@@ -150,7 +154,7 @@ class PipelineConfig(BaseModel):
 
     @property
     def uses_rounds(self) -> bool:
-        """True for the rollout/score/optimize methods (grpo, gdpo); False for the DPO family."""
+        """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""
         return self.rl in ROUND_METHODS
 
     @model_validator(mode="after")
@@ -172,6 +176,10 @@ class PipelineConfig(BaseModel):
             per_device(self.dpo.micro_batch_size, n, "dpo.micro_batch_size")
         if n > 1 and "reward_model" in self.score.reward_funcs:
             per_device(self.reward_model.micro_batch_size, n, "reward_model.micro_batch_size")
+        if n > 1 and self.train.strategy == "fsdp" and self.rl == "ebft" and self.ebft.ce_coef:
+            raise ValueError("ebft.ce_coef with train.strategy: fsdp is not built (its reference forward runs on "
+                             "some ranks' micro-batches only, and a sharded model needs the same passes on every "
+                             "rank); use train.strategy: ddp, or ebft.ce_coef: 0")
         if n > 1 and self.train.strategy == "fsdp" and self.grpo.optim in ("adafactor", "adamw_8bit"):
             raise ValueError(f"train.strategy: fsdp shards the optimizer state, which grpo.optim {self.grpo.optim} "
                              "keeps in shapes of its own (factored or 8-bit); use grpo.optim adamw or sgd with fsdp, "
@@ -207,6 +215,21 @@ class PipelineConfig(BaseModel):
                                  f"demo_pairs.kind is {self.demo_pairs.kind!r} (set it to {wanted!r} or leave it out)")
             if self.demo_pairs.kind != wanted:
                 self.demo_pairs = self.demo_pairs.model_copy(update={"kind": wanted})
+        return self
+
+    @model_validator(mode="after")
+    def _ebft_sets_rollout(self):
+        """ebft.n_samples_per_prompt / generate_max_len set rollout.num_generations / max_completion_length."""
+        if self.rl != "ebft":
+            return self
+        for mine, theirs in (("n_samples_per_prompt", "num_generations"), ("generate_max_len", "max_completion_length")):
+            value = getattr(self.ebft, mine)
+            if value is None:
+                continue
+            if theirs in self.rollout.model_fields_set and getattr(self.rollout, theirs) != value:
+                raise ValueError(f"ebft.{mine} is {value} but rollout.{theirs} is {getattr(self.rollout, theirs)}; "
+                                 f"they are the same setting under rl: ebft: set one of them")
+            self.rollout = self.rollout.model_copy(update={theirs: value})
         return self
 
     def hash(self) -> str:

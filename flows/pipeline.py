@@ -66,6 +66,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "train/reward_errors": ("score", "score/errors"),
     "train/kl": ("optimize", "kl"),
     "train/loss": ("optimize", "loss"),
+    "train/ce_loss": ("optimize", "ce_loss"),  # rl: ebft with ebft.ce_coef
     "train/clip_ratio": ("optimize", "clip_ratio"),
     "train/completion_length": ("optimize", "completion_length"),
     "train/grad_norm": ("optimize", "grad_norm"),
@@ -165,7 +166,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
                      "optimize": adapter.manifest["summary"]}
         metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
                    if key in summaries[stage]}
-        metrics.update({k: v for k, v in summaries["score"].items() if k.startswith("rewards/")})  # per function
+        metrics.update({k: v for k, v in summaries["score"].items() if k.startswith(("rewards/", "ebft/"))})  # per function
         if signals:
             metrics.update(signals.metrics(len(replaced), summaries["rollout"].get("rerolled_prompts", 0)))
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
@@ -284,9 +285,12 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
 
 def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dict) -> tuple:
     """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds).
-    With `reward_model` among score.reward_funcs, a reward model is trained first on the preferences."""
+    With `reward_model` among score.reward_funcs, a reward model is trained first on the preferences; rl: ebft
+    scores with the starting policy's features instead of score.reward_funcs."""
     started = time.perf_counter()
-    if "reward_model" in ctx.config.score.reward_funcs:
+    if ctx.config.rl == "ebft":  # the frozen feature network: the policy the rounds start from (stages/ebft.py)
+        ctx.feature_model = policy
+    elif "reward_model" in ctx.config.score.reward_funcs:
         prefs = log_preferences(ctx, parent, preferences_task(ctx))
         ctx.reward_model = reward_model_task(ctx, policy, prefs)
         summary = ctx.reward_model.manifest["summary"]

@@ -530,6 +530,7 @@ def run(
     on_step: Callable[[int, int], None] | None = None,
     on_metrics: Callable[[dict, int], None] | None = None,
     group=None,
+    ce_coef: float = 0.0,
 ) -> dict:
     """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
     the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
@@ -542,7 +543,8 @@ def run(
     every rank makes the same plan (shuffle, steps, skips, dapo's token count) from the same rows, runs
     micro-batches rank, rank + world_size, ... of each step, and the gradients and step statistics are
     summed across ranks before the optimizer step, so each replica takes the one-process step (up to the
-    order of float additions). Rank 0 alone saves. None: this process alone."""
+    order of float additions). Rank 0 alone saves. None: this process alone. `ce_coef` (rl: ebft): add that
+    times each micro-batch's `reference_cross_entropy`, divided like the loss by the step's micro-batches."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -720,6 +722,10 @@ def run(
                     importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
                     off_policy_keep=keep_mask,
                 )
+                if ce_coef:
+                    ce = reference_cross_entropy(model, rows_mb, tokenizer.pad_token_id)
+                    step_stats["ce_loss"] = step_stats.get("ce_loss", 0.0) + float(ce.detach()) / len(micro_batches)
+                    loss = loss + ce_coef * ce / len(micro_batches)
                 loss.backward()
                 step_stats["loss"] += float(loss.detach())
                 for key in ("kl", "clip_ratio"):
@@ -730,7 +736,7 @@ def run(
             if group is not None:
                 if not sharded:  # FSDP summed them in each backward (reduce-scatter)
                     group.sum_gradients(params)
-                step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction)
+                step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction, bool(ce_coef))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if sharded:
                 from stages.distributed import _full
@@ -784,6 +790,29 @@ def run(
     return metrics
 
 
+def reference_cross_entropy(model, rows: list[dict], pad_token_id: int) -> torch.Tensor:
+    """rl: ebft's `ce_coef` term (stages/ebft.py; axolotl's ce_loss on ground-truth tokens): the mean token NLL
+    -log pi(reference | prompt) of the references (`reference_token_ids`) of the rows' distinct prompts."""
+    seen, sequences, starts = set(), [], []
+    for r in rows:
+        if r["prompt_id"] in seen or not r.get("reference_token_ids"):
+            continue
+        seen.add(r["prompt_id"])
+        sequences.append(list(r["prompt_token_ids"]) + list(r["reference_token_ids"]))
+        starts.append(len(r["prompt_token_ids"]))
+    if not sequences:
+        return torch.zeros(())
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    targets = ids[:, 1:]
+    positions = torch.arange(1, width).unsqueeze(0)
+    mask = (positions >= torch.tensor(starts).unsqueeze(1)) & attention[:, 1:].bool()
+    nll = -torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (nll * mask).sum() / mask.sum().clamp(min=1)
+
+
 def _track_is(step_stats: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
     """Accumulate the correction ratio's sum over tokens and its max."""
     per_token = weights.expand_as(mask)
@@ -794,11 +823,12 @@ def _track_is(step_stats: dict, weights: torch.Tensor, mask: torch.Tensor) -> No
 _SUMMED_STATS = ("loss", "kl", "clip_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")
 
 
-def _sum_step_stats(group, step_stats: dict, tracks_is: bool) -> dict:
+def _sum_step_stats(group, step_stats: dict, tracks_is: bool, tracks_ce: bool = False) -> dict:
     """A step's statistics over all ranks: sums (is_max: max); a rank that ran no micro-batch of the step
     contributes zeros. The keys are those one process has after a taken step."""
-    sums = group.all_reduce([step_stats.get(k, 0.0) for k in _SUMMED_STATS])
-    total = dict(zip(_SUMMED_STATS, sums))
+    summed = _SUMMED_STATS + (("ce_loss",) if tracks_ce else ())
+    sums = group.all_reduce([step_stats.get(k, 0.0) for k in summed])
+    total = dict(zip(summed, sums))
     if tracks_is:
         total["is_max"] = group.all_reduce([step_stats.get("is_max", 0.0)], op="max")[0]
     else:
@@ -814,4 +844,6 @@ def _step_metrics(step_stats: dict, grad_norm: float) -> dict:
         out.update(is_ratio_mean=step_stats["is_sum"] / tokens, is_ratio_max=step_stats["is_max"])
     # sequences whose loss is zeroed by the correction's mask mode or by off-policy masking
     out["off_policy_masked_frac"] = step_stats.get("dropped", 0.0) / max(step_stats["sequences"], 1.0)
+    if "ce_loss" in step_stats:  # rl: ebft with ce_coef (this rank's micro-batches)
+        out["ce_loss"] = step_stats["ce_loss"]
     return out

@@ -18,6 +18,7 @@ from stages import (
     demo_data,
     distributed,
     dpo,
+    ebft,
     evaluate,
     export,
     grpo,
@@ -49,6 +50,7 @@ class RunContext:
         self.lineage = lineage
         self.reporter = reporter
         self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
+        self.feature_model: Artifact | None = None  # rl: ebft: the frozen policy whose features score rounds
         self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
         self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
         self.dropped_rows: dict = {}  # bad prompt rows the transform left out, per split (on_bad_rows: drop)
@@ -267,6 +269,14 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
 def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifact:
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
+    if ctx.config.rl == "ebft":  # feature-matching rewards from the frozen starting policy (stages/ebft.py)
+        section = {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n, "scale_rewards": cfg.scale_rewards}
+        return materialize(
+            ctx, "score", ebft, section, {"rollouts": rollouts, "feature_model": ctx.feature_model},
+            lambda out, _: ebft.run(ctx.config.ebft, rollouts.file("rollouts.parquet"), ctx.feature_model.path, n,
+                                    cfg.scale_rewards, out),
+            label=f"score r{round_index}",
+        )
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
     where = {"backend", "ray"}  # where the functions run: the same scores either way
@@ -304,6 +314,9 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
     options = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ROUND_STATE_KEYS}
     section = {**_round_section(options, round_index), "temperature": temperature,
                "max_completion_length": max_len}
+    ce_coef = ctx.config.ebft.ce_coef if ctx.config.rl == "ebft" else 0.0
+    if ce_coef:  # only then: a key without it stays the GRPO one
+        section["ce_coef"] = ce_coef
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
     label = f"optimize r{round_index}"
     return materialize(
@@ -311,7 +324,8 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
         lambda out, log: run_training(ctx, grpo.run, label, log, on_step=bar, cfg=cfg, base_dir=policy.path,
                                       prev_adapter_dir=adapter.path if adapter else None,
                                       scored_path=scored.file("scored.parquet"), round_index=round_index,
-                                      temperature=temperature, max_completion_length=max_len, out_dir=out),
+                                      temperature=temperature, max_completion_length=max_len, out_dir=out,
+                                      **({"ce_coef": ce_coef} if ce_coef else {})),
         label=label,
     )
 

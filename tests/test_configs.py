@@ -159,6 +159,8 @@ def test_train_section_typos_and_batch_split(tmp_path):
         load_config(CONFIGS[0], ["train.backend=ray", "train.ray.num_cpus_per_proces=2"])
     with pytest.raises(ConfigError, match="train.backend"):
         load_config(CONFIGS[0], ["train.backend=slurm"])
+    with pytest.raises(ConfigError, match="ebft.ce_coef with train.strategy: fsdp is not built"):
+        load_config(next(c for c in CONFIGS if c.name == "ebft.yaml"), ["train.num_processes=2", "train.strategy=fsdp", "ebft.ce_coef=0.1"])
     sharded = load_config(CONFIGS[0], ["train.num_processes=2", "train.strategy=fsdp", "train.backend=ray"])
     assert (sharded.train.strategy, sharded.train.backend, sharded.train.ray.placement) == ("fsdp", "ray", "spread")
     cfg = load_config(CONFIGS[0], ["train.num_processes=2"])
