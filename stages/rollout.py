@@ -15,6 +15,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stages.atropos import AtroposOptions
 from stages.engines import Policy, Sampling, engine_lock, get_engine
 from stages.schemas import ROLLOUTS, write_table
 
@@ -74,6 +75,11 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    source: Literal["prompts", "atropos"] = "prompts"
+    """prompts: each round samples the train split's prompts here. atropos: each round pulls one scored
+    batch from Atropos environments (rollout.atropos; stages/atropos.py), which sample the policy posttrain
+    serves with `engine`; a batch is prompts_per_round groups of num_generations sequences."""
+    atropos: AtroposOptions = Field(default_factory=AtroposOptions)
     engine: Literal["transformers", "vllm", "vllm_server", "ray_vllm"] = "transformers"
     """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
     across rounds. vllm_server: external `vllm serve --enable-lora` servers. ray_vllm: vLLM engines
@@ -141,6 +147,16 @@ class RolloutConfig(BaseModel):
                     raise ValueError(f"rollout.{key}: {cpus} -- cores here are {available}")
         if self.worker_cpus is not None and not self.worker_process:
             raise ValueError("rollout.worker_cpus needs rollout.worker_process: true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_atropos(self) -> "RolloutConfig":
+        if self.source == "atropos":
+            clash = [k for k in ("async_prefetch", "worker_process") if getattr(self, k)] + (
+                ["rollout_func"] if self.rollout_func else [])
+            if clash:
+                raise ValueError(f"rollout.source: atropos does not go with rollout.{', rollout.'.join(clash)}: "
+                                 "the environments decide what is sampled and when; leave them unset")
         return self
 
     def lag(self) -> int:
