@@ -236,7 +236,8 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
-    section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
+    section = {k: v for k, v in cfg.model_dump(mode="json").items()
+               if k not in ASYNC_KEYS and k not in ("source", "atropos")}  # source: prompts (atropos_batch_task)
     handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
     section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
     vllm = {k: v for k, v in section.pop("vllm").items() if k in handed
@@ -276,7 +277,9 @@ def atropos_batch_task(ctx: RunContext, session, policy: Artifact, adapter: Arti
     the policy being served when it was pulled; a resumed run finds it and asks the API for no other."""
     cfg = ctx.config.rollout
     section = {"source": "atropos", **cfg.atropos.model_dump(mode="json", exclude=set(ATROPOS_WHERE_KEYS)),
-               "batch_size": atropos_batch_size(ctx), "num_generations": cfg.num_generations, "round": round_index}
+               "batch_size": atropos_batch_size(ctx), "num_generations": cfg.num_generations, "round": round_index,
+               # what the policy server samples with (the environment asks for temperature and length itself)
+               **{k: getattr(cfg, k) for k in ("engine", "temperature", "top_p", "max_completion_length")}}
     return materialize(
         ctx, "rollout", atropos, section, {"policy": policy, "adapter": adapter},
         lambda out, _: atropos.pull(cfg.atropos, session, round_index, cfg.num_generations, policy.path, out),
