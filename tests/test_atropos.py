@@ -49,6 +49,56 @@ def test_api_that_is_down_and_not_startable_names_url_and_what_to_start(tmp_path
         ensure_api(opts, tmp_path)
 
 
+def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores(tmp_path):
+    """Without atroposlib: what an environment gets from the policy server, sent back as an Atropos group
+    (tokens, -100 masks, inference_logprobs, overrides), becomes rollouts rows and group advantages."""
+    import httpx
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_model
+    from stages import atropos
+    from stages.engines import Policy, get_engine
+    from stages.schemas import ROLLOUTS, write_table
+
+    tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
+                          for i in range(50)])
+    model = tmp_path / "model"
+    url = f"http://127.0.0.1:{free_port()}"
+    server = atropos.PolicyServer(url, get_engine("transformers", model, {"batch_size": 8}), Policy(model, version=3))
+    try:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["root"] == str(model)
+        prompt = [{"role": "user", "content": "say 7"}]
+        resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "policy", "messages": prompt, "n": 2,
+                                                                "max_tokens": 4, "logprobs": True}, timeout=60).json()
+    finally:
+        server.close()
+    assert resp["policy_version"] == 3 and len(resp["choices"]) == 2
+    prompt_ids = resp["prompt_token_ids"]
+    group = {"tokens": [], "masks": [], "inference_logprobs": [], "scores": [1.0, 0.0], "overrides": [], "env_id": 0}
+    for choice in resp["choices"]:
+        ids, lps = choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+        assert len(ids) == len(lps) and all(lp <= 0 for lp in lps)
+        group["tokens"].append(prompt_ids + ids)
+        group["masks"].append([-100] * len(prompt_ids) + ids)
+        group["inference_logprobs"].append([1.0] * len(prompt_ids) + lps)
+        group["overrides"].append({"policy_version": resp["policy_version"], "env": "say", "answer": "7"})
+    rows = atropos.batch_rows([group, group], 4, 2, AutoTokenizer.from_pretrained(model))
+    assert [r["group_index"] for r in rows] == [0, 1, 0, 1] and rows[0]["prompt_token_ids"] == prompt_ids
+    assert rows[1]["completion_token_ids"] == resp["choices"][1]["token_ids"]
+    assert rows[1]["sampling_logprobs"] == [t["logprob"] for t in resp["choices"][1]["logprobs"]["content"]]
+    assert rows[0]["policy_version"] == 3 and rows[0]["engine"] == "atropos:say" and rows[0]["answer"] == "7"
+    assert "say 7" in rows[0]["prompt"][0]["content"]
+    write_table(pa.Table.from_pylist(rows), tmp_path / "rollouts.parquet", ROLLOUTS, extra_ok=True)
+    summary = atropos.score(tmp_path / "rollouts.parquet", 2, "group", tmp_path)
+    scored = pq.read_table(tmp_path / "scored.parquet").to_pylist()
+    assert [r["reward"] for r in scored] == [1.0, 0.0, 1.0, 0.0] and scored[0]["advantage"] > 0 > scored[1]["advantage"]
+    assert summary["reward_mean"] == 0.5
+    with pytest.raises(atropos.AtroposError, match="--env.group_size 4"):
+        atropos.batch_rows([group], 0, 4, AutoTokenizer.from_pretrained(model))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
