@@ -115,7 +115,7 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     """
     cfg = ctx.config.rollout
     if cfg.source == "atropos":
-        return _atropos_rounds(ctx, policy, log_round)
+        return _atropos_rounds(ctx, policy, prompts, log_round)
     threads = len(cfg.trainer_cpus) if cfg.trainer_cpus else None
     if cfg.lag() and cfg.prefetch_torch_threads:
         threads = cfg.prefetch_torch_threads
@@ -134,6 +134,15 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
         os.sched_setaffinity(0, cpus_before)
 
 
+def eval_round(ctx: RunContext, policy, prompts, adapter, r: int) -> None:
+    """eval.every_rounds: evaluate the policy after r + 1 rounds (base, step 0, and final are evaluated by
+    the flow)."""
+    cfg = ctx.config
+    if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
+        evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
+        ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
+
+
 def round_metrics(rollouts, scored, adapter) -> tuple[dict, dict]:
     """A round's parent-run metrics (ROUND_METRICS, per reward function), and its stages' summaries."""
     summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
@@ -144,7 +153,7 @@ def round_metrics(rollouts, scored, adapter) -> tuple[dict, dict]:
     return metrics, summaries
 
 
-def _atropos_rounds(ctx: RunContext, policy, log_round) -> tuple:
+def _atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     """rollout.source: atropos (stages/atropos.py): each round pulls one scored batch from the Atropos API,
     stores it (rollouts, then scored), and optimizes on it; the policy server samples the newest policy."""
     from stages import atropos
@@ -166,10 +175,12 @@ def _atropos_rounds(ctx: RunContext, policy, log_round) -> tuple:
             waited = time.perf_counter() - started
             started = time.perf_counter()
             adapter = optimize_task(ctx, policy, adapter, scored, r)
+            optimize_s = time.perf_counter() - started
+            eval_round(ctx, policy, prompts, adapter, r)
             metrics, summaries = round_metrics(rollouts, scored, adapter)
             metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
-                            "time/score_s": scored.manifest["wall_time_s"],
-                            "time/optimize_s": time.perf_counter() - started, "time/waiting_s": waited})
+                            "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
+                            "time/waiting_s": waited})
             log_round(metrics, r, scored, adapter)
             lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
                                           "policy_version": summaries["rollout"].get("policy_version", r)}
@@ -207,10 +218,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         optimize_s = time.perf_counter() - started
         if r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
-        if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
-            # eval.every_rounds: the policy after r + 1 rounds; base (step 0) and final are evaluated by the flow
-            evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
-            ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
+        eval_round(ctx, policy, prompts, adapter, r)
         metrics, summaries = round_metrics(rollouts, scored, adapter)
         if signals:
             metrics.update(signals.metrics(len(replaced), summaries["rollout"].get("rerolled_prompts", 0)))
