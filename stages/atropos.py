@@ -308,7 +308,7 @@ def score(rollouts_path: Path, num_generations: int, scale_rewards: str, out_dir
 
 class PolicyServer:
     """An OpenAI-compatible /v1/chat/completions for the environments, sampling the current policy with
-    one of our rollout engines (one request at a time). Answers carry vLLM's `prompt_token_ids` and per
+    one of our rollout engines (requests that wait for the engine are sampled together in one call). Answers carry vLLM's `prompt_token_ids` and per
     choice `token_ids` (as with vLLM's `return_token_ids`), the sampled tokens' log-probs with
     `logprobs: true`, and `policy_version`: the optimize rounds behind the weights that sampled."""
 
@@ -316,6 +316,7 @@ class PolicyServer:
         self.engine, self.policy = engine, policy
         self._lock = threading.Lock()
         self._requests = 0
+        self._pending: list[dict] = []  # requests waiting for the engine (see _generate)
         server = self
         parsed = urlparse(url)
 
@@ -356,18 +357,14 @@ class PolicyServer:
         self.thread.start()
 
     def chat_completion(self, request: dict) -> dict:
-        from stages.engines import Sampling, engine_lock
-
         messages = [{"role": m["role"], "content": m["content"]} for m in request["messages"]]
         n = int(request.get("n") or 1)
         with self._lock:
             self._requests += 1
-            policy, seed = self.policy, self._requests
-        sampling = Sampling(max_new_tokens=int(request.get("max_tokens") or request.get("max_completion_tokens") or 16),
-                            temperature=float(request.get("temperature", 1.0) or 1.0),
-                            top_p=float(request.get("top_p", 1.0) or 1.0), seed=seed)
-        with engine_lock(self.engine):
-            generated = self.engine.generate(policy, [messages] * n, sampling)
+            seed = self._requests
+        settings = (int(request.get("max_tokens") or request.get("max_completion_tokens") or 16),
+                    float(request.get("temperature", 1.0) or 1.0), float(request.get("top_p", 1.0) or 1.0))
+        version, generated = self._generate([messages] * n, settings, seed)
         choices = []
         for i, gen in enumerate(generated):
             choice = {"index": i, "message": {"role": "assistant", "content": gen["completion"]},
@@ -381,9 +378,42 @@ class PolicyServer:
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {"id": f"chatcmpl-{seed}", "object": "chat.completion", "created": int(time.time()),
                 "model": MODEL_NAME, "choices": choices, "prompt_token_ids": prompt_ids,
-                "policy_version": policy.version,
+                "policy_version": version,
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                           "total_tokens": len(prompt_ids) + completion_tokens}}
+
+    def _generate(self, prompts: list, settings: tuple, seed: int) -> tuple[int, list[dict]]:
+        """(policy version, one result per prompt). Requests that arrive while the engine is busy wait
+        together: the first to get the engine samples every waiting request with the same settings in
+        one call (one batched generate instead of one per group)."""
+        from stages.engines import Sampling, engine_lock
+
+        job = {"prompts": prompts, "settings": settings, "done": threading.Event()}
+        with self._lock:
+            self._pending.append(job)
+        with engine_lock(self.engine):
+            if not job["done"].is_set():  # nobody took it along: sample it and those waiting like it
+                with self._lock:
+                    batch = [j for j in self._pending if j["settings"] == settings]
+                    self._pending = [j for j in self._pending if j["settings"] != settings]
+                    policy = self.policy
+                max_new_tokens, temperature, top_p = settings
+                try:
+                    generated = self.engine.generate(policy, [p for j in batch for p in j["prompts"]],
+                                                     Sampling(max_new_tokens, temperature, top_p, seed=seed))
+                except Exception as e:
+                    generated, error = None, e
+                start = 0
+                for j in batch:
+                    if generated is None:
+                        j["error"] = error
+                    else:
+                        j["result"] = (policy.version, generated[start : start + len(j["prompts"])])
+                    start += len(j["prompts"])
+                    j["done"].set()
+        if "error" in job:
+            raise job["error"]
+        return job["result"]
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -72,6 +72,17 @@ def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores
         prompt = [{"role": "user", "content": "say 7"}]
         resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "policy", "messages": prompt, "n": 2,
                                                                 "max_tokens": 4, "logprobs": True}, timeout=60).json()
+        from concurrent.futures import ThreadPoolExecutor
+
+        def ask(i):  # concurrent requests: sampled together, each answered with its own prompt and n
+            body = {"model": "policy", "messages": [{"role": "user", "content": f"say {i}"}], "n": i, "max_tokens": 3}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, [1, 2, 3, 4]))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        for i, answer in enumerate(answers, start=1):
+            assert len(answer["choices"]) == i and f"say {i}" in tokenizer.decode(answer["prompt_token_ids"])
     finally:
         server.close()
     assert resp["policy_version"] == 3 and len(resp["choices"]) == 2
