@@ -42,50 +42,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from stages.rollout import AtroposOptions
 
 log = logging.getLogger("posttrain.atropos")
 
 MODEL_NAME = "policy"
 """The model name environments ask the policy server for (`--openai.model_name policy`)."""
-
-
-class AtroposOptions(BaseModel):
-    """`rollout.source: atropos`: where Atropos' API server is and how posttrain serves its policy."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    api_url: str = "http://127.0.0.1:8000"
-    """Atropos' API server (`run-api`). Atropos' default port; part of the round's batch key (another API
-    is another stream of batches)."""
-    start_api: bool = True
-    """Start `run-api` (from `api_command`) when api_url is on this host and nothing answers there; posttrain
-    stops it at the end of the run, but a killed run leaves it running, so the resumed run finds it with the
-    environments still attached. false: fail with a message saying what to start."""
-    api_command: str = "run-api"
-    """The `run-api` executable: a name on PATH or beside this Python, or a path."""
-    api_start_timeout_s: float = Field(60.0, gt=0)
-    """How long `run-api` may take to answer after it is started."""
-    policy_url: str = "http://127.0.0.1:9100"
-    """Where posttrain serves the current policy to the environments (OpenAI-compatible, model name
-    `policy`): point each environment's `--openai.base_url` at this URL + /v1."""
-    max_token_len: int = Field(512, ge=8)
-    """Longest prompt + completion in tokens (registered; environments drop longer sequences).
-    Higher: longer reasoning fits, more memory per sequence."""
-    batch_timeout_s: float = Field(900.0, gt=0)
-    """How long one round may wait for the API to have a full batch before the run fails (the error
-    names the API and says to start an environment)."""
-    wandb_project: str = "posttrain"
-    """Registered with the API (environments log to W&B under it when they use W&B)."""
-    wandb_group: str = "posttrain"
-    """Registered with the API, as wandb_project."""
-
-    @field_validator("api_url", "policy_url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")) or not urlparse(value).port:
-            raise ValueError(f"{value!r}: expected a URL with a port, like http://127.0.0.1:8000")
-        return value.rstrip("/")
 
 
 class AtroposError(RuntimeError):
