@@ -39,6 +39,10 @@ from tasks.stage_tasks import (
     eval_task,
     export_task,
     optimize_task,
+    atropos_batch_size,
+    atropos_batch_task,
+    atropos_score_task,
+    policy_for,
     replay_task,
     rollout_task,
     score_task,
@@ -111,6 +115,8 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     optimize. The schedule is deterministic, so reruns hit the same cached artifacts.
     """
     cfg = ctx.config.rollout
+    if cfg.source == "atropos":
+        return _atropos_rounds(ctx, policy, prompts, log_round)
     threads = len(cfg.trainer_cpus) if cfg.trainer_cpus else None
     if cfg.lag() and cfg.prefetch_torch_threads:
         threads = cfg.prefetch_torch_threads
@@ -127,6 +133,62 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     finally:
         torch.set_num_threads(threads_before)
         os.sched_setaffinity(0, cpus_before)
+
+
+def eval_round(ctx: RunContext, policy, prompts, adapter, r: int) -> None:
+    """eval.every_rounds: evaluate the policy after r + 1 rounds (base, step 0, and final are evaluated by
+    the flow)."""
+    cfg = ctx.config
+    if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
+        evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
+        ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
+
+
+def round_metrics(rollouts, scored, adapter) -> tuple[dict, dict]:
+    """A round's parent-run metrics (ROUND_METRICS, per reward function), and its stages' summaries."""
+    summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
+                 "optimize": adapter.manifest["summary"]}
+    metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
+               if key in summaries[stage]}
+    # per reward function, and rl: ebft's feature-matching statistics
+    metrics.update({k: v for k, v in summaries["score"].items() if k.startswith(("rewards/", "ebft/"))})
+    return metrics, summaries
+
+
+def _atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
+    """rollout.source: atropos (stages/atropos.py): each round pulls one scored batch from the Atropos API,
+    stores it (rollouts, then scored), and optimizes on it; the policy server samples the newest policy."""
+    from stages import atropos
+    from stages.engines import get_engine
+    from stages.rollout import engine_options
+
+    cfg = ctx.config
+    session = atropos.AtroposSession(
+        cfg.rollout.atropos, lambda: get_engine(cfg.rollout.engine, policy.path,
+                                                engine_options(cfg.rollout, cfg.grpo.lora_r)),
+        atropos_batch_size(ctx), cfg.grpo.rounds, ctx.store.root)
+    adapter, lineage_keys, metrics = None, {}, {}
+    try:
+        for r in range(cfg.grpo.rounds):
+            session.serve(policy_for(ctx, policy, adapter, r))
+            started = time.perf_counter()
+            rollouts = atropos_batch_task(ctx, session, policy, adapter, r)
+            scored = atropos_score_task(ctx, rollouts, r)
+            waited = time.perf_counter() - started
+            started = time.perf_counter()
+            adapter = optimize_task(ctx, policy, adapter, scored, r)
+            optimize_s = time.perf_counter() - started
+            eval_round(ctx, policy, prompts, adapter, r)
+            metrics, summaries = round_metrics(rollouts, scored, adapter)
+            metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
+                            "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
+                            "time/waiting_s": waited})
+            log_round(metrics, r, scored, adapter)
+            lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
+                                          "policy_version": summaries["rollout"].get("policy_version", r)}
+    finally:
+        session.close()
+    return adapter, lineage_keys, metrics
 
 
 def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
@@ -158,15 +220,8 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         optimize_s = time.perf_counter() - started
         if r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
-        if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
-            # eval.every_rounds: the policy after r + 1 rounds; base (step 0) and final are evaluated by the flow
-            evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
-            ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
-        summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
-                     "optimize": adapter.manifest["summary"]}
-        metrics = {name: summaries[stage][key] for name, (stage, key) in ROUND_METRICS.items()
-                   if key in summaries[stage]}
-        metrics.update({k: v for k, v in summaries["score"].items() if k.startswith(("rewards/", "ebft/"))})  # per function
+        eval_round(ctx, policy, prompts, adapter, r)
+        metrics, summaries = round_metrics(rollouts, scored, adapter)
         if signals:
             metrics.update(signals.metrics(len(replaced), summaries["rollout"].get("rerolled_prompts", 0)))
         metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),

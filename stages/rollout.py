@@ -12,8 +12,9 @@ import os
 import random
 from pathlib import Path
 from typing import Callable, Literal
+from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.engines import Policy, Sampling, engine_lock, get_engine
 from stages.schemas import ROLLOUTS, write_table
@@ -69,11 +70,55 @@ class RayVLLMOptions(BaseModel):
     """How long the engines may take to be placed and built before the rollout fails."""
 
 
+class AtroposOptions(BaseModel):
+    """`rollout.source: atropos` (stages/atropos.py): where Atropos' API server is and how posttrain serves
+    its policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_url: str = "http://127.0.0.1:8000"
+    """Atropos' API server (`run-api`). Atropos' default port; part of the round's batch key (another API
+    is another stream of batches)."""
+    start_api: bool = True
+    """Start `run-api` (from `api_command`) when api_url is on this host and nothing answers there; posttrain
+    stops it at the end of the run, but a killed run leaves it running, so the resumed run finds it with the
+    environments still attached. false: fail with a message saying what to start."""
+    api_command: str = "run-api"
+    """The `run-api` executable: a name on PATH or beside this Python, or a path."""
+    api_start_timeout_s: float = Field(60.0, gt=0)
+    """How long `run-api` may take to answer after it is started."""
+    policy_url: str = "http://127.0.0.1:9100"
+    """Where posttrain serves the current policy to the environments (OpenAI-compatible, model name
+    `policy`): point each environment's `--openai.base_url` at this URL + /v1."""
+    max_token_len: int = Field(512, ge=8)
+    """Longest prompt + completion in tokens (registered; environments drop longer sequences).
+    Higher: longer reasoning fits, more memory per sequence."""
+    batch_timeout_s: float = Field(900.0, gt=0)
+    """How long one round may wait for the API to have a full batch before the run fails (the error
+    names the API and says to start an environment)."""
+    wandb_project: str = "posttrain"
+    """Registered with the API (environments log to W&B under it when they use W&B)."""
+    wandb_group: str = "posttrain"
+    """Registered with the API, as wandb_project."""
+
+    @field_validator("api_url", "policy_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or not urlparse(value).port:
+            raise ValueError(f"{value!r}: expected a URL with a port, like http://127.0.0.1:8000")
+        return value.rstrip("/")
+
+
 class RolloutConfig(BaseModel):
     """Sampling settings (names as in TRL's GRPOConfig) and the engine that samples."""
 
     model_config = ConfigDict(extra="forbid")
 
+    source: Literal["prompts", "atropos"] = "prompts"
+    """prompts: each round samples the train split's prompts here. atropos: each round pulls one scored
+    batch from Atropos environments (rollout.atropos; stages/atropos.py), which sample the policy posttrain
+    serves with `engine`; a batch is prompts_per_round groups of num_generations sequences."""
+    atropos: AtroposOptions = Field(default_factory=AtroposOptions)
     engine: Literal["transformers", "vllm", "vllm_server", "ray_vllm"] = "transformers"
     """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
     across rounds. vllm_server: external `vllm serve --enable-lora` servers. ray_vllm: vLLM engines
@@ -141,6 +186,16 @@ class RolloutConfig(BaseModel):
                     raise ValueError(f"rollout.{key}: {cpus} -- cores here are {available}")
         if self.worker_cpus is not None and not self.worker_process:
             raise ValueError("rollout.worker_cpus needs rollout.worker_process: true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_atropos(self) -> "RolloutConfig":
+        if self.source == "atropos":
+            clash = [k for k in ("async_prefetch", "worker_process") if getattr(self, k)] + (
+                ["rollout_func"] if self.rollout_func else [])
+            if clash:
+                raise ValueError(f"rollout.source: atropos does not go with rollout.{', rollout.'.join(clash)}: "
+                                 "the environments decide what is sampled and when; leave them unset")
         return self
 
     def lag(self) -> int:

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from stages import (
+    atropos,
     base_model,
     demo_data,
     distributed,
@@ -242,7 +243,8 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
-    section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ASYNC_KEYS}
+    section = {k: v for k, v in cfg.model_dump(mode="json").items()
+               if k not in ASYNC_KEYS and k not in ("source", "atropos")}  # source: prompts (atropos_batch_task)
     handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
     section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
     vllm = {k: v for k, v in section.pop("vllm").items() if k in handed
@@ -262,6 +264,44 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
         lambda out, _: run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options, on_progress=bar,
                            reroll_prompt_ids=list(reroll_prompt_ids)),
         label=f"rollout r{round_index}",
+    )
+
+
+ATROPOS_WHERE_KEYS = ("start_api", "api_command", "api_start_timeout_s", "policy_url", "batch_timeout_s")
+"""rollout.atropos options that say where and how long, not which batches: not part of a batch's key."""
+
+
+def atropos_batch_size(ctx: RunContext) -> int:
+    """Sequences per pulled batch (registered with the API): prompts_per_round groups of num_generations."""
+    return ctx.config.rollout.prompts_per_round * ctx.config.rollout.num_generations
+
+
+@task(name="rollout", task_run_name="atropos-r{round_index}", cache_policy=NO_CACHE)
+def atropos_batch_task(ctx: RunContext, session, policy: Artifact, adapter: Artifact | None,
+                       round_index: int) -> Artifact:
+    """Round `round_index`'s batch pulled from the Atropos API (rollout.source: atropos), stored before
+    anything trains on it. Its key: the registration (API, batch size, max token length), the round, and
+    the policy being served when it was pulled; a resumed run finds it and asks the API for no other."""
+    cfg = ctx.config.rollout
+    section = {"source": "atropos", **cfg.atropos.model_dump(mode="json", exclude=set(ATROPOS_WHERE_KEYS)),
+               "batch_size": atropos_batch_size(ctx), "num_generations": cfg.num_generations, "round": round_index,
+               # what the policy server samples with (the environment asks for temperature and length itself)
+               **{k: getattr(cfg, k) for k in ("engine", "temperature", "top_p", "max_completion_length")}}
+    return materialize(
+        ctx, "rollout", atropos, section, {"policy": policy, "adapter": adapter},
+        lambda out, _: atropos.pull(cfg.atropos, session, round_index, cfg.num_generations, policy.path, out),
+        label=f"atropos batch r{round_index}",
+    )
+
+
+@task(name="score", task_run_name="atropos-score-r{round_index}", cache_policy=NO_CACHE)
+def atropos_score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifact:
+    """The pulled batch with rewards = the environments' scores and group advantages (score.scale_rewards)."""
+    n, scale = ctx.config.rollout.num_generations, ctx.config.score.scale_rewards
+    return materialize(
+        ctx, "score", atropos, {"source": "atropos", "num_generations": n, "scale_rewards": scale},
+        {"rollouts": rollouts}, lambda out, _: atropos.score(rollouts.file("rollouts.parquet"), n, scale, out),
+        label=f"score r{round_index}",
     )
 
 

@@ -1,0 +1,196 @@
+"""rollout.source: atropos -- posttrain as an Atropos trainer. The end-to-end test runs the real thing:
+Atropos' `run-api` on loopback (started by posttrain), the example environment (examples/atropos_env.py)
+in its own process sampling posttrain's policy server, posttrain training 3 rounds from the pulled
+batches, SIGKILLed in the middle and resumed: no batch is requested or trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_misspelt_atropos_key_gets_a_suggestion(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  source: atropos\n  atropos:\n    api_ulr: http://127.0.0.1:8000\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout.atropos.api_url'"):
+        load_config(bad)
+    bad.write_text("rollout:\n  sorce: atropos\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout.source'"):
+        load_config(bad)
+
+
+def test_atropos_options_are_checked(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  source: atropos\n  async_prefetch: true\n")
+    with pytest.raises(ConfigError, match="does not go with rollout.async_prefetch"):
+        load_config(bad)
+    bad.write_text("rollout:\n  atropos:\n    api_url: localhost\n")
+    with pytest.raises(ConfigError, match="rollout.atropos.api_url.*expected a URL with a port"):
+        load_config(bad)
+
+
+def test_api_that_is_down_and_not_startable_names_url_and_what_to_start(tmp_path):
+    from stages.atropos import AtroposError, AtroposOptions, ensure_api
+
+    opts = AtroposOptions(api_url=f"http://127.0.0.1:{free_port()}", start_api=False)
+    with pytest.raises(AtroposError, match=f"no Atropos API answers at {opts.api_url}.*run-api"):
+        ensure_api(opts, tmp_path)
+
+
+def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores(tmp_path):
+    """Without atroposlib: what an environment gets from the policy server, sent back as an Atropos group
+    (tokens, -100 masks, inference_logprobs, overrides), becomes rollouts rows and group advantages."""
+    import httpx
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_model
+    from stages import atropos
+    from stages.engines import Policy, get_engine
+    from stages.schemas import ROLLOUTS, write_table
+
+    tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
+                          for i in range(50)])
+    model = tmp_path / "model"
+    url = f"http://127.0.0.1:{free_port()}"
+    server = atropos.PolicyServer(url, get_engine("transformers", model, {"batch_size": 8}), Policy(model, version=3))
+    try:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["root"] == str(model)
+        prompt = [{"role": "user", "content": "say 7"}]
+        resp = httpx.post(f"{url}/v1/chat/completions", json={"model": "policy", "messages": prompt, "n": 2,
+                                                                "max_tokens": 4, "logprobs": True}, timeout=60).json()
+        from concurrent.futures import ThreadPoolExecutor
+
+        def ask(i):  # concurrent requests: sampled together, each answered with its own prompt and n
+            body = {"model": "policy", "messages": [{"role": "user", "content": f"say {i}"}], "n": i, "max_tokens": 3}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, [1, 2, 3, 4]))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        for i, answer in enumerate(answers, start=1):
+            assert len(answer["choices"]) == i and f"say {i}" in tokenizer.decode(answer["prompt_token_ids"])
+    finally:
+        server.close()
+    assert resp["policy_version"] == 3 and len(resp["choices"]) == 2
+    prompt_ids = resp["prompt_token_ids"]
+    group = {"tokens": [], "masks": [], "inference_logprobs": [], "scores": [1.0, 0.0], "overrides": [], "env_id": 0}
+    for choice in resp["choices"]:
+        ids, lps = choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+        assert len(ids) == len(lps) and all(lp <= 0 for lp in lps)
+        group["tokens"].append(prompt_ids + ids)
+        group["masks"].append([-100] * len(prompt_ids) + ids)
+        group["inference_logprobs"].append([1.0] * len(prompt_ids) + lps)
+        group["overrides"].append({"policy_version": resp["policy_version"], "env": "say", "answer": "7"})
+    rows = atropos.batch_rows([group, group], 4, 2, AutoTokenizer.from_pretrained(model))
+    assert [r["group_index"] for r in rows] == [0, 1, 0, 1] and rows[0]["prompt_token_ids"] == prompt_ids
+    assert rows[1]["completion_token_ids"] == resp["choices"][1]["token_ids"]
+    assert rows[1]["sampling_logprobs"] == [t["logprob"] for t in resp["choices"][1]["logprobs"]["content"]]
+    assert rows[0]["policy_version"] == 3 and rows[0]["engine"] == "atropos:say" and rows[0]["answer"] == "7"
+    assert "say 7" in rows[0]["prompt"][0]["content"]
+    write_table(pa.Table.from_pylist(rows), tmp_path / "rollouts.parquet", ROLLOUTS, extra_ok=True)
+    summary = atropos.score(tmp_path / "rollouts.parquet", 2, "group", tmp_path)
+    scored = pq.read_table(tmp_path / "scored.parquet").to_pylist()
+    assert [r["reward"] for r in scored] == [1.0, 0.0, 1.0, 0.0] and scored[0]["advantage"] > 0 > scored[1]["advantage"]
+    assert summary["reward_mean"] == 0.5
+    with pytest.raises(atropos.AtroposError, match="--env.group_size 4"):
+        atropos.batch_rows([group], 0, 4, AutoTokenizer.from_pretrained(model))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_env(artifacts: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
+    return {**env, "PREFECT_HOME": str(artifacts / "prefect"), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+            "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def manifests(artifacts: Path, stage: str) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in (artifacts / stage).glob("*/_manifest.json")}
+
+
+@pytest.mark.slow
+def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tmp_path):
+    pytest.importorskip("atroposlib")
+    artifacts = tmp_path / "artifacts"
+    api, policy = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    config = tmp_path / "atropos.yaml"
+    config.write_text(tiny_config_text.replace("grpo: {rounds: 2,", "grpo: {rounds: 3,").replace(
+        "rollout: {num_generations: 4, prompts_per_round: 8, max_completion_length: 8}",
+        "rollout: {source: atropos, num_generations: 4, prompts_per_round: 4, max_completion_length: 8,\n"
+        f"          atropos: {{api_url: '{api}', policy_url: '{policy}', batch_timeout_s: 300}}}}"))
+    command = [sys.executable, "-m", "flows.cli", "run", str(config)]
+    env_command = [sys.executable, str(REPO / "examples" / "atropos_env.py"), "serve",
+                   "--env.rollout_server_url", api, "--openai.base_url", f"{policy}/v1", "--env.group_size", "4",
+                   "--env.max_completion_tokens", "8", "--env.ensure_scores_are_not_same", "false",
+                   "--env.num_items", "64"]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("killed", "resumed", "env")}
+    environment = None
+    first = subprocess.Popen(command, cwd=REPO, stdout=logs["killed"], stderr=subprocess.STDOUT,
+                             start_new_session=True, env=own_env(artifacts))
+    try:
+        deadline = time.time() + 400
+        while not (artifacts / "atropos" / "run-api.pid").exists():  # posttrain started run-api
+            assert first.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.time() < deadline, "posttrain never started run-api"
+            time.sleep(0.2)
+        environment = subprocess.Popen(env_command, cwd=tmp_path, stdout=logs["env"], stderr=subprocess.STDOUT,
+                                       start_new_session=True, env=own_env(artifacts))
+        # kill while round 1 optimizes: rounds 0 and 1 pulled and stored, round 0 trained
+        while len(manifests(artifacts, "optimize")) < 1 or not list((artifacts / "optimize").glob(".tmp-*")):
+            assert first.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert environment.poll() is None, (tmp_path / "env.log").read_text()[-3000:]
+            assert time.time() < deadline, "no progress"
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        pulled_before = manifests(artifacts, "rollout")
+        assert len(pulled_before) == 2 and len(manifests(artifacts, "optimize")) == 1
+
+        resumed = subprocess.run(command, cwd=REPO, stdout=logs["resumed"], stderr=subprocess.STDOUT,
+                                 env=own_env(artifacts), timeout=600)
+        assert resumed.returncode == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    finally:
+        for process in (environment, first):
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        pid_file = artifacts / "atropos" / "run-api.pid"
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    import pyarrow.parquet as pq
+
+    pulled = manifests(artifacts, "rollout")
+    assert len(pulled) == 3  # one batch per round, each pulled once
+    assert {k: v for k, v in pulled.items() if k in pulled_before} == pulled_before  # not asked for again
+    rows = [r for k in pulled for r in pq.read_table(artifacts / "rollout" / k / "rollouts.parquet").to_pylist()]
+    assert len(rows) == 3 * 16 and len({r["rollout_id"] for r in rows}) == 48
+    assert {r["round_index"] for r in rows} == {0, 1, 2}
+    assert all(r["env"] == "largest_number" and r["engine"] == "atropos:largest_number" for r in rows)
+    assert all(r["masks"][: len(r["prompt_token_ids"])] == [-100] * len(r["prompt_token_ids"]) for r in rows)
+    assert all(not any(map(lambda x: x != x, r["sampling_logprobs"])) for r in rows)  # the env's log-probs
+    for r in rows:  # the policy that sampled a batch is never newer than the round that trains on it
+        assert 0 <= r["policy_version"] <= r["round_index"]
+    trained = manifests(artifacts, "optimize")
+    assert len(trained) == 3 and len({m["inputs"]["scored"] for m in trained.values()}) == 3
+    summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
+    assert summary["final_accuracy"] is not None
