@@ -49,7 +49,7 @@ def main() -> int:
         while not pid_file.exists() and run.poll() is None:
             time.sleep(0.5)
         environment = subprocess.Popen(
-            [sys.executable, str(REPO / "examples" / "atropos_env.py"), "serve", "--env.rollout_server_url", api,
+            [sys.executable, str(REPO / "configs" / "examples" / "atropos_env.py"), "serve", "--env.rollout_server_url", api,
              "--openai.base_url", f"{policy}/v1", "--env.group_size", str(cfg.rollout.num_generations),
              "--env.max_completion_tokens", str(cfg.rollout.max_completion_length),
              "--env.temperature", str(cfg.rollout.temperature), "--env.num_items", str(cfg.demo_data.num_train)],

@@ -21,7 +21,7 @@ batches from Atropos' API server (`run-api`). As its trainer, posttrain:
 
 A batch row is one sequence: `tokens` with `masks` (-100 where not trained, the token where trained), the
 environment's `scores`, and, from an environment that fills them, `inference_logprobs` (1.0 on prompt
-positions, Atropos' convention) and `overrides` (examples/atropos_env.py puts the policy version, its
+positions, Atropos' convention) and `overrides` (configs/examples/atropos_env.py puts the policy version, its
 name and the gold answer there). Without inference_logprobs the sampling log-probs are NaN: the
 optimize stage's IS correction then weighs those tokens 1 (counted in `sampling_logprobs_missing_frac`).
 """
@@ -152,7 +152,7 @@ def pull_batch(opts: AtroposOptions, round_index: int) -> list[dict]:
             raise AtroposError(
                 f"round {round_index}: no batch from {opts.api_url} in {opts.batch_timeout_s:.0f} s (queue: "
                 f"{status.get('queue_size')} groups); start an environment pointed at it and at the policy server "
-                f"{opts.policy_url}/v1, e.g. `python examples/atropos_env.py serve --env.rollout_server_url "
+                f"{opts.policy_url}/v1, e.g. `python configs/examples/atropos_env.py serve --env.rollout_server_url "
                 f"{opts.api_url} --openai.base_url {opts.policy_url}/v1`")
         if time.time() > waited_note:
             log.warning("atropos: round %d: waiting for a batch from %s (is an environment running?)",

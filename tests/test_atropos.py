@@ -1,5 +1,5 @@
 """rollout.source: atropos -- posttrain as an Atropos trainer. The end-to-end test runs the real thing:
-Atropos' `run-api` on loopback (started by posttrain), the example environment (examples/atropos_env.py)
+Atropos' `run-api` on loopback (started by posttrain), the example environment (configs/examples/atropos_env.py)
 in its own process sampling posttrain's policy server, posttrain training 3 rounds from the pulled
 batches, SIGKILLed in the middle and resumed: no batch is requested or trained twice."""
 
@@ -137,7 +137,7 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
         "rollout: {source: atropos, num_generations: 4, prompts_per_round: 4, max_completion_length: 8,\n"
         f"          atropos: {{api_url: '{api}', policy_url: '{policy}', batch_timeout_s: 300}}}}"))
     command = [sys.executable, "-m", "flows.cli", "run", str(config)]
-    env_command = [sys.executable, str(REPO / "examples" / "atropos_env.py"), "serve",
+    env_command = [sys.executable, str(REPO / "configs" / "examples" / "atropos_env.py"), "serve",
                    "--env.rollout_server_url", api, "--openai.base_url", f"{policy}/v1", "--env.group_size", "4",
                    "--env.max_completion_tokens", "8", "--env.ensure_scores_are_not_same", "false",
                    "--env.num_items", "64"]

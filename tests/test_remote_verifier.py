@@ -270,7 +270,7 @@ def test_serve_rewards_config_error_exits_2(tmp_path, capsys):
 
 
 def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
-    """examples/multiturn: the rollout_func serves the tiny policy at /v1/responses, the episode server's
+    """configs/examples/multiturn: the rollout_func serves the tiny policy at /v1/responses, the episode server's
     /run plays up to two turns per prompt (a wrong answer gets feedback and another try); each row is the
     episode's last model turn, scored by the same server's /verify as a remote verifier."""
     from conftest import tiny_say_policy
@@ -282,11 +282,11 @@ def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
     root = tiny_say_policy(tmp_path, num_prompts=4)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "examples" / "multiturn"),
+    server = start_server([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "configs" / "examples" / "multiturn"),
                            "episode_server:app", "--port", str(port), "--log-level", "warning"], url)
     try:
         monkeypatch.setenv("EPISODE_SERVER_URL", url)
-        monkeypatch.syspath_prepend(str(ROOT / "examples" / "multiturn"))
+        monkeypatch.syspath_prepend(str(ROOT / "configs" / "examples" / "multiturn"))
         out = tmp_path / "rollouts"
         out.mkdir()
         cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=3, max_completion_length=6,

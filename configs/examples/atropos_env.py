@@ -7,7 +7,7 @@ version that sampled them, its name and the gold answer.
 
 Run it after `run-api` and `posttrain run configs/atropos.yaml` are up (README, "Atropos"):
 
-    python examples/atropos_env.py serve --env.rollout_server_url http://127.0.0.1:8000 \\
+    python configs/examples/atropos_env.py serve --env.rollout_server_url http://127.0.0.1:8000 \\
         --openai.base_url http://127.0.0.1:9100/v1 --env.group_size 16
 
 `--env.tokenizer_name policy-server` (the default) takes the tokenizer from the policy server's
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: stages.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: stages.*
 
 import httpx  # noqa: E402
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup  # noqa: E402

@@ -1,6 +1,6 @@
 """A rollout_func that plays multi-turn episodes on a NeMo Gym-style `/run` server (episode_server.py).
 
-    EPISODE_SERVER_URL=http://127.0.0.1:8002 PYTHONPATH=examples/multiturn \\
+    EPISODE_SERVER_URL=http://127.0.0.1:8002 PYTHONPATH=configs/examples/multiturn \\
         posttrain run CONFIG rollout.rollout_func=multiturn_rollout.run_episodes
 
 For the round it serves the policy as an OpenAI Responses API endpoint (`POST /v1/responses`, loopback,

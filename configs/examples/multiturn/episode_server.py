@@ -1,6 +1,6 @@
 """A small multi-turn environment server in NeMo Gym's agent-server shape: POST /run plays one episode.
 
-    python -m uvicorn --app-dir examples/multiturn episode_server:app --port 8002
+    python -m uvicorn --app-dir configs/examples/multiturn episode_server:app --port 8002
 
 /run takes NeMo Gym's BaseRunRequest ({"responses_create_params": {"input": [messages]}}) plus `model_url`,
 the OpenAI Responses API endpoint of the policy (`<model_url>/v1/responses`, which
