@@ -20,6 +20,7 @@ DistributedError names the stage and quotes Ray's error; nothing is published, a
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -88,13 +89,14 @@ def launch_on_ray(target: str, kwargs: dict, train: TrainConfig, label: str,
         raise DistributedError(f"{label}: train.num_processes = {n} ranks with {resources} each cannot fit on the "
                                f"Ray cluster ({where}): {short}; lower train.ray.num_cpus_per_process / "
                                "num_gpus_per_process or train.num_processes, or add nodes")
+    storage = tempfile.mkdtemp(prefix="posttrain-ray-train-")  # Ray Train's run state (no checkpoints: ours)
     trainer = TorchTrainer(
         _worker_loop, train_loop_config=config,
         torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if gpus else "gloo"),
         scaling_config=ScalingConfig(num_workers=n, use_gpu=gpus, resources_per_worker=resources,
                                      placement_strategy=options.placement.upper()),
         run_config=RunConfig(name=f"posttrain-{label.replace(' ', '-')}-{os.getpid()}-{time.time_ns()}",
-                             storage_path=tempfile.mkdtemp(prefix="posttrain-ray-train-"),
+                             storage_path=storage,
                              failure_config=FailureConfig(max_failures=0)))
     outcome: dict = {}
 
@@ -131,6 +133,8 @@ def launch_on_ray(target: str, kwargs: dict, train: TrainConfig, label: str,
             time.sleep(poll_s)
     finally:  # also cancels: a worker that starts after this fails at its first put
         ray.kill(events.actor)
+        if outcome.get("done"):
+            shutil.rmtree(storage, ignore_errors=True)
     if "error" in outcome:
         raise DistributedError(f"{label}: training on {n} Ray Train workers ({where}) failed: "
                                f"{outcome['error']}") from outcome["error"]
