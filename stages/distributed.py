@@ -180,7 +180,7 @@ def shard_model(model, group: Group) -> None:
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
 
 
-def _full(value):
+def whole(value):
     """A sharded tensor (DTensor) gathered whole on every rank (a collective); anything else as it is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
@@ -193,7 +193,7 @@ def full_state_dict(model) -> dict:
     state = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if id(value) not in gathered:
-            gathered[id(value)] = _full(value.detach())
+            gathered[id(value)] = whole(value.detach())
         state[name] = gathered[id(value)]
     return state
 
@@ -201,7 +201,7 @@ def full_state_dict(model) -> dict:
 def full_optimizer_state(optimizer) -> dict:
     """`optimizer.state_dict()` with sharded state gathered: the file a one-process run writes (all ranks call)."""
     saved = optimizer.state_dict()
-    return {**saved, "state": {index: {k: _full(v) for k, v in state.items()}
+    return {**saved, "state": {index: {k: whole(v) for k, v in state.items()}
                                for index, state in saved["state"].items()}}
 
 

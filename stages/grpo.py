@@ -739,9 +739,9 @@ def run(
                 step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction, bool(ce_coef))
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if sharded:
-                from stages.distributed import _full
+                from stages.distributed import whole
 
-                grad_norm = _full(grad_norm)
+                grad_norm = whole(grad_norm)
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
             learning_rate = lr_at(position)
