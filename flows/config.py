@@ -230,7 +230,25 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"ebft.{mine} is {value} but rollout.{theirs} is {getattr(self.rollout, theirs)}; "
                                  f"they are the same setting under rl: ebft: set one of them")
             self.rollout = self.rollout.model_copy(update={theirs: value})
+        if self.ebft.mode == "strided":
+            self._strided_fits()
         return self
+
+    def _strided_fits(self) -> None:
+        """ebft.mode: strided samples blocks with its own block-parallel generator (stages/ebft_strided.py)."""
+        rollout = self.rollout
+        if self.ebft.generate_max_len is None:  # axolotl's default 8, unless rollout says otherwise
+            length = rollout.max_completion_length if "max_completion_length" in rollout.model_fields_set else 8
+            self.ebft = self.ebft.model_copy(update={"generate_max_len": length})
+            self.rollout = rollout.model_copy(update={"max_completion_length": length})
+        problems = {"rollout.engine": (rollout.engine != "transformers", "transformers"),
+                    "rollout.source": (rollout.source != "prompts", "prompts"),
+                    "rollout.rollout_func": (rollout.rollout_func is not None, "null"),
+                    "rollout.worker_process": (rollout.worker_process, "false")}
+        for key, (bad, wanted) in problems.items():
+            if bad:
+                raise ValueError(f"ebft.mode: strided samples its blocks in this process with a strided attention "
+                                 f"mask (stages/ebft_strided.py); {key} must be {wanted}")
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]

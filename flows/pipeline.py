@@ -96,8 +96,10 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
 }
 
 
-EVAL_METRICS = ("accuracy", "constant_baseline", "distinct_answers", "answer_entropy", "format_rate")
-"""eval summary keys (stages/evaluate.py) logged to the parent run as eval/<key> at each evaluated step."""
+EVAL_METRICS = ("accuracy", "constant_baseline", "distinct_answers", "answer_entropy", "format_rate",
+                "feature_distance", "exact_blocks")
+"""eval summary keys (stages/evaluate.py; ebft strided: stages/ebft_strided.py) logged to the parent run as
+eval/<key> at each evaluated step."""
 
 
 def eval_metrics(summary: dict) -> dict:

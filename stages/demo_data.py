@@ -59,6 +59,11 @@ class DemoDataConfig(BaseModel):
     """true: each digit that can lead the largest number (5..9 for five numbers) does so for an equal
     share of every split's rows, so the best constant answer is right on only ~1/5 of the prompts. false: numbers
     drawn uniformly, so 9 is the answer of ~56% of the questions and "always 9" looks like skill."""
+    records_per_document: int | None = Field(None, ge=1)
+    """Set: each row is a raw document (column `text`, for transform.type: text and ebft.mode: strided) of this
+    many questions written out as prose, "The largest of 3, 8, 1, 5, 2 is 8." one per line; num_* then count
+    documents. The sft split states the teacher's answers (teacher_accuracy), train and eval the true ones.
+    Unset: one question/answer row per question."""
     seed: int = 1234
 
 
@@ -111,7 +116,9 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
     Eval questions are distinct and never appear in sft or train; sft and train questions repeat only
     when no new one turns up (five balanced one-digit numbers have only 120 questions whose largest is 5)."""
     rng = random.Random(cfg.seed)
-    sizes = {"eval": cfg.num_eval, "sft": cfg.num_sft, "train": cfg.num_train}  # eval first: stable held-out set
+    per_row = cfg.records_per_document or 1
+    sizes = {"eval": cfg.num_eval * per_row, "sft": cfg.num_sft * per_row,  # eval first: stable held-out set
+             "train": cfg.num_train * per_row}
     held_out: set[tuple[int, ...]] = set()
     counts = {}
     for split, size in sizes.items():
@@ -135,9 +142,33 @@ def run(cfg: DemoDataConfig, out_dir: Path) -> dict:
         if split == "eval":
             held_out = seen
         rng.shuffle(rows)
-        write_table(rows, out_dir / f"{split}.parquet", RAW)
+        if cfg.records_per_document:
+            rows = documents(rows, cfg.records_per_document, teacher=split == "sft")
+            write_table(rows, out_dir / f"{split}.parquet", DOCUMENTS)
+        else:
+            write_table(rows, out_dir / f"{split}.parquet", RAW)
         counts[split] = len(rows)
     return counts
+
+
+DOCUMENTS = pa.schema([("text", pa.string())])
+
+
+def documents(rows: list[dict], per_document: int, teacher: bool) -> list[dict]:
+    """Question rows written out as documents of `per_document` lines, "The largest of 3, 8, 1 is 8."; the
+    stated answer is the teacher's (`teacher`) or the true one.
+
+    >>> documents([{"question": "Which is the largest of 3, 8, 1?", "answer": "8",
+    ...             "teacher_completion": "<answer>3</answer>"}], 1, teacher=True)
+    [{'text': 'The largest of 3, 8, 1 is 3.\\n'}]
+    """
+    def line(row: dict) -> str:
+        numbers = row["question"].removeprefix("Which is the largest of ").removesuffix("?")
+        answer = row["teacher_completion"].removeprefix("<answer>").removesuffix("</answer>") if teacher else row["answer"]
+        return f"The largest of {numbers} is {answer}.\n"
+
+    return [{"text": "".join(line(r) for r in rows[i : i + per_document])}
+            for i in range(0, len(rows), per_document)]
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ Departures from axolotl:
 - `n_samples_per_prompt` / `generate_max_len` are unset by default and then are rollout.num_generations /
   rollout.max_completion_length (set, they set those; both set differently is an error). axolotl's
   defaults (4, 8) belong to its strided mode.
-- `mode: strided` (block-parallel generation at anchors inside unstructured text, with `stride` and
-  `context_length`) is not implemented: the config refuses it. `adaptive_max_tokens` is not ported.
+- `mode: strided` (anchors inside raw documents) is stages/ebft_strided.py's rollout; its blocks are then
+  scored here like structured prompts, their references read from the rows, each feature layer
+  L2-normalized per token before the layers are concatenated and pooled (axolotl's strided trainer does
+  that; its structured one, and structured mode here, concatenate the raw hidden states). `adaptive_max_tokens` is not
+  ported.
 - `ce_coef`'s term runs on the micro-batches the GRPO loss runs on (skipped zero-signal batches skip it).
 
 Run: `posttrain run configs/ebft.yaml`; the pure functions below are tested in tests/test_ebft.py.
@@ -86,14 +89,20 @@ class EBFTConfig(BaseModel):
     """The reference completion of a prompt: a str.format template over the prompt row's columns (departure:
     axolotl reads the column `ground_truth`). The demo task: `<answer>{answer}</answer>` (the gold answer)."""
     mode: Literal["structured", "strided"] = "structured"
-    """structured: prompt/completion rows, completions from the rollout stage. strided (axolotl: block-
-    parallel generation inside unstructured documents) is not implemented here: refused."""
+    """structured: prompt/reference rows, completions from the rollout stage. strided (axolotl's block-parallel
+    mode): raw documents (column `text`, transform.type: text), blocks of generate_max_len tokens written
+    from anchors every `stride` tokens, each matched against the document's own continuation
+    (stages/ebft_strided.py)."""
     stride: int | None = Field(None, ge=1)
-    """strided only (axolotl's default 8): tokens between anchors. Not implemented: setting it is an error."""
+    """strided: tokens between anchors (unset: 8, axolotl's default). Lower: more, overlapping blocks per
+    document (more rollouts per round). Structured mode has no anchors: setting it there is an error."""
     context_length: int | None = Field(None, ge=1)
-    """strided only (axolotl's default 8): context window per block. Not implemented: setting it is an error."""
+    """strided: where the first anchor is, i.e. the fewest document tokens a block reads (unset: 8,
+    axolotl's default); block b reads the document's first context_length + b * stride tokens. Structured
+    mode: an error."""
     generate_max_len: int | None = Field(None, ge=1)
-    """Tokens generated per completion: sets rollout.max_completion_length. Unset: rollout's."""
+    """Tokens generated per completion (strided: per block): sets rollout.max_completion_length. Unset:
+    rollout's (strided: 8, axolotl's default, unless rollout.max_completion_length is set)."""
     n_samples_per_prompt: int | None = Field(None, ge=2)
     """Completions per prompt (the group whose diversity is penalized): sets rollout.num_generations.
     Unset: rollout's. At least 2: diversity and rloo need another sample of the prompt."""
@@ -123,14 +132,18 @@ class EBFTConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _structured_only(self):
-        if self.mode == "strided":
-            raise ValueError("ebft.mode: strided (block-parallel generation in unstructured text) is not "
-                             "implemented in posttrain; use mode: structured with prompt/reference rows")
-        for key in ("stride", "context_length"):
-            if getattr(self, key) is not None:
-                raise ValueError(f"ebft.{key} belongs to mode: strided, which posttrain does not implement; "
-                                 "leave it out")
+    def _mode_options(self):
+        if self.mode == "structured":
+            for key in ("stride", "context_length"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"ebft.{key} belongs to mode: strided (anchors in raw documents); leave it "
+                                     "out, or set ebft.mode: strided")
+            return self
+        if "ground_truth" in self.model_fields_set:
+            raise ValueError("ebft.ground_truth belongs to mode: structured; in mode: strided each block's "
+                             "reference is the document's own continuation. Leave it out")
+        self.stride = 8 if self.stride is None else self.stride
+        self.context_length = 8 if self.context_length is None else self.context_length
         return self
 
 
@@ -247,13 +260,15 @@ def strip_special(ids: list[int], special: set[int]) -> list[int]:
 class FeatureNetwork:
     """The frozen feature model phi: a policy folder loaded once, eval mode, no gradients."""
 
-    def __init__(self, model_dir: Path, feature_layers: list[float], batch_size: int = 64):
+    def __init__(self, model_dir: Path, feature_layers: list[float], batch_size: int = 64,
+                 normalize_layers: bool = False):
         from stages.policy import load_policy
 
         self.model, self.tokenizer = load_policy(Path(model_dir))
         self.model.requires_grad_(False)
         self.layers = layer_indices(feature_layers, self.model.config.num_hidden_layers)
         self.batch_size = batch_size
+        self.normalize_layers = normalize_layers  # strided (axolotl's): each layer L2-normalized per token
         self.special = set(self.tokenizer.all_special_ids)
 
     @torch.no_grad()
@@ -268,7 +283,10 @@ class FeatureNetwork:
             ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
             hidden = body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            features = torch.cat([hidden[i] for i in self.layers], dim=-1).float()
+            layers = [hidden[i].float() for i in self.layers]
+            if self.normalize_layers:  # no layer outweighs the others by its norm
+                layers = [F.normalize(h, p=2, dim=-1) for h in layers]
+            features = torch.cat(layers, dim=-1)
             lengths = torch.tensor(prompt_lengths[start : start + self.batch_size])
             out.append(pool(features, method, mask, lengths))
         return torch.cat(out)
@@ -286,9 +304,14 @@ def score_rows(cfg: EBFTConfig, network: FeatureNetwork, rows: list[dict], num_g
     for g, first in enumerate(firsts):
         if any(r["prompt_id"] != first["prompt_id"] for r in rows[g * n : (g + 1) * n]):
             raise ValueError(f"{where}: rows {g * n}..{(g + 1) * n - 1} are not one prompt's group of {n}")
-    references = [network.reference_ids(reference_text(cfg.ground_truth, r, where)) for r in firsts]
-    gen = network.embed([list(r["prompt_token_ids"]) + strip_special(r["completion_token_ids"], network.special)
-                         for r in rows], [len(r["prompt_token_ids"]) for r in rows], cfg.embed_method)
+    if cfg.mode == "strided":  # a block's reference is the document's continuation, and is as long as the block
+        references = [list(r["reference_token_ids"]) for r in firsts]
+        completions = [list(r["completion_token_ids"]) for r in rows]
+    else:
+        references = [network.reference_ids(reference_text(cfg.ground_truth, r, where)) for r in firsts]
+        completions = [strip_special(r["completion_token_ids"], network.special) for r in rows]
+    gen = network.embed([list(r["prompt_token_ids"]) + c for r, c in zip(rows, completions)],
+                        [len(r["prompt_token_ids"]) for r in rows], cfg.embed_method)
     ref = network.embed([list(r["prompt_token_ids"]) + ids for r, ids in zip(firsts, references)],
                         [len(r["prompt_token_ids"]) for r in firsts], cfg.embed_method)
     out = feature_matching_rewards(gen, ref, n, cfg.alignment_coef, cfg.diversity_coef, cfg.use_whitening)
@@ -305,7 +328,7 @@ def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_gener
     rows = table.to_pylist()
     if len(rows) % num_generations:
         raise ValueError(f"{rollouts_path}: {len(rows)} rows is not a multiple of num_generations={num_generations}")
-    network = FeatureNetwork(feature_model_dir, cfg.feature_layers)
+    network = FeatureNetwork(feature_model_dir, cfg.feature_layers, normalize_layers=cfg.mode == "strided")
     out, reference_ids = score_rows(cfg, network, rows, num_generations, str(rollouts_path))
     rewards = out["reward"].double()
     adv = advantages(rewards, num_generations, cfg.advantage_estimator, scale_rewards)
@@ -316,8 +339,9 @@ def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_gener
         .append_column("reward", pa.array(rewards.tolist(), type=pa.float64()))
         .append_column("advantage", pa.array(adv.tolist(), type=pa.float64()))
         .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type))
-        .append_column("reference_token_ids", pa.array(reference_ids, type=pa.list_(pa.int32())))
     )
+    if "reference_token_ids" not in scored.column_names:  # strided rollouts carry them already
+        scored = scored.append_column("reference_token_ids", pa.array(reference_ids, type=pa.list_(pa.int32())))
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
     metrics = {
         "reward_mean": float(rewards.mean()),

@@ -1,6 +1,7 @@
 """Supervised warm start with TRL's SFTTrainer on prompt/completion chat rows.
 
-Loss on completion tokens only (TRL's default for prompt-completion data). Full
+Loss on completion tokens only (TRL's default for prompt-completion data). Rows without a prompt (raw
+documents, transform.type: text) train as language modelling on the whole text (TRL's "text" rows). Full
 fine-tuning of the small base model; the result is the policy GRPO starts from.
 """
 
@@ -70,9 +71,12 @@ def run(
             f"(columns: {table.column_names})"
         )
     rows = table.select(["prompt", cfg.completion_field]).to_pylist()
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[cfg.completion_field]}]} for r in rows]
-    )
+    if all(not r["prompt"] for r in rows):  # raw documents (transform.type: text): language modelling on them
+        dataset = datasets.Dataset.from_list([{"text": r[cfg.completion_field]} for r in rows])
+    else:
+        dataset = datasets.Dataset.from_list(
+            [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[cfg.completion_field]}]}
+             for r in rows])
     world_size = group.world_size if group is not None else 1
     per_device_batch_size = per_device(cfg.micro_batch_size, world_size, "sft.micro_batch_size")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -28,7 +28,7 @@ class TransformConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: str = "question_answer"
-    """A built-in (`question_answer`, `messages`) or `module.fn` (axolotl convention)."""
+    """A built-in (`question_answer`, `messages`, `text`) or `module.fn` (axolotl convention)."""
     paths: dict[str, str] | None = None
     """Local files per split, e.g. {train: data/train.jsonl, eval: data/eval.jsonl}
     (jsonl, json, parquet, csv). Unset: the built-in demo task's splits."""
@@ -38,6 +38,8 @@ class TransformConfig(BaseModel):
     """question_answer: the column holding the reference answer."""
     messages_field: str = "messages"
     """messages: the column holding a chat; its last assistant turn becomes the answer."""
+    text_field: str = "text"
+    """text: the column holding a raw document; it becomes the prompts table's `text` (no prompt, no answer)."""
     system_prompt: str | None = None
     """Prepended as a system message when set."""
     on_bad_rows: Literal["fail", "drop"] = "fail"
@@ -87,7 +89,18 @@ def _messages(cfg: TransformConfig):
     return transform_fn, {"remove_columns": [cfg.messages_field]}
 
 
-BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages}
+def _text(cfg: TransformConfig):
+    """Raw documents (axolotl's `completion` type): no prompt, the document in column `text` (ebft.mode: strided
+    and language-modelling SFT read it)."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        if example.get(cfg.text_field) in (None, ""):
+            raise KeyError(cfg.text_field)
+        return {"prompt": [], "answer": "", "text": str(example[cfg.text_field])}
+
+    return transform_fn, {"remove_columns": [cfg.text_field]}
+
+
+BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text}
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -20,6 +20,7 @@ from stages import (
     distributed,
     dpo,
     ebft,
+    ebft_strided,
     evaluate,
     export,
     grpo,
@@ -125,7 +126,8 @@ def _with_reads(section: dict, code: list[str] = (), builtins: dict | None = Non
 @task(name="demo_data", cache_policy=NO_CACHE)
 def demo_data_task(ctx: RunContext) -> Artifact:
     cfg = ctx.config.demo_data
-    return materialize(ctx, "demo_data", demo_data, cfg.model_dump(mode="json"), {},
+    section = cfg.model_dump(mode="json", exclude={"records_per_document"} if cfg.records_per_document is None else None)
+    return materialize(ctx, "demo_data", demo_data, section, {},
                        lambda out, _: demo_data.run(cfg, out))
 
 
@@ -159,6 +161,7 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
         texts = [
             "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["prompt"])
             + f"<|im_start|>assistant\n{row.get(completion_field) or row['answer']}<|im_end|>\n"
+            if row["prompt"] else str(row.get(completion_field) or row.get("text") or "")  # a raw document
             for row in table
         ]
         return base_model.run(cfg, texts, out)
@@ -211,6 +214,17 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
     cfg = ctx.config.eval
     section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in EVAL_SCHEDULE_KEYS}
     evaluated = policy_for(ctx, model, adapter, version)
+    if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/ebft_strided.py)
+        bar = ctx.reporter.progress(f"eval {label}", "document")
+        features = ctx.feature_model or model  # before the rounds: the policy they start from
+        return materialize(
+            ctx, "eval", ebft_strided, {**section, "ebft": _strided_section(ctx)},
+            {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
+            lambda out, _: ebft_strided.evaluate(ctx.config.ebft, cfg.max_prompts, evaluated.model_dir,
+                                                 evaluated.adapter_dir, features.path,
+                                                 prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar),
+            label=f"eval {label}",
+        )
     bar = ctx.reporter.progress(f"eval {label}", "prompt")
     return materialize(
         ctx, "eval", evaluate, section, {"model": model, "prompts": prompts, "adapter": adapter},
@@ -218,6 +232,17 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
                                     prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar),
         label=f"eval {label}",
     )
+
+
+def strided(ctx: RunContext) -> bool:
+    """rl: ebft with ebft.mode: strided: rollouts and evals on raw documents (stages/ebft_strided.py)."""
+    return ctx.config.rl == "ebft" and ctx.config.ebft.mode == "strided"
+
+
+def _strided_section(ctx: RunContext) -> dict:
+    """The ebft options that decide a strided rollout's or eval's blocks and features."""
+    return {k: v for k, v in ctx.config.ebft.model_dump(mode="json").items()
+            if k in ("stride", "context_length", "generate_max_len", "feature_layers", "embed_method")}
 
 
 def _round_section(section: dict, round_index: int) -> dict:
@@ -255,8 +280,19 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
                           [cfg.rollout_func] if cfg.rollout_func else [])
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
         section["reroll_prompt_ids"] = list(reroll_prompt_ids)
-    bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
     sampler = policy_for(ctx, policy, adapter, policy_version)
+    if strided(ctx):
+        bar = ctx.reporter.progress(f"rollout r{round_index}", "document")
+        keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
+        options = {k: v for k, v in section.items() if k in keep or k in ("round", "policy_version")}
+        return materialize(
+            ctx, "rollout", ebft_strided, {**options, "ebft": _strided_section(ctx)},
+            {"policy": policy, "adapter": adapter, "prompts": prompts},
+            lambda out, _: ebft_strided.rollout(ctx.config.ebft, cfg, sampler, prompts.file("train.parquet"),
+                                                round_index, out, on_progress=bar),
+            label=f"rollout r{round_index}",
+        )
+    bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
     options = rollout.engine_options(cfg, ctx.config.grpo.lora_r)
     run = shared_worker(cfg.worker_cpus, cfg.prefetch_torch_threads).run if cfg.worker_process else rollout.run
     return materialize(

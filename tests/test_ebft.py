@@ -105,8 +105,6 @@ def test_config_ebft_options(tmp_path):
         _config(tmp_path, "rl: ebft\nebft: {n_samples_per_prompt: 4}\nrollout: {num_generations: 8}\n")
     with pytest.raises(ConfigError, match="ebft.generate_max_len is 8 but rollout.max_completion_length is 16"):
         _config(tmp_path, "rl: ebft\nebft: {generate_max_len: 8}\nrollout: {max_completion_length: 16}\n")
-    with pytest.raises(ConfigError, match="mode: strided .* is not implemented"):
-        _config(tmp_path, "rl: ebft\nebft: {mode: strided}\n")
     with pytest.raises(ConfigError, match="ebft.stride belongs to mode: strided"):
         _config(tmp_path, "rl: ebft\nebft: {stride: 8}\n")
     with pytest.raises(ConfigError, match=r"feature_layers are fractions .* got \[2.0\]"):
