@@ -197,6 +197,27 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     assert sum(exact[-3:]) / 3 > exact[0] + 0.01, exact
 
 
+def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
+    """Prompt rows without a document column, and documents too short for one block, fail with the file
+    and what to change; a short document among others is skipped and counted."""
+    from stages.rollout import RolloutConfig
+
+    policy = Policy(sevens / "policy")
+    rollout_cfg = RolloutConfig(num_generations=2, prompts_per_round=10, max_completion_length=4)
+    docs = sevens / "docs" / "train.parquet"
+    too_long = ebft.EBFTConfig(mode="strided", stride=4, context_length=60, generate_max_len=4)
+    with pytest.raises(ValueError, match=r"train.parquet: none of the round's 10 documents has room for one block "
+                                         r".*context_length \+ ebft.generate_max_len = 64 tokens"):
+        ebft_strided.rollout(too_long, rollout_cfg, policy, docs, 0, tmp_path)
+    some = ebft.EBFTConfig(mode="strided", stride=4, context_length=40, generate_max_len=4)  # 16-25 digits: 31-49 tokens
+    summary = ebft_strided.rollout(some, rollout_cfg, policy, docs, 0, tmp_path)
+    assert summary["documents"] == 3 and summary["documents_too_short"] == 7
+    questions = sevens / "sft" / "sft.parquet"
+    pq.write_table(pq.read_table(questions).drop(["text"]), tmp_path / "questions.parquet")
+    with pytest.raises(ValueError, match=r"questions.parquet: ebft.mode strided reads documents from column 'text'"):
+        ebft_strided.rollout(some, rollout_cfg, policy, tmp_path / "questions.parquet", 0, tmp_path)
+
+
 @pytest.mark.slow
 def test_strided_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_path):
     """ebft.mode: strided through the flow, on the demo task written as documents: language-modelling SFT,
