@@ -18,7 +18,8 @@ Each (document, anchor) is stored as one prompt of the round: prompt_id `<docume
 prompt_token_ids doc[:a_b], n completions, the reference's token ids in `reference_token_ids`. From
 there the round is structured mode's: the score step (stages/ebft.py) embeds prompt + block and prompt +
 reference with the frozen feature network (each layer L2-normalized per token, as axolotl's strided
-trainer) -- the same features the strided mask gives, since a block sees exactly that -- and the optimize stage trains on the rows with the GRPO loss.
+trainer) -- the same features the strided mask gives, since a block sees exactly that -- and the
+optimize stage trains on the rows with the GRPO loss.
 
 Departures from axolotl: the round's rows are trained by the optimize stage (one policy-gradient pass per
 round, grpo.* options; axolotl: one REINFORCE step per batch inside its trainer); a document is
@@ -65,13 +66,12 @@ def strided_attention(doc_length: int, block_anchors: list[int], steps: int) -> 
     attend causally; generated token t of block b attends to doc[:a_b] and to tokens 0..t of block b,
     and sits at position a_b + t.
     """
-    nb = len(block_anchors)
-    total = doc_length + steps * nb
-    index = torch.arange(total)
+    nb = len(block_anchors)  # at least 1
+    index = torch.arange(doc_length + steps * nb)
     is_doc = index < doc_length
     offset = (index - doc_length).clamp(min=0)
-    block, step = offset % nb if nb else offset, offset // nb if nb else offset
-    anchor = torch.tensor(block_anchors, dtype=torch.long)[block] if nb else torch.zeros_like(index)
+    block, step = offset % nb, offset // nb
+    anchor = torch.tensor(block_anchors, dtype=torch.long)[block]
     q, k = index.unsqueeze(1), index.unsqueeze(0)
     doc_q, doc_k = is_doc.unsqueeze(1), is_doc.unsqueeze(0)
     causal_doc = doc_q & doc_k & (k <= q)
@@ -123,7 +123,11 @@ def generate_blocks(model, doc_ids: list[int], block_anchors: list[int], generat
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus filtering: keep the smallest set of tokens whose probability reaches top_p, renormalized."""
+    """Nucleus filtering: keep the smallest set of tokens whose probability reaches top_p, renormalized.
+
+    >>> _top_p(torch.tensor([[0.3, 0.5, 0.2]]), 0.7).tolist()  # 0.5 + 0.3 reach 0.7: 0.2 goes
+    [[0.375, 0.625, 0.0]]
+    """
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
@@ -184,9 +188,9 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
                          f"(a document needs at least ebft.context_length + ebft.generate_max_len = "
                          f"{ebft.context_length + length} tokens); lower them or use longer documents")
     table = pa.Table.from_pylist(records)
-    write_table(table.cast(table.schema.set(table.schema.get_field_index("reference_token_ids"),
-                                            pa.field("reference_token_ids", pa.list_(pa.int32())))),
-                out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
+    column = table.schema.get_field_index("reference_token_ids")  # int32, as the score step writes it
+    table = table.set_column(column, "reference_token_ids", table.column(column).cast(pa.list_(pa.int32())))
+    write_table(table, out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
     tokens_total = len(records) * length
     return {"rows": len(records), "prompts": len(records) // n, "documents": len(picked) - skipped,
             "documents_too_short": skipped, "rerolled_prompts": 0, "completion_length_mean": float(length),
