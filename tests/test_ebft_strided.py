@@ -218,6 +218,36 @@ def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
         ebft_strided.rollout(some, rollout_cfg, policy, tmp_path / "questions.parquet", 0, tmp_path)
 
 
+def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
+    """A strided rollout's key changes with what decides its blocks (stride, context_length, generate_max_len)
+    and not with the score-only options; a strided eval's key changes with the frozen feature model."""
+    from test_cache_keys import Quiet, artifact
+
+    from flows.config import PipelineConfig
+    from tasks import stage_tasks
+    from tasks.store import ArtifactStore
+
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
+                        **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def context(ebft_options: dict, feature_model: str | None = None):
+        config = {"rl": "ebft", "ebft": {"mode": "strided", **ebft_options}}
+        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                     lineage=None, reporter=Quiet())
+        ctx.feature_model = artifact(feature_model, tmp_path) if feature_model else None
+        return ctx
+
+    policy, prompts = artifact("sft", tmp_path), artifact("transform", tmp_path)
+    rollout_key = lambda options: stage_tasks.rollout_task.fn(context(options), policy, None, prompts, 0, 0)  # noqa: E731
+    keys = {rollout_key({}), rollout_key({"stride": 4}), rollout_key({"context_length": 16}),
+            rollout_key({"generate_max_len": 4})}
+    assert len(keys) == 4
+    assert rollout_key({"diversity_coef": 0.5}) == rollout_key({})  # scoring, not sampling
+    eval_key = lambda feature_model: stage_tasks.eval_task.fn(context({}, feature_model), policy, prompts,  # noqa: E731
+                                                              label="final")
+    assert len({eval_key(None), eval_key("sft"), eval_key("other_policy")}) == 2  # None: the evaluated model itself
+
+
 @pytest.mark.slow
 def test_strided_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_path):
     """ebft.mode: strided through the flow, on the demo task written as documents: language-modelling SFT,
