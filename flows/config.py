@@ -241,14 +241,16 @@ class PipelineConfig(BaseModel):
             length = rollout.max_completion_length if "max_completion_length" in rollout.model_fields_set else 8
             self.ebft = self.ebft.model_copy(update={"generate_max_len": length})
             self.rollout = rollout.model_copy(update={"max_completion_length": length})
-        problems = {"rollout.engine": (rollout.engine != "transformers", "transformers"),
-                    "rollout.source": (rollout.source != "prompts", "prompts"),
-                    "rollout.rollout_func": (rollout.rollout_func is not None, "null"),
-                    "rollout.worker_process": (rollout.worker_process, "false")}
-        for key, (bad, wanted) in problems.items():
+        sampler = "samples its blocks in this process with a strided attention mask (stages/ebft_strided.py)"
+        problems = {"rollout.engine": (rollout.engine != "transformers", "transformers", sampler),
+                    "rollout.source": (rollout.source != "prompts", "prompts", sampler),
+                    "rollout.rollout_func": (rollout.rollout_func is not None, "null", sampler),
+                    "rollout.worker_process": (rollout.worker_process, "false", sampler),
+                    "grpo.reroll_start_fraction": (self.grpo.reroll_start_fraction < 1.0, "1.0 (off)",
+                                                   "does not re-roll blocks (a block's prompt is a document prefix)")}
+        for key, (bad, wanted, why) in problems.items():
             if bad:
-                raise ValueError(f"ebft.mode: strided samples its blocks in this process with a strided attention "
-                                 f"mask (stages/ebft_strided.py); {key} must be {wanted}")
+                raise ValueError(f"ebft.mode: strided {why}; {key} must be {wanted}")
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]

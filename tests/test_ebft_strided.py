@@ -97,6 +97,8 @@ def test_config_strided_options(tmp_path):
         _config(tmp_path, "rl: ebft\nebft: {mode: strided}\nrollout: {engine: vllm}\n")
     with pytest.raises(ConfigError, match="rollout.worker_process must be false"):
         _config(tmp_path, "rl: ebft\nebft: {mode: strided}\nrollout: {worker_process: true}\n")
+    with pytest.raises(ConfigError, match=r"grpo.reroll_start_fraction must be 1.0 \(off\)"):
+        _config(tmp_path, "rl: ebft\nebft: {mode: strided}\ngrpo: {reroll_start_fraction: 0.5}\n")
     with pytest.raises(ConfigError, match="ebft.mode: got 'stride'.*'strided'"):
         _config(tmp_path, "rl: ebft\nebft: {mode: stride}\n")
     with pytest.raises(ConfigError, match="did you mean 'ebft.context_length'"):
