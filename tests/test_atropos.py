@@ -126,23 +126,29 @@ def manifests(artifacts: Path, stage: str) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in (artifacts / stage).glob("*/_manifest.json")}
 
 
-@pytest.mark.slow
-def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tmp_path):
-    pytest.importorskip("atroposlib")
-    artifacts = tmp_path / "artifacts"
+def atropos_config(tiny_config_text: str, tmp_path: Path, rounds: int, extra: str = "") -> tuple[Path, str, str]:
+    """The tiny pipeline as an Atropos trainer on loopback ports: (config file, API url, policy url)."""
     api, policy = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     config = tmp_path / "atropos.yaml"
-    config.write_text(tiny_config_text.replace("grpo: {rounds: 2,", "grpo: {rounds: 3,").replace(
+    config.write_text(tiny_config_text.replace("grpo: {rounds: 2,", f"grpo: {{rounds: {rounds}, {extra}").replace(
         "rollout: {num_generations: 4, prompts_per_round: 8, max_completion_length: 8}",
         "rollout: {source: atropos, num_generations: 4, prompts_per_round: 4, max_completion_length: 8,\n"
         f"          atropos: {{api_url: '{api}', policy_url: '{policy}', batch_timeout_s: 300}}}}"))
+    return config, api, policy
+
+
+def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, kill_when=None) -> dict:
+    """`posttrain run config` in its own process, then the example environment once posttrain started
+    run-api. kill_when(artifacts): SIGKILL posttrain when it turns true, then run it again to the end. Returns
+    the manifests of the batches pulled and of the rounds trained before the kill (empty without one)."""
+    artifacts = tmp_path / "artifacts"
     command = [sys.executable, "-m", "flows.cli", "run", str(config)]
     env_command = [sys.executable, str(REPO / "configs" / "examples" / "atropos_env.py"), "serve",
                    "--env.rollout_server_url", api, "--openai.base_url", f"{policy}/v1", "--env.group_size", "4",
                    "--env.max_completion_tokens", "8", "--env.ensure_scores_are_not_same", "false",
                    "--env.num_items", "64"]
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("killed", "resumed", "env")}
-    environment = None
+    environment, before = None, {"pulled": {}, "trained": {}}
     first = subprocess.Popen(command, cwd=REPO, stdout=logs["killed"], stderr=subprocess.STDOUT,
                              start_new_session=True, env=own_env(artifacts))
     try:
@@ -153,20 +159,21 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
             time.sleep(0.2)
         environment = subprocess.Popen(env_command, cwd=tmp_path, stdout=logs["env"], stderr=subprocess.STDOUT,
                                        start_new_session=True, env=own_env(artifacts))
-        # kill while round 1 optimizes: rounds 0 and 1 pulled and stored, round 0 trained
-        while len(manifests(artifacts, "optimize")) < 1 or not list((artifacts / "optimize").glob(".tmp-*")):
+        if kill_when is None:
+            assert first.wait(timeout=600) == 0, (tmp_path / "killed.log").read_text()[-3000:]
+            return before
+        while not kill_when(artifacts):
             assert first.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             assert environment.poll() is None, (tmp_path / "env.log").read_text()[-3000:]
             assert time.time() < deadline, "no progress"
             time.sleep(0.05)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        pulled_before = manifests(artifacts, "rollout")
-        assert len(pulled_before) == 2 and len(manifests(artifacts, "optimize")) == 1
-
+        before = {"pulled": manifests(artifacts, "rollout"), "trained": manifests(artifacts, "optimize")}
         resumed = subprocess.run(command, cwd=REPO, stdout=logs["resumed"], stderr=subprocess.STDOUT,
                                  env=own_env(artifacts), timeout=600)
         assert resumed.returncode == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+        return before
     finally:
         for process in (environment, first):
             if process is not None and process.poll() is None:
@@ -177,6 +184,20 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow
+def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tmp_path):
+    pytest.importorskip("atroposlib")
+    artifacts = tmp_path / "artifacts"
+    config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=3)
+
+    def round_1_optimizing(artifacts: Path) -> bool:  # rounds 0 and 1 pulled and stored, round 0 trained
+        return len(manifests(artifacts, "optimize")) >= 1 and bool(list((artifacts / "optimize").glob(".tmp-*")))
+
+    before = train_from_environment(config, api, policy, tmp_path, kill_when=round_1_optimizing)
+    pulled_before = before["pulled"]
+    assert len(pulled_before) == 2 and len(before["trained"]) == 1
     import pyarrow.parquet as pq
 
     pulled = manifests(artifacts, "rollout")
@@ -192,5 +213,29 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
         assert 0 <= r["policy_version"] <= r["round_index"]
     trained = manifests(artifacts, "optimize")
     assert len(trained) == 3 and len({m["inputs"]["scored"] for m in trained.values()}) == 3
+    summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
+    assert summary["final_accuracy"] is not None
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tmp_path):
+    """grpo.adapter: none: every round trains all the weights on its pulled batch, and the policy server
+    then samples the round's full weights: the batch of round 1 comes from policy version 1 or 0, never
+    newer, and each optimize folder is a whole model."""
+    pytest.importorskip("atroposlib")
+    import pyarrow.parquet as pq
+
+    artifacts = tmp_path / "artifacts"
+    config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=2, extra="adapter: none,")
+    train_from_environment(config, api, policy, tmp_path)
+    trained = manifests(artifacts, "optimize")
+    assert len(trained) == 2
+    for key in trained:
+        assert (artifacts / "optimize" / key / "model.safetensors").exists()
+        assert not (artifacts / "optimize" / key / "adapter_config.json").exists()
+    rows = [r for k in manifests(artifacts, "rollout")
+            for r in pq.read_table(artifacts / "rollout" / k / "rollouts.parquet").to_pylist()]
+    assert {r["round_index"] for r in rows} == {0, 1}
+    assert all(0 <= r["policy_version"] <= r["round_index"] for r in rows)
     summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
     assert summary["final_accuracy"] is not None

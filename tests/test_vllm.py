@@ -441,3 +441,57 @@ def test_ray_vllm_engine_that_cannot_start_says_why(local_ray, tmp_path):
     with pytest.raises(RayVLLMError, match=f"(?s)a vLLM engine on {missing} failed to start on its Ray actor.*no-model"):
         ray_engine.generate(Policy(missing), PROMPTS, sampling())
     assert ray_engine.actors == []
+
+
+def _ask_policy_server(url: str, n: int = 2) -> dict:
+    """One Atropos-environment request to a PolicyServer: PROMPTS[0], n samples at TEMPERATURE, log-probs."""
+    import httpx
+
+    body = {"model": "policy", "messages": PROMPTS[0], "n": n, "max_tokens": 12, "temperature": TEMPERATURE,
+            "logprobs": True}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+
+def _as_rows(answer: dict) -> list[dict]:
+    return [{"prompt_token_ids": answer["prompt_token_ids"], "completion_token_ids": c["token_ids"],
+             "sampling_logprobs": [t["logprob"] for t in c["logprobs"]["content"]]} for c in answer["choices"]]
+
+
+def test_atropos_policy_server_on_a_vllm_server_with_the_round_adapter(server, tiny):
+    """rollout.source: atropos with rollout.engine vllm_server: the policy server the environments call
+    samples through a real `vllm serve`, with the round's LoRA adapter loaded per policy version; its
+    answers' log-probs are the optimize stage's for that adapter."""
+    from stages import atropos
+    from stages.engines import Policy
+    from stages.engines.vllm_server import VLLMServerEngine
+
+    engine = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
+                              max_lora_rank=8)
+    url = f"http://127.0.0.1:{_free_port()}"
+    policy_server = atropos.PolicyServer(url, engine, Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1))
+    try:
+        first = _ask_policy_server(url)
+        policy_server.policy = Policy(tiny["base"], adapter_dir=tiny["adapters"][1], version=2)  # the next round
+        second = _ask_policy_server(url)
+    finally:
+        policy_server.close()
+        engine.close()
+    assert (first["policy_version"], second["policy_version"]) == (1, 2)
+    assert_logps_close(_as_rows(first), trainer_logps(tiny["base"], tiny["adapters"][0], _as_rows(first)))
+    assert_logps_close(_as_rows(second), trainer_logps(tiny["base"], tiny["adapters"][1], _as_rows(second)))
+
+
+def test_atropos_policy_server_serves_full_weights(engine, tiny):
+    """grpo.adapter: none under rollout.source: atropos: the policy server samples the round's full weights
+    (the in-process vLLM engine takes them in place), and says which version they are."""
+    from stages import atropos
+    from stages.engines import Policy
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    policy_server = atropos.PolicyServer(url, engine, Policy(tiny["base"], weights_dir=tiny["full"], version=4))
+    try:
+        answer = _ask_policy_server(url)
+    finally:
+        policy_server.close()
+    assert answer["policy_version"] == 4
+    assert_logps_close(_as_rows(answer), trainer_logps(tiny["full"], None, _as_rows(answer)))
