@@ -72,7 +72,9 @@ class EBFTConfig(BaseModel):
     embed_method: Literal["last_token", "mean_pooling", "completion_mean", "concat"] = "last_token"
     """Pooling of per-token features into one vector per sequence (axolotl's). last_token: the last token
     (it has read the whole sequence; axolotl's default). mean_pooling: mean over prompt + completion.
-    completion_mean: mean over the completion's tokens only. concat: tokens at 1/4, 1/2, 3/4 of the length."""
+    completion_mean: mean over the completion's tokens only. concat: tokens at 1/4, 1/2, 3/4 of the length.
+    mode: strided: a block is the completion; mean_pooling means its tokens (as axolotl's strided trainer), and
+    concat is an error."""
     use_whitening: bool = False
     """Whiten each group's embeddings with the SVD of its n completions' embeddings (axolotl's
     `whiten_embeddings_batched`) instead of L2-normalizing: no single feature direction dominates; rewards
@@ -110,6 +112,12 @@ class EBFTConfig(BaseModel):
     """rloo (axolotl's default): A_j = r_j - mean of the other n-1 rewards (unbiased, unscaled). grpo: group
     mean subtracted, divided by score.scale_rewards' std (axolotl's `group_norm`). reinforce: A_j = r_j."""
 
+    @property
+    def pooling(self) -> str:
+        """The `pool` method for this mode: in strided mode mean_pooling means the block's tokens (axolotl's
+        strided trainer), i.e. completion_mean; the sequence before it is the document's prefix."""
+        return "completion_mean" if self.mode == "strided" and self.embed_method == "mean_pooling" else self.embed_method
+
     @field_validator("feature_layers")
     @classmethod
     def _fractions(cls, v: list[float]) -> list[float]:
@@ -139,6 +147,9 @@ class EBFTConfig(BaseModel):
                     raise ValueError(f"ebft.{key} belongs to mode: strided (anchors in raw documents); leave it "
                                      "out, or set ebft.mode: strided")
             return self
+        if self.embed_method == "concat":
+            raise ValueError("ebft.embed_method: concat is not used in mode: strided (axolotl's strided trainer pools "
+                             "a block by last_token or mean_pooling); use last_token, mean_pooling or completion_mean")
         if "ground_truth" in self.model_fields_set:
             raise ValueError("ebft.ground_truth belongs to mode: structured; in mode: strided each block's "
                              "reference is the document's own continuation. Leave it out")
@@ -311,9 +322,9 @@ def score_rows(cfg: EBFTConfig, network: FeatureNetwork, rows: list[dict], num_g
         references = [network.reference_ids(reference_text(cfg.ground_truth, r, where)) for r in firsts]
         completions = [strip_special(r["completion_token_ids"], network.special) for r in rows]
     gen = network.embed([list(r["prompt_token_ids"]) + c for r, c in zip(rows, completions)],
-                        [len(r["prompt_token_ids"]) for r in rows], cfg.embed_method)
+                        [len(r["prompt_token_ids"]) for r in rows], cfg.pooling)
     ref = network.embed([list(r["prompt_token_ids"]) + ids for r, ids in zip(firsts, references)],
-                        [len(r["prompt_token_ids"]) for r in firsts], cfg.embed_method)
+                        [len(r["prompt_token_ids"]) for r in firsts], cfg.pooling)
     out = feature_matching_rewards(gen, ref, n, cfg.alignment_coef, cfg.diversity_coef, cfg.use_whitening)
     return out, [ids for ids in references for _ in range(n)]
 

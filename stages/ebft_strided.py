@@ -230,8 +230,8 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
     del model
     network = FeatureNetwork(feature_model_dir, ebft.feature_layers, normalize_layers=True)
     prompt_lengths = [len(p) for _, _, p, _, _ in blocks]
-    generated = network.embed([p + g for _, _, p, g, _ in blocks], prompt_lengths, ebft.embed_method)
-    reference = network.embed([p + r for _, _, p, _, r in blocks], prompt_lengths, ebft.embed_method)
+    generated = network.embed([p + g for _, _, p, g, _ in blocks], prompt_lengths, ebft.pooling)
+    reference = network.embed([p + r for _, _, p, _, r in blocks], prompt_lengths, ebft.pooling)
     distance = ((F.normalize(generated, dim=-1) - F.normalize(reference, dim=-1)) ** 2).sum(dim=-1)
     matches = [sum(a == b for a, b in zip(g, r)) for _, _, _, g, r in blocks]
     reference_tokens = [t for *_, r in blocks for t in r]

@@ -91,6 +91,11 @@ def test_config_strided_options(tmp_path):
         _config(tmp_path, "rl: ebft\nebft: {stride: 8}\n")
     with pytest.raises(ConfigError, match="ebft.context_length belongs to mode: strided"):
         _config(tmp_path, "rl: ebft\nebft: {context_length: 8}\n")
+    assert _config(tmp_path, "rl: ebft\nebft: {mode: strided, embed_method: mean_pooling}\n").ebft.pooling == \
+        "completion_mean"  # axolotl's strided mean_pooling: the block's tokens, not the document prefix
+    assert _config(tmp_path, "rl: ebft\nebft: {embed_method: mean_pooling}\n").ebft.pooling == "mean_pooling"
+    with pytest.raises(ConfigError, match="ebft.embed_method: concat is not used in mode: strided"):
+        _config(tmp_path, "rl: ebft\nebft: {mode: strided, embed_method: concat}\n")
     with pytest.raises(ConfigError, match="ebft.ground_truth belongs to mode: structured"):
         _config(tmp_path, "rl: ebft\nebft: {mode: strided, ground_truth: '{text}'}\n")
     with pytest.raises(ConfigError, match="rollout.engine must be transformers"):
