@@ -24,7 +24,9 @@ optimize stage trains on the rows with the GRPO loss.
 Departures from axolotl: the round's rows are trained by the optimize stage (one policy-gradient pass per
 round, grpo.* options; axolotl: one REINFORCE step per batch inside its trainer); a document is
 processed with its n samples as one batch (axolotl: the batch's documents padded to one length); no KV
-cache (each step re-reads the document: fine for the short documents this runs on, on CPU).
+cache (each step re-reads the document: fine for the short documents this runs on, on CPU); `ce_coef`'s
+cross-entropy is over the blocks' references, i.e. the document's tokens from the first anchor on
+(axolotl: over all of the document's tokens).
 """
 
 from __future__ import annotations
