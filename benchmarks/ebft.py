@@ -16,18 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from quickstart import run_once  # noqa: E402  (same directory)
-
-
-def stage_path(summary: dict, stage: str) -> Path:
-    return Path(next(s["path"] for s in summary["stages"] if s["stage"] == stage))
+from quickstart import print_medians, run_once, stage_path  # noqa: E402  (same directory)
 
 
 def held_out(cfg, feature_model: Path, policy: Path, eval_prompts: Path, samples: int, seed: int, out: Path) -> dict:
@@ -91,17 +86,12 @@ def main() -> None:
         for question, completion, answer in after["completions"]:
             print(f"    {question!r} -> {completion!r} (gold {answer})")
 
-    def spread(values):
-        return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
-
-    print(f"\n{len(rows)} seeds, median [min, max]:")
-    for name, get in (("wall s", lambda r: r["wall_s"]), ("greedy accuracy before", lambda r: r["base"]),
-                      ("greedy accuracy after", lambda r: r["final"]), ("constant baseline", lambda r: r["baseline"]),
-                      ("sampled accuracy before", lambda r: r["before"]["sampled_accuracy"]),
-                      ("sampled accuracy after", lambda r: r["after"]["sampled_accuracy"]),
-                      ("feature distance before", lambda r: r["before"]["distance"]),
-                      ("feature distance after", lambda r: r["after"]["distance"])):
-        print(f"  {name}: {spread([get(r) for r in rows])}")
+    print_medians(rows, [("wall s", lambda r: r["wall_s"]), ("greedy accuracy before", lambda r: r["base"]),
+                         ("greedy accuracy after", lambda r: r["final"]), ("constant baseline", lambda r: r["baseline"]),
+                         ("sampled accuracy before", lambda r: r["before"]["sampled_accuracy"]),
+                         ("sampled accuracy after", lambda r: r["after"]["sampled_accuracy"]),
+                         ("feature distance before", lambda r: r["before"]["distance"]),
+                         ("feature distance after", lambda r: r["after"]["distance"])])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -24,11 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from quickstart import run_once  # noqa: E402  (same directory)
-
-
-def stage_path(summary: dict, stage: str) -> Path:
-    return Path(next(s["path"] for s in summary["stages"] if s["stage"] == stage))
+from quickstart import print_medians, run_once, stage_path  # noqa: E402  (same directory)
 
 
 def answer_positions(tokenizer, text: str) -> set[int]:
@@ -92,20 +87,15 @@ def main() -> None:
         for context, said in after["shown"]:
             print(f"    ...{context!r}: the final policy says {said!r}")
 
-    def spread(values):
-        return f"{statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]"
-
-    print(f"\n{len(rows)} seeds, median [min, max]:")
-    for name, get in (("wall s", lambda r: r["wall_s"]), ("rounds s", lambda r: r["rounds_wall_s"]),
-                      ("token accuracy before", lambda r: r["before"]["accuracy"]),
-                      ("token accuracy after", lambda r: r["after"]["accuracy"]),
-                      ("constant token", lambda r: r["after"]["constant_baseline"]),
-                      ("answer accuracy before", lambda r: r["before"]["answer_accuracy"]),
-                      ("answer accuracy after", lambda r: r["after"]["answer_accuracy"]),
-                      ("constant answer", lambda r: r["after"]["answer_constant"]),
-                      ("feature distance before", lambda r: r["before"]["feature_distance"]),
-                      ("feature distance after", lambda r: r["after"]["feature_distance"])):
-        print(f"  {name}: {spread([get(r) for r in rows])}")
+    print_medians(rows, [("wall s", lambda r: r["wall_s"]), ("rounds s", lambda r: r["rounds_wall_s"]),
+                         ("token accuracy before", lambda r: r["before"]["accuracy"]),
+                         ("token accuracy after", lambda r: r["after"]["accuracy"]),
+                         ("constant token", lambda r: r["after"]["constant_baseline"]),
+                         ("answer accuracy before", lambda r: r["before"]["answer_accuracy"]),
+                         ("answer accuracy after", lambda r: r["after"]["answer_accuracy"]),
+                         ("constant answer", lambda r: r["after"]["answer_constant"]),
+                         ("feature distance before", lambda r: r["before"]["feature_distance"]),
+                         ("feature distance after", lambda r: r["after"]["feature_distance"])])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -42,6 +42,21 @@ def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quick
     return seconds, json.loads((new[0] / "summary.json").read_text())
 
 
+def stage_path(summary: dict, stage: str) -> Path:
+    """The output folder of the run's stage named `stage` (its row in summary["stages"], e.g. "eval final")."""
+    return Path(next(s["path"] for s in summary["stages"] if s["stage"] == stage))
+
+
+def print_medians(rows: list[dict], columns: list[tuple]) -> None:
+    """Median [min, max] over the seeds' rows of each (name, getter) column."""
+    import statistics
+
+    print(f"\n{len(rows)} seeds, median [min, max]:")
+    for name, get in columns:
+        values = [get(r) for r in rows]
+        print(f"  {name}: {statistics.median(values):.3g} [{min(values):.3g}, {max(values):.3g}]")
+
+
 def _is_this_run(run_dir: Path, overrides: list[str]) -> bool:
     """A finished run whose resolved config has every `key=value` override."""
     import yaml
