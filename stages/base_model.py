@@ -1,8 +1,9 @@
-"""Build a small causal LM offline: a BPE tokenizer trained locally and a randomly
-initialised Qwen2 model from a transformers config. No hub download.
+"""The base policy as a transformers folder: built offline (a BPE tokenizer trained locally and a randomly
+initialised Qwen2 model from a transformers config), or read from `model.path`: a hub id, a local folder
+or a .gguf file (stages/model_source.py), which is saved again here as plain safetensors + tokenizer, so a
+GGUF is dequantized once and every stage and vLLM loads an ordinary folder.
 
-head_dim = hidden_size / num_attention_heads is kept >= 64 so vLLM can load the model.
-Run: `python -m stages.base_model OUT_DIR` builds one from a few lines of text.
+head_dim = hidden_size / num_attention_heads is kept >= 64 so vLLM can load a built model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages import model_source
+from stages.model_source import ModelSource
 
 # ChatML, as Qwen2 uses. `{% generation %}` marks let TRL compute assistant-only masks.
 CHAT_TEMPLATE = (
@@ -24,12 +28,18 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 class BaseModelConfig(BaseModel):
-    """Where the base policy comes from: built from a config here, or a local HF folder."""
+    """Where the base policy comes from: built from a config here, or `path` (a hub id, a folder, a .gguf)."""
 
     model_config = ConfigDict(extra="forbid")
 
     path: str | None = None
-    """A local transformers model folder (with tokenizer) to start from instead of building one."""
+    """The model to start from instead of building one: a hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`,
+    from the hub cache when HF_HUB_OFFLINE is set or the hub cannot be reached), a local transformers folder
+    (config.json, weights, tokenizer) or a .gguf file (dequantized to fp32 once). Unset: build one here
+    (the fields below)."""
+    revision: str = "main"
+    """A hub id's branch, tag or commit. The key holds the commit it resolves to: a new commit on the branch,
+    a new base model. Hub ids only."""
     vocab_size: int = Field(512, ge=64)
     """BPE vocabulary trained on the task text. Digits are always single tokens."""
     hidden_size: int = Field(256, ge=64)
@@ -83,14 +93,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return fast
 
 
-def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path) -> dict:
-    """Train the tokenizer on `texts`, build the model, save both to out_dir."""
+def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path, source: ModelSource | None = None) -> dict:
+    """Save the model and tokenizer to out_dir: read from cfg.path (`source`: it resolved already), or a
+    tokenizer trained on `texts` and a model built from cfg."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     if cfg.path:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.path)
-        model = AutoModelForCausalLM.from_pretrained(cfg.path)
+        model, tokenizer = model_source.load(source or model_source.resolve(cfg.path, cfg.revision))
     else:
         # chat-formatted text so the template's markers get merged like the real data
         tokenizer = train_tokenizer(texts, cfg.vocab_size)

@@ -24,6 +24,7 @@ from stages import (
     evaluate,
     export,
     grpo,
+    model_source,
     preferences,
     replay,
     reward_model,
@@ -149,14 +150,21 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     cfg = ctx.config.model
     split = ctx.config.sft.split if ctx.config.sft.enabled else "train"
     completion_field = ctx.config.sft.completion_field
-    if cfg.path:  # a model folder: its files, not the prompts, make the model
-        section = _with_reads(cfg.model_dump(mode="json"), paths=[cfg.path])
+    # before the key: a hub id's commit (downloaded into the hub cache if it is not there), a path's kind
+    source = model_source.resolve(cfg.path, cfg.revision) if cfg.path else None
+    options = cfg.model_dump(mode="json", exclude={"revision"})  # a hub id's revision: as the commit it names
+    if source and source.commit:  # a hub id: the commit it resolved to, not the id alone
+        section = {**options, "commit": source.commit}
+    elif source:  # a folder or .gguf: its files, not the prompts, make the model
+        section = _with_reads(options, paths=[cfg.path])
     else:  # built here: the tokenizer is trained on these texts
-        section = {**cfg.model_dump(mode="json"), "texts": {"split": split, "completion_field": completion_field}}
+        section = {**options, "texts": {"split": split, "completion_field": completion_field}}
 
     def produce(out, _):
         import pyarrow.parquet as pq
 
+        if source:  # read from the path: no tokenizer is trained here
+            return base_model.run(cfg, [], out, source)
         table = pq.read_table(prompts.file(f"{split}.parquet")).to_pylist()
         texts = [
             "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["prompt"])
