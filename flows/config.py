@@ -37,6 +37,12 @@ from tasks.publish import TrackingConfig
 ROUND_METHODS = ("grpo", "gdpo", "ebft")
 SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
+AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
+                "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
+                "revision_of_model": ("model", "revision")}
+"""axolotl's top-level keys and the section key each one is (moved there before validation)."""
+PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
+"""The prompts splits transform.datasets makes."""
 
 
 class ScheduleConfig(BaseModel):
@@ -152,6 +158,28 @@ class PipelineConfig(BaseModel):
     """Where training runs: `num_processes` data-parallel ranks (torchrun) for the optimize and SFT stages;
     not part of any stage's key (same weights up to float rounding)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_top_level_keys(cls, data):
+        """axolotl writes `datasets`, `test_datasets`, `val_set_size`, `base_model` and `revision_of_model` at
+        the top level: each moves to its section key (AXOLOTL_KEYS); `posttrain validate` shows where."""
+        if not isinstance(data, dict) or not data.keys() & AXOLOTL_KEYS.keys():
+            return data
+        data = dict(data)
+        for key, (section, field) in AXOLOTL_KEYS.items():
+            if key not in data:
+                continue
+            target = data.get(section) or {}
+            if isinstance(target, BaseModel):
+                target = target.model_dump(exclude_unset=True)
+            if not isinstance(target, dict):
+                continue  # the section's own error says what it should be
+            if field in target:
+                raise ValueError(f"{key} (axolotl's top-level key) and {section}.{field} are the same setting; "
+                                 "set one of them")
+            data[section] = {**target, field: data.pop(key)}
+        return data
+
     @property
     def uses_rounds(self) -> bool:
         """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""
@@ -184,6 +212,22 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"train.strategy: fsdp shards the optimizer state, which grpo.optim {self.grpo.optim} "
                              "keeps in shapes of its own (factored or 8-bit); use grpo.optim adamw or sgd with fsdp, "
                              "or train.strategy: ddp")
+        return self
+
+    @model_validator(mode="after")
+    def _splits_of_datasets(self):
+        """transform.datasets makes the prompts splits train and eval only: SFT and eval read one of them."""
+        if not self.transform.datasets:
+            return self
+        splits = ", ".join(PROMPT_SPLITS_OF_DATASETS)
+        if self.sft.enabled and self.sft.split not in PROMPT_SPLITS_OF_DATASETS:
+            raise ValueError(f"sft.split is {self.sft.split!r}, but transform.datasets makes the prompts splits {splits}. "
+                             "Set sft.enabled: false (the policy starts from the model as it is, as axolotl's RL "
+                             "runs do), or sft.split: train to warm-start on the datasets' rows (with "
+                             "sft.completion_field naming the target column, e.g. answer)")
+        if self.eval.split not in PROMPT_SPLITS_OF_DATASETS:
+            raise ValueError(f"eval.split is {self.eval.split!r}, but transform.datasets makes the prompts splits "
+                             f"{splits} (eval: test_datasets or val_set_size); set eval.split: eval")
         return self
 
     @model_validator(mode="after")

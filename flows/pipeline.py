@@ -319,8 +319,17 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     from flows import retrain
 
     cfg = ctx.config
-    raw = None if cfg.transform.paths else demo_data_task(ctx)
+    raw = None if cfg.transform.paths or cfg.transform.datasets else demo_data_task(ctx)
     prompts = transform_task(ctx, raw)
+    for source in prompts.manifest["summary"].get("sources", []):  # transform.datasets: rows per source
+        splits = ", ".join(f"{split} {rows}" for split, rows in source["splits"].items())
+        message = (f"transform: {source['key']} {source['source']}: {source['rows']} rows ({splits})"
+                   + (f", {source['dropped']} dropped" if source["dropped"] else ""))
+        log.info(message)
+        if not ctx.reporter.quiet:
+            ctx.reporter.console.print(message, soft_wrap=True, markup=False)
+        ctx.lineage.set_tags(parent, {f"transform.source_rows.{source['key']}": source["rows"],
+                                      f"transform.source.{source['key']}": source["source"]})
     ctx.dropped_rows = prompts.manifest["summary"].get("dropped", {})  # transform.on_bad_rows: drop
     for split, dropped in ctx.dropped_rows.items():
         message = (f"transform: dropped {dropped['rows']} bad row(s) of split {split!r} (transform.on_bad_rows: "
@@ -507,6 +516,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "rounds_wall_s": rounds_wall_s,
             "health": ctx.health_findings,  # grpo_rounds' out-of-range metrics (stages/health.py)
             "dropped_rows": ctx.dropped_rows,  # transform.on_bad_rows: drop: per split, count, indices, reasons
+            "source_rows": prompts.manifest["summary"].get("sources", []),  # transform.datasets: rows per source
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
                if not cfg.uses_rounds else {}),

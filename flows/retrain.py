@@ -222,6 +222,7 @@ def data_version_prompts(ctx, parent: str, raw, prompts):
     """With `data.version`: the prompts artifact whose train split is that version's rows and whose eval
     split is the config's own (the fixed held-out set); else `prompts` unchanged. Tags the parent run."""
     from stages.demo_data import SPLITS
+    from stages.transform import DatasetSource
     from tasks.stage_tasks import transform_task
 
     cfg = ctx.config
@@ -230,14 +231,23 @@ def data_version_prompts(ctx, parent: str, raw, prompts):
         if cfg.data.version:
             ctx.lineage.set_tags(parent, {"data_version": "none registered yet: the config's own data"})
         return prompts
-    sources = dict(cfg.transform.paths) if cfg.transform.paths else {s: str(raw.file(f"{s}.parquet")) for s in SPLITS}
     split = cfg.eval.split
-    if split == "train" or split not in sources:
-        raise RetrainError(f"data.version: the held-out split eval.split={split!r} must be a split of the config's "
-                           f"own data other than train (has: {', '.join(sources)})")
-    paths = {"train": record["path"], **{s: sources[s] for s in (split, "eval") if s in sources}}
+    if cfg.transform.datasets:  # the version's rows replace the train sources; test_datasets stay the eval split
+        if not cfg.transform.test_datasets or split != "eval":
+            raise RetrainError("data.version with transform.datasets needs the held-out rows as "
+                               "transform.test_datasets and eval.split: eval (transform.val_set_size draws them "
+                               "from the train sources, which the version's rows replace)")
+        source = DatasetSource(path=record["path"])  # its rows go through transform.type, as with paths
+        update = {"datasets": [source]}
+    else:
+        sources = (dict(cfg.transform.paths) if cfg.transform.paths
+                   else {s: str(raw.file(f"{s}.parquet")) for s in SPLITS})
+        if split == "train" or split not in sources:
+            raise RetrainError(f"data.version: the held-out split eval.split={split!r} must be a split of the "
+                               f"config's own data other than train (has: {', '.join(sources)})")
+        update = {"paths": {"train": record["path"], **{s: sources[s] for s in (split, "eval") if s in sources}}}
     local = copy.copy(ctx)  # the same run, with the version's rows as the train split
-    local.config = cfg.model_copy(update={"transform": cfg.transform.model_copy(update={"paths": paths})})
+    local.config = cfg.model_copy(update={"transform": cfg.transform.model_copy(update=update)})
     ctx.lineage.set_tags(parent, {"data_version": record["version"], "data_path": record["path"]})
     return transform_task(local, None)
 

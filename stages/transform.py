@@ -5,21 +5,83 @@ A transform follows axolotl's custom-prompt-strategy convention: `fn(cfg)` retur
 returns the new row, which must carry `prompt` (a string or a list of chat messages)
 and `answer`. Columns not removed pass through (reward functions receive them).
 `transform.type` names a built-in below or a user function as `module.fn`.
+
+Raw rows come from `transform.paths` (a local file per split), the demo task, or `transform.datasets`
+(axolotl's list of sources: hub datasets, local files and folders; stages/sources.py reads them): their
+rows, in order, are the train split, and `test_datasets` or `val_set_size` gives the eval split.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.imports import load_function
 from stages.schemas import PROMPTS, write_table
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+BUILTIN_TYPES = ("question_answer", "messages", "text")
+SOURCE_FIELDS = ("type", "question_field", "answer_field", "messages_field", "text_field", "system_prompt")
+"""What a `transform.datasets` entry may set for its own rows; unset, the transform section's applies."""
+AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
+                 "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
+                 "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
+                 "orcamini", "orpo", "pretrain", "pygmalion", "reflection", "sharegpt", "stepwise_supervised",
+                 "summarizetldr", "user_defined"}
+"""axolotl's prompt strategies (`type: alpaca`, `type: chat_template.default`, ...): refused by name, not
+mistaken for a user module."""
+
+
+class DatasetSource(BaseModel):
+    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/sources.py reads it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A hub dataset id (org/name), a local file (jsonl, json, parquet, csv), a local folder, or `json` /
+    `parquet` / `csv` with data_files (axolotl's `path: json`)."""
+    name: str | None = None
+    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders."""
+    split: str | None = None
+    """Which rows, in the slice syntax of `datasets`: train, train[:2000], train[10%:20%], train+test.
+    Unset: train (a local file is one table, the split train)."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """Files of a hub dataset or folder (relative to it), or local files with path json|parquet|csv (relative
+    to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
+    revision: str | None = None
+    """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
+    to, so a new commit on the branch is a new key."""
+    type: str | None = None
+    """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
+    question_field: str | None = None
+    """question_answer: this source's question column; unset: transform.question_field."""
+    answer_field: str | None = None
+    """question_answer: this source's answer column; unset: transform.answer_field."""
+    messages_field: str | None = None
+    """messages: this source's chat column; unset: transform.messages_field."""
+    text_field: str | None = None
+    """text: this source's document column; unset: transform.text_field."""
+    system_prompt: str | None = None
+    """A system message for this source's prompts; unset: transform.system_prompt."""
+
+    @model_validator(mode="after")
+    def _supported_type(self):
+        if self.type is None or self.type in BUILTIN_TYPES:
+            return self
+        module = self.type.split(".")[0]
+        hint = " (axolotl's completion is type: text here)" if module == "completion" else ""
+        if "." not in self.type or module in AXOLOTL_TYPES:
+            raise ValueError(f"source {self.path!r}: type {self.type!r} is not supported{hint}; use one of "
+                             f"{', '.join(BUILTIN_TYPES)}, or your own transform as module.fn (axolotl's custom "
+                             "prompt-strategy convention: fn(cfg) -> (transform_fn, {remove_columns}))")
+        return self
 
 
 class TransformConfig(BaseModel):
@@ -42,11 +104,44 @@ class TransformConfig(BaseModel):
     """text: the column holding a raw document; it becomes the prompts table's `text` (no prompt, no answer)."""
     system_prompt: str | None = None
     """Prepended as a system message when set."""
+    datasets: list[DatasetSource] | None = None
+    """Sources of the train split (axolotl's `datasets:`; instead of `paths`): hub datasets, local files or
+    folders, each with its own name, split slice, data_files, revision, type and field names. Their rows, in
+    order, are the train split; the stage's summary counts each source's rows. The pipeline needs an eval
+    split too: set test_datasets or val_set_size. The prompts have two splits, train and eval, so with
+    sft.enabled set sft.split: train (the warm start trains on the same rows; point sft.completion_field at
+    the target column, e.g. answer) or sft.enabled: false (axolotl's RL runs start from the model as it is)."""
+    test_datasets: list[DatasetSource] | None = None
+    """Sources of the eval split (axolotl's `test_datasets:`), same shape as datasets."""
+    val_set_size: float | None = Field(None, ge=0)
+    """Hold out rows of the datasets as the eval split (axolotl's `val_set_size`): a fraction in (0, 1) of
+    the train sources' rows (rounded up), or a row count (a whole number >= 1). 0 or unset: none."""
+    val_set_seed: int = 0
+    """Seed of the val_set_size draw (random.Random(seed).sample over all train rows). Not the top-level
+    `seed`: runs with different training seeds evaluate on the same held-out rows."""
     on_bad_rows: Literal["fail", "drop"] = "fail"
     """A row the transform cannot turn into a prompt (a missing field, a transform that raises or returns
     no prompt). fail: stop before anything is written, naming every bad row (file, row, field, reason);
     drop: leave them out, count them and record their indices in the stage's manifest and the run's
     summary (as `preferences.on_bad_rows`)."""
+
+    @model_validator(mode="after")
+    def _one_source_of_rows(self):
+        holdout = bool(self.val_set_size)
+        if self.datasets and self.paths:
+            raise ValueError("transform.datasets and transform.paths both name the rows; use one of them")
+        if not self.datasets and (self.test_datasets or holdout):
+            raise ValueError(f"transform.{'test_datasets' if self.test_datasets else 'val_set_size'} needs "
+                             "transform.datasets (the train sources)")
+        if self.datasets and self.test_datasets and holdout:
+            raise ValueError("transform.test_datasets and transform.val_set_size both make the eval split; use one")
+        if self.datasets and not (self.test_datasets or holdout):
+            raise ValueError("transform.datasets needs an eval split too (the pipeline evaluates on it): set "
+                             "transform.test_datasets (sources of eval rows) or transform.val_set_size (a fraction "
+                             "or a count of the datasets' rows held out)")
+        if holdout and self.val_set_size >= 1 and self.val_set_size != int(self.val_set_size):
+            raise ValueError(f"transform.val_set_size {self.val_set_size:g}: a fraction below 1 or a whole row count")
+        return self
 
 
 MAX_LISTED = 10  # bad rows named in a BadRowsError message
@@ -170,15 +265,19 @@ def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, ex
     return row
 
 
-def split_rows(cfg: TransformConfig, rows: list[dict], split: str, source: str) -> tuple[list[dict], list[tuple]]:
-    """(prompts rows, bad rows as (source, row index, reason)) of one split's raw rows."""
-    builder = load_function(cfg.type, "transform.type", BUILTINS)
+def split_rows(cfg: TransformConfig, rows: list, split: str, source: str, first_id: int = 0,
+               what: str = "transform.type") -> tuple[list[dict], list[tuple]]:
+    """(prompts rows, bad rows as (source, row index, reason)) of raw rows: dicts (row index = position) or
+    (row index in the source, row) pairs. Prompt ids number the rows of the split from first_id on; `what`
+    is the config key of the type, for its errors."""
+    builder = load_function(cfg.type, what, BUILTINS)
     transform_fn, options = builder(cfg)
     remove = set((options or {}).get("remove_columns", []))
     good, bad = [], []
-    for index, example in enumerate(rows):
+    for position, item in enumerate(rows):
+        index, example = item if isinstance(item, tuple) else (position, item)
         try:
-            good.append(_transform_row(cfg, transform_fn, remove, example, split, index))
+            good.append(_transform_row(cfg, transform_fn, remove, example, split, first_id + position))
         except BadRowError as e:
             bad.append((source, index, str(e)))
     return good, bad
@@ -192,35 +291,118 @@ def transform_rows(cfg: TransformConfig, rows: list[dict], split: str, source: s
     return good
 
 
-def run(cfg: TransformConfig, raw_files: dict[str, Path], out_dir: Path) -> dict:
-    """Transform each split's raw file into out_dir/<split>.parquet; return row counts per split, and
-    under `on_bad_rows: drop` a `dropped` entry per split with bad rows ({rows, indices, reasons}).
-    Under `fail`, a bad row anywhere raises BadRowsError before any file is written."""
-    results, all_bad = {}, []
+@dataclass
+class Part:
+    """Raw rows bound for one split from one source: a file of transform.paths or an entry of datasets."""
+
+    source: str
+    """Names the source in errors and counts: `path (split)`, or `path (name=..., split=...)`."""
+    cfg: TransformConfig
+    """The transform its rows go through: the section's, with the source's own type and field names."""
+    rows: list[tuple[int, dict]]
+    """(row index in the source, raw row)."""
+    key: str = ""
+    """The config entry of a datasets source (`datasets.0`), for its counts; '' for a file of paths."""
+    what: str = "transform.type"
+    """The config key of its type, for errors."""
+
+
+def file_parts(cfg: TransformConfig, raw_files: dict[str, Path]) -> dict[str, list[Part]]:
+    """One part per split: the rows of its local file."""
+    parts = {}
     for split, path in raw_files.items():
         raw = read_rows(Path(path))
         if not raw:
             raise BadRowError(f"{path}: no rows")
-        good, bad = split_rows(cfg, raw, split, f"{path} ({split})")
-        results[split] = (path, good, bad)
+        parts[split] = [Part(f"{path} ({split})", cfg, list(enumerate(raw)))]
+    return parts
+
+
+def dataset_parts(cfg: TransformConfig) -> dict[str, list[Part]]:
+    """With transform.datasets: a part per source of the train split, and of the eval split those of
+    test_datasets, or val_set_size rows drawn from the train parts."""
+    from stages import sources
+
+    def parts_of(entries: list[DatasetSource], name: str) -> list[Part]:
+        own = [(i, s, {f: getattr(s, f) for f in SOURCE_FIELDS if getattr(s, f) is not None})
+               for i, s in enumerate(entries)]
+        return [Part(sources.describe(s), cfg.model_copy(update=fields), sources.load(s), f"{name}.{i}",
+                     f"transform.{name}.{i}.type" if s.type else "transform.type") for i, s, fields in own]
+
+    train = parts_of(cfg.datasets, "datasets")
+    if cfg.test_datasets:
+        return {"train": train, "eval": parts_of(cfg.test_datasets, "test_datasets")}
+    kept, held = hold_out(train, cfg.val_set_size, cfg.val_set_seed)
+    return {"train": kept, "eval": held}
+
+
+def hold_out(parts: list[Part], size: float, seed: int) -> tuple[list[Part], list[Part]]:
+    """(train parts, eval parts): `size` of all the parts' rows (a fraction, rounded up, or a count) drawn
+    with random.Random(seed), each part keeping its rows' order; parts left empty are left out."""
+    total = sum(len(p.rows) for p in parts)
+    count = math.ceil(size * total) if size < 1 else int(size)
+    if not 0 < count < total:
+        raise ValueError(f"transform.val_set_size {size:g}: {count} of the datasets' {total} rows held out; leave at "
+                         "least one row for each of train and eval")
+    held = set(random.Random(seed).sample(range(total), count))
+    kept_parts, held_parts, first = [], [], 0
+    for part in parts:
+        numbered = list(enumerate(part.rows, start=first))
+        first += len(part.rows)
+        for chosen, into in ((False, kept_parts), (True, held_parts)):
+            rows = [row for n, row in numbered if (n in held) == chosen]
+            if rows:
+                into.append(Part(part.source, part.cfg, rows, part.key, part.what))
+    return kept_parts, held_parts
+
+
+def run(cfg: TransformConfig, raw_files: dict[str, Path] | None, out_dir: Path) -> dict:
+    """Transform each split's raw rows into out_dir/<split>.parquet: the files in raw_files ({split: path}),
+    or with transform.datasets the sources' rows (train) and test_datasets' or val_set_size's (eval). Return
+    row counts per split; under `on_bad_rows: drop` a `dropped` entry per split with bad rows ({rows,
+    indices, reasons}); with datasets, `sources`: each source's kept and dropped rows per split.
+    Under `fail`, a bad row anywhere raises BadRowsError before any file is written."""
+    parts = dataset_parts(cfg) if cfg.datasets else file_parts(cfg, raw_files)
+    results, all_bad, per_part = {}, [], []
+    for split, split_parts in parts.items():
+        good, bad, first_id = [], [], 0
+        for part in split_parts:
+            part_good, part_bad = split_rows(part.cfg, part.rows, split, part.source, first_id, part.what)
+            good, bad, first_id = good + part_good, bad + part_bad, first_id + len(part.rows)
+            per_part.append((part, split, len(part_good), len(part_bad)))
+        results[split] = (" + ".join(p.source for p in split_parts), good, bad)
         all_bad += bad
     if all_bad and cfg.on_bad_rows == "fail":
         raise BadRowsError(all_bad)
     counts: dict = {}
-    for split, (path, rows, bad) in results.items():
+    for split, (where, rows, bad) in results.items():
         if not rows:
             reasons = "; ".join(f"row {index}: {reason}" for _, index, reason in bad[:3])
-            raise BadRowError(f"{path}: every row is bad ({reasons}{'; ...' if len(bad) > 3 else ''})")
+            raise BadRowError(f"{where}: every row is bad ({reasons}{'; ...' if len(bad) > 3 else ''})")
         try:
             # columns from every row, not only the first (Table.from_pylist keeps only the first row's keys)
             names = list(dict.fromkeys(k for row in rows for k in row))
             table = pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in names})
             write_table(table, out_dir / f"{split}.parquet", PROMPTS, extra_ok=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise BadRowError(f"{path}: rows do not share one column type: {e}") from e
+            raise BadRowError(f"{where}: rows do not share one column type: {e}") from e
         counts[split] = len(rows)
         if bad:
             counts.setdefault("dropped", {})[split] = {
                 "rows": len(bad), "indices": [index for _, index, _ in bad[:MAX_DROPPED_INDICES]],
-                "reasons": [reason for _, _, reason in bad[:MAX_LISTED]]}
+                "reasons": [f"{source} row {index}: {reason}" for source, index, reason in bad[:MAX_LISTED]]}
+    if cfg.datasets:
+        counts["sources"] = source_counts(per_part)
     return counts
+
+
+def source_counts(per_part: list[tuple[Part, str, int, int]]) -> list[dict]:
+    """Per datasets entry, in config order: {key, source, rows (kept), dropped, splits: {split: kept rows}}."""
+    entries: dict[str, dict] = {}
+    for part, split, kept, dropped in per_part:
+        entry = entries.setdefault(part.key, {"key": part.key, "source": part.source, "rows": 0, "dropped": 0,
+                                              "splits": {}})
+        entry["rows"] += kept
+        entry["dropped"] += dropped
+        entry["splits"][split] = entry["splits"].get(split, 0) + kept
+    return list(entries.values())

@@ -112,6 +112,27 @@ def _files_digest(paths: dict[str, str] | None) -> dict[str, str] | None:
     return {split: path_digest(p) for split, p in paths.items()} if paths else None
 
 
+def _pinned_sources(cfg: transform.TransformConfig) -> tuple[transform.TransformConfig, list | None]:
+    """transform.datasets and test_datasets with each hub dataset's revision resolved to its commit (the stage
+    reads that commit), and what the key needs of each source: that commit, or its local files' digests."""
+    from stages import sources
+
+    if not cfg.datasets:
+        return cfg, None
+    pinned, versions = {}, []
+    for name in ("datasets", "test_datasets"):
+        entries = []
+        for source in getattr(cfg, name) or []:
+            if sources.kind(source) == "hub":
+                source = source.model_copy(update={"revision": sources.hub_revision(source)})
+                versions.append(source.revision)
+            else:
+                versions.append([[str(p), path_digest(p)] for p in sources.local_paths(source)])
+            entries.append(source)
+        pinned[name] = entries or None
+    return cfg.model_copy(update=pinned), versions
+
+
 def _with_reads(section: dict, code: list[str] = (), builtins: dict | None = None, paths: list[str] = ()) -> dict:
     """`section` plus digests of what else the stage reads (DESIGN.md, artifact contract): the user modules
     behind the `module.fn` names in `code` (built-ins left out) and the files or folders in `paths`. A stage
@@ -134,12 +155,16 @@ def demo_data_task(ctx: RunContext) -> Artifact:
 
 @task(name="transform", cache_policy=NO_CACHE)
 def transform_task(ctx: RunContext, raw: Artifact | None) -> Artifact:
-    cfg = ctx.config.transform
-    if cfg.paths:
+    cfg, source_versions = _pinned_sources(ctx.config.transform)
+    if cfg.datasets:  # the stage reads the sources (stages/sources.py)
+        files = None
+    elif cfg.paths:
         files = {split: Path(p) for split, p in cfg.paths.items()}
     else:
         files = {split: raw.file(f"{split}.parquet") for split in demo_data.SPLITS}
-    section = _with_reads({**cfg.model_dump(mode="json"), "file_digests": _files_digest(cfg.paths)}, [cfg.type],
+    types = [cfg.type, *(s.type for s in (cfg.datasets or []) + (cfg.test_datasets or []) if s.type)]
+    section = _with_reads({**cfg.model_dump(mode="json"), "file_digests": _files_digest(cfg.paths),
+                           **({"source_versions": source_versions} if source_versions else {})}, types,
                           transform.BUILTINS)
     return materialize(ctx, "transform", transform, section, {"raw": raw},
                        lambda out, _: transform.run(cfg, files, out))

@@ -1,0 +1,213 @@
+"""Where the rows of a `transform.datasets` entry come from (axolotl's `datasets:` list).
+
+A source's `path` is one of:
+
+- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `transform.read_rows`
+  (CSV columns as text, a bad jsonl line named by file:line);
+- a local folder: with `data_files` ({split: files} relative to the folder, or a list: `train`) read the same
+  way; without, through `datasets.load_dataset(folder, name)`, which finds the splits by file name
+  (train.jsonl, data/test-00000-of-00001.parquet, ...) or the folder's README `configs`;
+- `json`, `parquet` or `csv` with `data_files` (axolotl's `path: json`): those local files;
+- a hub dataset id (`org/name`) at `revision`: through `datasets.load_dataset(id, name, revision=<commit>)`.
+  `hub_revision` resolves the revision to its commit first (the transform's key holds it): asked of the hub
+  online, read from the hub cache's `refs/` when HF_HUB_OFFLINE is set or the hub cannot be reached. Offline
+  the rows are read from the cache's snapshot of that commit (`<HF_HUB_CACHE>/datasets--org--name/snapshots/
+  <commit>/`), since `datasets` itself, offline, only finds datasets it has already prepared.
+
+`split` picks rows with the slice syntax of `datasets` (`train`, `train[:2000]`, `train[10%:20%]`,
+`train[:100]+test[:10]`); each row keeps its index in its split, which errors name. No Prefect, no MLflow.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from stages.transform import DatasetSource
+
+BUILDERS = ("json", "parquet", "csv")
+"""`path` values that mean "the local files in data_files" (axolotl's `path: json`)."""
+
+
+class SourceError(ValueError):
+    """A `transform.datasets` entry that cannot be read; the message names it and says what to do."""
+
+
+def describe(source: DatasetSource) -> str:
+    """How errors and counts name a source: `path (name=..., split=...)`."""
+    parts = [f"name={source.name}"] if source.name else []
+    if source.revision:
+        parts.append(f"revision={source.revision[:12] if len(source.revision) == 40 else source.revision}")
+    parts.append(f"split={source.split or 'train'}")
+    return f"{source.path} ({', '.join(parts)})"
+
+
+def kind(source: DatasetSource) -> Literal["file", "files", "folder", "hub"]:
+    """file: one local table; files: local files listed in data_files; folder: a local folder `datasets` reads;
+    hub: a hub dataset id."""
+    local = Path(source.path).expanduser()
+    if local.is_file():
+        if source.name or source.data_files:
+            raise SourceError(f"{describe(source)}: a local file is one table (the split train); name and data_files "
+                              "apply to folders and hub datasets. Remove them, or point path at the folder.")
+        return "file"
+    if local.is_dir():
+        return "files" if source.data_files else "folder"
+    if source.path in BUILDERS:
+        if not source.data_files:
+            raise SourceError(f"{describe(source)}: path {source.path!r} reads the local files named in data_files; "
+                              "add data_files (a file, a list, or {split: files}), or give the file itself as path.")
+        return "files"
+    if _looks_local(source.path):
+        raise FileNotFoundError(f"transform.datasets: {source.path} does not exist ({local.absolute()}), and it is not "
+                                "a hub dataset id (org/name)")
+    return "hub"
+
+
+def _looks_local(path: str) -> bool:
+    """A name no hub id can be (./x, /x, ~/x, a/b/c, x.jsonl): never sent to the hub."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv"):
+        return True
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return True
+    return False
+
+
+def data_files(source: DatasetSource) -> dict[str, list[Path]]:
+    """A `files` source's local files per split: data_files as {split: file or files}, or a file or list (the
+    split train); relative to the folder `path` names, else to the working directory."""
+    base = Path(source.path).expanduser() if source.path not in BUILDERS else Path(".")
+    listed = source.data_files if isinstance(source.data_files, dict) else {"train": source.data_files}
+    files = {split: [base / f for f in ([names] if isinstance(names, str) else names)]
+             for split, names in listed.items()}
+    for split_files in files.values():
+        for f in split_files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{describe(source)}: data_files: {f} does not exist (paths are relative to "
+                                        f"{'the folder ' + str(base) if source.path not in BUILDERS else 'the working directory'}; "
+                                        "patterns are not expanded)")
+    return files
+
+
+def local_paths(source: DatasetSource) -> list[Path]:
+    """The local files or folder a source reads (what the transform's key digests); [] for a hub dataset."""
+    which = kind(source)
+    if which == "hub":
+        return []
+    if which == "files" and source.path in BUILDERS:
+        return [f for split_files in data_files(source).values() for f in split_files]
+    return [Path(source.path).expanduser()]
+
+
+def _offline() -> bool:
+    """HF_HUB_OFFLINE as set now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE")
+    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_cache() -> Path:
+    """The hub cache: HF_HUB_CACHE as set now, else huggingface_hub's."""
+    from huggingface_hub import constants
+
+    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
+
+
+def _not_cached(source: DatasetSource, why: str) -> SourceError:
+    revision = f" --revision {source.revision}" if source.revision else ""
+    return SourceError(
+        f"{describe(source)}: hub dataset {source.path!r} is not in the hub cache {hub_cache()}, and {why}. Fetch it "
+        f"once on a machine with a network: `hf download {source.path} --repo-type dataset{revision}` (or run once "
+        "without HF_HUB_OFFLINE), then copy that cache here or set HF_HUB_CACHE to it; or give a local file or "
+        "folder as path.")
+
+
+def hub_revision(source: DatasetSource) -> str:
+    """The commit a hub source's revision (a branch, tag or commit; default main) points to: asked of the hub,
+    or read from the hub cache's refs/ when HF_HUB_OFFLINE is set or the hub cannot be reached."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError,
+                                        RevisionResolutionError)
+
+    offline = _offline()
+    try:
+        return HfApi().resolve_revision(source.path, repo_type="dataset", revision=source.revision,
+                                        cache_dir=hub_cache(), local_files_only=offline).resolved
+    except RevisionResolutionError as e:
+        raise _not_cached(source, "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached") from e
+    except RevisionNotFoundError as e:
+        raise SourceError(f"{describe(source)}: the hub has no such branch, tag or commit; set revision to one that "
+                          f"exists (https://huggingface.co/datasets/{source.path}/tree/main lists them)") from e
+    except GatedRepoError as e:
+        raise SourceError(f"{describe(source)}: the dataset is gated; accept its terms on "
+                          f"https://huggingface.co/datasets/{source.path} and log in (`hf auth login`)") from e
+    except RepositoryNotFoundError as e:
+        raise SourceError(f"{describe(source)}: no such dataset on the hub (or it is private: `hf auth login`), and "
+                          f"no local file or folder {Path(source.path).absolute()} exists") from e
+
+
+def _load_dataset(source: DatasetSource, path: str, **kwargs):
+    """datasets.load_dataset(path, name, data_files=...) as {split: Dataset}; its errors name the source."""
+    import datasets
+
+    try:
+        return dict(datasets.load_dataset(path, source.name, data_files=source.data_files,
+                                          cache_dir=os.environ.get("HF_DATASETS_CACHE"), **kwargs))
+    except Exception as e:  # a missing config, no data files, an unreadable file: the library's words, our source
+        raise SourceError(f"{describe(source)}: datasets.load_dataset cannot read it ({type(e).__name__}: {e})") from e
+
+
+def _hub_splits(source: DatasetSource) -> dict:
+    """A hub dataset's splits at source.revision (a commit: the task pins it)."""
+    commit = hub_revision(source)
+    if not _offline():
+        return _load_dataset(source, source.path, revision=commit)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(source.path, repo_type="dataset", revision=commit, cache_dir=hub_cache(),
+                                   local_files_only=True)
+    except (LocalEntryNotFoundError, IncompleteSnapshotError) as e:
+        raise _not_cached(source, f"HF_HUB_OFFLINE is set (no complete snapshot of commit {commit})") from e
+    return _load_dataset(source, folder)
+
+
+def load(source: DatasetSource) -> list[tuple[int, dict]]:
+    """The rows `source.split` selects, each as (its index in its split, the row)."""
+    import datasets
+
+    from stages.transform import read_rows
+
+    which = kind(source)
+    if which == "file":
+        splits = {"train": read_rows(Path(source.path).expanduser())}
+    elif which == "files":
+        splits = {split: [row for f in files for row in read_rows(f)] for split, files in data_files(source).items()}
+    elif which == "folder":
+        splits = _load_dataset(source, str(Path(source.path).expanduser()))
+    else:
+        splits = _hub_splits(source)
+    spec = source.split or "train"
+    try:
+        instructions = datasets.ReadInstruction.from_spec(spec).to_absolute({s: len(r) for s, r in splits.items()})
+    except (ValueError, AssertionError) as e:
+        raise SourceError(f"{describe(source)}: split {spec!r}: {e} (syntax: train, train[:2000], train[10%:20%], "
+                          "train+test)") from None
+    rows = []
+    for part in instructions:
+        table = splits[part.splitname]
+        chosen = (table[part.from_:part.to] if isinstance(table, list)
+                  else table.select(range(part.from_, part.to)).to_list())
+        rows += zip(range(part.from_, part.to), chosen)
+    if not rows:
+        raise SourceError(f"{describe(source)}: no rows")
+    return rows
