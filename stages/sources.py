@@ -54,6 +54,10 @@ def kind(source: DatasetSource) -> Literal["file", "files", "folder", "hub"]:
                               "apply to folders and hub datasets. Remove them, or point path at the folder.")
         return "file"
     if local.is_dir():
+        if source.data_files and source.name:
+            raise SourceError(f"{describe(source)}: data_files names the folder's files itself, so there is no "
+                              "dataset config for name to pick; remove name, or remove data_files and let "
+                              "datasets.load_dataset(folder, name) find the config")
         return "files" if source.data_files else "folder"
     if source.path in BUILDERS:
         if not source.data_files:

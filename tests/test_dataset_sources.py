@@ -126,6 +126,11 @@ def test_data_files_and_folders(tmp_path, out_dir):
     assert [r["answer"] for r in train] == ["2", "3", "4", "007"]  # read_rows keeps CSV text as text
     assert summary["eval"] == 1
     assert sources.local_paths(cfg.datasets[1]) == [tmp_path / "csv" / "extra.csv"]
+    # a folder read through data_files has no dataset config: a `name` there would be ignored, so it is refused
+    named = TransformConfig(datasets=[{"path": str(tmp_path / "csv"), "name": "extra", "data_files": ["extra.csv"]}],
+                            val_set_size=1)
+    with pytest.raises(sources.SourceError, match="remove name"):
+        transform.run(named, None, out_dir)
 
 
 @pytest.fixture
