@@ -316,15 +316,16 @@ def compare_report(runs: list[RunData], now_ms: int | None = None) -> str:
 # ---------------------------------------------------------------- loading (MLflow + run folders)
 
 def open_client(artifacts_dir: str | Path):
-    """An MlflowClient on the store `posttrain run` writes for this artifacts folder."""
-    from mlflow import MlflowClient
+    """An MlflowClient on the store `posttrain run` writes for this artifacts folder; while runs write it,
+    its reads wait for the lock and retry (tasks/lineage.py `retry_busy`)."""
+    from tasks.lineage import retrying_client
 
     root = Path(artifacts_dir).resolve()
     uri = tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise CompareError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run `posttrain run CONFIG` "
                            f"first, pass --artifacts DIR (the config's artifacts_dir), or set MLFLOW_TRACKING_URI")
-    return MlflowClient(tracking_uri=uri)
+    return retrying_client(uri)
 
 
 def experiment_names(client) -> dict[str, str]:

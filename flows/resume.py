@@ -36,15 +36,13 @@ def resume_command(args) -> int:
     if not (root / "mlflow.db").exists() and not __import__("os").environ.get("MLFLOW_TRACKING_URI"):
         print(f"error: no runs under {root} (no mlflow.db); pass --artifacts", file=sys.stderr)
         return 2
-    from mlflow import MlflowClient
-
     from flows.config import ConfigError, config_differences, load_config
-    from tasks.lineage import find_run, tracking_uri
+    from tasks.lineage import StoreBusyError, find_run, retrying_client, tracking_uri
 
-    client = MlflowClient(tracking_uri(root))
+    client = retrying_client(tracking_uri(root))  # runs may be writing the store: wait for its lock, retry
     try:
         run = find_run(client, args.run)
-    except LookupError as e:
+    except (LookupError, StoreBusyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if run.info.status == "FINISHED":

@@ -99,9 +99,10 @@ def environments(home: Path, base_url: str) -> tuple[dict, dict]:
     elsewhere = ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_URL", "PREFECT_UI_API_URL",
                  "PREFECT_SERVER_UI_API_URL")
     base = {k: v for k, v in os.environ.items() if k not in elsewhere}
-    base.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_URL=base_url)
+    base.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_URL=base_url,
+                PREFECT_MEMO_STORE_PATH=str(home / "memo_store.toml"))  # else ~/.prefect (flows/cli.py)
     base.setdefault("TOKENIZERS_PARALLELISM", "false")
-    base.setdefault("HF_HUB_OFFLINE", "1")
+    base.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # flow runs ride out a locked database (flows/cli.py)
     server = {**base, "PREFECT_SERVER_UI_API_URL": api_url}
     venv_bin = str(Path(sys.executable).parent)
     worker = {**base, "PREFECT_API_URL": api_url, "PWD": str(PROJECT),

@@ -9,6 +9,7 @@ MLFLOW_TRACKING_URI is set.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import time
@@ -64,35 +65,86 @@ def create_store_whole(uri: str) -> None:
     os.replace(creating, path)
 
 
-def retry_busy(call, *args, attempts: int = 6, **kwargs):
-    """call(*args, **kwargs), repeated with jittered backoff (0.1 s doubling, ~3 s in all) while it
-    fails only because another process wrote the same store at the same moment: sqlite's
-    "database is locked" (past MLflow's busy timeout), or a UNIQUE constraint that a concurrent
-    insert of the same row won (MLflow's log_inputs looks the dataset up, then inserts it). The
-    failed call's transaction was rolled back, so repeating it is safe."""
+BUSY_RETRY_S = 180.0
+"""How long an MLflow call keeps retrying while other processes hold the sqlite store's lock, before it fails
+with StoreBusyError. Each try also waits inside sqlite (MLflow's busy timeout: 20 s in its sessions, 5 s on a
+new client's first schema check), so a call gives up after at most about BUSY_RETRY_S + 20 s."""
+
+
+class StoreBusyError(RuntimeError):
+    """An MLflow store that other processes kept locked past the bounded retry; the message names the file."""
+
+
+def store_locked(e: BaseException) -> bool:
+    """Whether `e` is sqlite's "database is locked" (SQLITE_BUSY), as MLflow raises it (an MlflowException with
+    the sqlalchemy error as its message, or the sqlalchemy error itself from a new client's schema check)."""
+    return "database is locked" in str(e)
+
+
+class _RetriedLockLog(logging.Filter):
+    """Drops MLflow's own traceback log of a "database is locked" error (mlflow.store.db.utils logs each one
+    with `_logger.exception` before raising it): `retry_busy` retries it, and a lock that outlasts the retries
+    is raised as StoreBusyError with that error as its cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "database is locked" not in record.getMessage()
+
+
+_RETRIED_LOCK_LOG = _RetriedLockLog()
+
+
+def retry_busy(call, *args, _store: str = "", _budget_s: float | None = None, **kwargs):
+    """call(*args, **kwargs), repeated with jittered backoff (0.1 s doubling, at most 5 s) while it fails only
+    because another process writes the same store: sqlite's "database is locked" (past the busy timeout, or at
+    once where waiting could deadlock), or a UNIQUE constraint that a concurrent insert of the same row won
+    (MLflow's log_inputs looks the dataset up, then inserts it). The failed call's transaction was rolled back,
+    so repeating it is safe. Bounded: after `_budget_s` (default BUSY_RETRY_S) seconds a lock raises
+    StoreBusyError naming `_store` (the database file); a UNIQUE conflict re-raises after 8 tries."""
     import random
 
-    for attempt in range(attempts):
+    budget_s = BUSY_RETRY_S if _budget_s is None else _budget_s
+    logging.getLogger("mlflow.store.db.utils").addFilter(_RETRIED_LOCK_LOG)  # once: a filter is added once
+    started = time.monotonic()
+    for attempt in range(1000):  # ends by time (locks) or after 8 tries (conflicts) well before that
         try:
             return call(*args, **kwargs)
         except Exception as e:
-            code = getattr(e, "error_code", "")
-            transient = "database is locked" in str(e) or (
-                code in ("TEMPORARILY_UNAVAILABLE", "BAD_REQUEST") and "UNIQUE constraint failed" in str(e))
-            if not transient or attempt == attempts - 1:
+            locked = store_locked(e)
+            conflict = getattr(e, "error_code", "") in ("TEMPORARILY_UNAVAILABLE", "BAD_REQUEST") and (
+                "UNIQUE constraint failed" in str(e))
+            delay = min(5.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.5)
+            elapsed = time.monotonic() - started
+            if locked and elapsed + delay > budget_s:
+                what = getattr(call, "__name__", "an MLflow call")
+                raise StoreBusyError(
+                    f"MLflow store {_store or 'in use'} stayed locked by other processes for {elapsed:.0f} s "
+                    f"({attempt + 1} tries of {what}): other runs in this artifacts folder, an `mlflow ui` or "
+                    "`mlflow server` on it, or a sqlite3 shell holding a transaction. Nothing computed is lost: "
+                    "run the same command again (finished stages are cached) or `posttrain resume RUN`; for "
+                    "many runs at once, point MLFLOW_TRACKING_URI at a database server.") from e
+            if not (locked or (conflict and attempt < 7)):
                 raise
-            time.sleep(0.1 * 2**attempt * random.uniform(0.5, 1.5))
+            time.sleep(delay)
+    raise AssertionError("not reached")
 
 
 class RetryingClient:
-    """An MlflowClient whose every method call goes through `retry_busy`."""
+    """An MlflowClient whose every method call goes through `retry_busy` (errors name its sqlite file)."""
 
     def __init__(self, client: MlflowClient):
         self._client = client
+        self._store = sqlite_path(client.tracking_uri) or client.tracking_uri
 
     def __getattr__(self, name: str):
         attr = getattr(self._client, name)
-        return (lambda *args, **kwargs: retry_busy(attr, *args, **kwargs)) if callable(attr) else attr
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: retry_busy(attr, *args, _store=self._store, **kwargs)
+
+
+def retrying_client(uri: str) -> RetryingClient:
+    """A RetryingClient on a tracking store (and the same registry store), for reads and writes outside a run."""
+    return RetryingClient(MlflowClient(tracking_uri=uri, registry_uri=uri))
 
 
 def ui_command(artifacts_root: Path) -> str:
@@ -140,9 +192,11 @@ def find_run(client: MlflowClient, ref: str):
                  if "mlflow.parentRunId" not in r.data.tags]
         if found:
             return found[0]
+    from mlflow.exceptions import MlflowException
+
     try:
         return client.get_run(ref)
-    except Exception:
+    except MlflowException:  # no such run id (a StoreBusyError is not this)
         known = [r.info.run_name for r in client.search_runs(experiments, "", max_results=50,
                                                              order_by=["attributes.start_time DESC"])
                  if "mlflow.parentRunId" not in r.data.tags][:5]
@@ -264,11 +318,14 @@ class Lineage:
 
     def register_model(self, run_id: str, folder: Path, name: str) -> str:
         """Log the exported folder under the run and register it; returns the model version."""
+        from mlflow.exceptions import MlflowException
+
         self.client.log_artifacts(run_id, str(folder), artifact_path="model")
         try:
             self.client.create_registered_model(name)
-        except Exception:  # already registered
-            pass
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # registered before (by this or another run): fine
+                raise
         source = f"{self.client.get_run(run_id).info.artifact_uri}/model"
         version = self.client.create_model_version(name, source=source, run_id=run_id,
                                                    description="merged policy exported by posttrain")
