@@ -308,20 +308,22 @@ def report_errors(run: Callable[[], int], debug: bool) -> int:
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean bad input (a data row or file, a reward function, a missing file or folder, a vLLM
-    server that does not answer, a disk that refuses writes, an MLflow store other processes kept locked past
-    the retries), each raised with a message that names what and where: the CLI prints
+    """Errors that mean bad input (a data row or file, a model or dataset source, a reward function, a missing
+    file or folder, a vLLM server that does not answer, a disk that refuses writes, an MLflow store other
+    processes kept locked past the retries), each raised with a message that names what and where: the CLI prints
     that message, not a traceback."""
     from flows.config import ConfigError
     from flows.retrain import RetrainError
     from stages.engines.vllm_server import VLLMServerError
+    from stages.model_source import ModelSourceError
     from stages.reward_workers import RewardFunctionError
+    from stages.sources import SourceError
     from stages.transform import BadRowError
     from tasks.lineage import StoreBusyError
     from tasks.store import StorageError
 
     return (ConfigError, RetrainError, RewardFunctionError, BadRowError, FileNotFoundError, VLLMServerError,
-            StorageError, StoreBusyError)
+            StorageError, StoreBusyError, ModelSourceError, SourceError)
 
 
 def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:
