@@ -66,8 +66,16 @@ class HealthConfig(BaseModel):
     """train/entropy (mean per-token policy entropy, nats) at least this. axolotl: healthy 0.05--0.5;
     < 0.01 suggests mode collapse (completions nearly identical)."""
     max_entropy: float = Field(1.0, gt=0)
-    """train/entropy at most this. axolotl: > 1.0 suggests the model is not converging. Randomly
-    initialized test models sit far above it (about ln(vocab_size)); raise it for those."""
+    """train/entropy at most this, or at most `max_entropy_growth` times the first round's entropy if that
+    is higher. axolotl: > 1.0 suggests the model is not converging -- a bound for a policy that has been
+    RL-trained a while. A pretrained model sampled at temperature 1 starts well above it (SmolLM2-135M-Instruct
+    with its 49152-token vocabulary: 1.7 nats at round 0, measured, in a run whose accuracy rose 0.30 -> 0.53),
+    and a randomly initialized one near ln(vocab_size); what says "not converging" for those is entropy
+    rising above where the run started, which the growth factor reads."""
+    max_entropy_growth: float = Field(1.5, ge=1)
+    """How far train/entropy may rise above the first round's (a factor) before it is flagged, where the
+    first round's is above max_entropy. Higher: fewer warnings on a policy that explores more as it learns;
+    lower: warned earlier that it is drifting towards random."""
     max_grad_norm: float = Field(10.0, gt=0)
     """train/grad_norm (total gradient norm before grpo.max_grad_norm clips it, mean over the round's
     optimizer steps) at most this. axolotl: healthy 0.001--1.0; > 10 is unstable."""
@@ -134,11 +142,13 @@ class TrainingUnhealthy(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int) -> list[Finding]:
+def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
+                first_entropy: float | None = None) -> list[Finding]:
     """The findings for one round's metrics (parent-run names, as flows/pipeline.py logs them); a
     metric the dict lacks is not checked. A NaN/Inf value is a fatal finding, except in the
     per-reward-function statistics, where NaN means the function applied to no completion (TRL's
-    `rewards/<name>/mean`).
+    `rewards/<name>/mean`). `first_entropy`: the run's first round's train/entropy, which sets the
+    entropy's upper bound where it is above `max_entropy` (a pretrained model's real vocabulary).
 
     >>> cfg = HealthConfig()
     >>> check_round({"train/grad_norm": 0.4, "train/entropy": 0.3, "train/kl": 0.1}, cfg, 256)
@@ -148,6 +158,10 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int) ->
     >>> [(f.metric, f.fatal) for f in check_round({"train/loss": float("nan"), "rewards/code/mean": float("nan")},
     ...                                           cfg, 256)]
     [('train/loss', True)]
+    >>> check_round({"train/entropy": 1.9}, cfg, 256, first_entropy=1.7)  # a real model, near where it started
+    []
+    >>> [(f.metric, f.range) for f in check_round({"train/entropy": 2.9}, cfg, 256, first_entropy=1.7)]
+    [('train/entropy', '[0.01, 2.55]')]
     >>> check_round({"rollout/truncated_frac": 0.9}, cfg, 256)[0].message
     'completions are cut at rollout.max_completion_length (256 tokens): raise it, or look for reward hacking by length'
 
@@ -187,11 +201,14 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int) ->
     check("train/frac_reward_zero_std", None, cfg.max_frac_reward_zero_std,
           why_high="(almost) every prompt group got one reward for all its completions: zero advantages, "
                    "no gradient (more rollout.num_generations, a higher rollout.temperature, or easier prompts)")
-    check("train/entropy", cfg.min_entropy, cfg.max_entropy,
+    max_entropy = max(cfg.max_entropy, cfg.max_entropy_growth * first_entropy if first_entropy else 0.0)
+    check("train/entropy", cfg.min_entropy, round(max_entropy, 6),
           why_low="mode collapse: the completions are nearly identical (raise rollout.temperature, lower "
                   "grpo.learning_rate, or add a KL penalty with grpo.beta)",
-          why_high="the policy is close to random and not converging (lower grpo.learning_rate; check the "
-                   "SFT stage and rollout.temperature)")
+          why_high="the policy is close to random and not converging" + (
+              f" (its entropy rose to over {cfg.max_entropy_growth:g}x the first round's {first_entropy:.3g})"
+              if max_entropy > cfg.max_entropy else "")
+          + " (lower grpo.learning_rate; check the SFT stage and rollout.temperature)")
     check("train/grad_norm", None, cfg.max_grad_norm,
           why_high="unstable gradients (lower grpo.learning_rate, more grpo.gradient_accumulation_steps; "
                    "grpo.max_grad_norm clips the update)")

@@ -286,7 +286,8 @@ def test_pipeline_warns_stops_and_sets_nan_weights_aside(prefect_harness, tmp_pa
 
     # NaN: stops even with warn, and the round's optimize folder is set aside; the policy before it stays
     real = pipeline.check_round
-    monkeypatch.setattr(pipeline, "check_round", lambda m, cfg, n: real({**m, "train/loss": math.nan}, cfg, n))
+    monkeypatch.setattr(pipeline, "check_round",
+                        lambda m, cfg, n, **kw: real({**m, "train/loss": math.nan}, cfg, n, **kw))
     with pytest.raises(TrainingUnhealthy, match="train/loss = nan") as nan:
         pipeline.posttrain_pipeline(str(config), common + ["health.min_completion_length=0"], quiet=True)
     assert nan.value.quarantined == optimize_dir.with_name(optimize_dir.name + ".unhealthy")
