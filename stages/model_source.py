@@ -14,10 +14,11 @@ what to do. No Prefect, no MLflow.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from stages import hub
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tokenizer.tiktoken")
 """Any one of these in a folder is a tokenizer transformers can load."""
@@ -49,7 +50,7 @@ def resolve(name: str, revision: str = "main") -> ModelSource:
     """The local files behind `name` (a folder, a .gguf file, or a hub id at `revision`), downloading a
     hub id into the hub cache when it is not there yet."""
     local = Path(name).expanduser()
-    if name.endswith(".gguf") or local.exists() or _looks_local(name):
+    if name.endswith(".gguf") or local.exists() or not hub.is_repo_id(name):
         if revision != "main":
             raise ModelSourceError(f"model.revision: {revision!r} applies to hub ids only; model.path {name!r} is a "
                                    "local path. Remove model.revision, or set model.path to a hub id.")
@@ -65,39 +66,12 @@ def resolve(name: str, revision: str = "main") -> ModelSource:
     return _resolve_hub(name, revision)
 
 
-def _looks_local(name: str) -> bool:
-    """A path no hub id can be (./x, /x, ~/x, a/b/c, a name with spaces): never sent to the hub."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return True
-    return False
-
-
-def _offline() -> bool:
-    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as set now; huggingface_hub reads it once, at import."""
-    from huggingface_hub import constants
-
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def hub_cache() -> Path:
-    """The hub cache snapshot_download reads and fills: HF_HUB_CACHE as set now, else huggingface_hub's."""
-    from huggingface_hub import constants
-
-    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
-
-
 def _resolve_hub(repo_id: str, revision: str) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    cache, offline = hub_cache(), _offline()
+    cache, offline = hub.cache_dir(), hub.offline()
     where = f"hub id {repo_id!r} at revision {revision!r}"
     instead = "or point model.path at a local model folder or a .gguf file"
     try:

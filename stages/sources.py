@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from stages import hub
+
 if TYPE_CHECKING:
     from stages.transform import DatasetSource
 
@@ -72,16 +74,7 @@ def kind(source: DatasetSource) -> Literal["file", "files", "folder", "hub"]:
 
 def _looks_local(path: str) -> bool:
     """A name no hub id can be (./x, /x, ~/x, a/b/c, x.jsonl): never sent to the hub."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv"):
-        return True
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return True
-    return False
+    return Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") or not hub.is_repo_id(path)
 
 
 def data_files(source: DatasetSource) -> dict[str, list[Path]]:
@@ -110,28 +103,13 @@ def local_paths(source: DatasetSource) -> list[Path]:
     return [Path(source.path).expanduser()]
 
 
-def _offline() -> bool:
-    """HF_HUB_OFFLINE as set now (huggingface_hub reads it once, at import)."""
-    from huggingface_hub import constants
-
-    value = os.environ.get("HF_HUB_OFFLINE")
-    return constants.HF_HUB_OFFLINE if value is None else value.strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def hub_cache() -> Path:
-    """The hub cache: HF_HUB_CACHE as set now, else huggingface_hub's."""
-    from huggingface_hub import constants
-
-    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE).expanduser()
-
-
 def _not_cached(source: DatasetSource, why: str) -> SourceError:
     revision = f" --revision {source.revision}" if source.revision else ""
     return SourceError(
-        f"{describe(source)}: hub dataset {source.path!r} is not in the hub cache {hub_cache()}, and {why}. Fetch it "
-        f"once on a machine with a network: `hf download {source.path} --repo-type dataset{revision}` (or run once "
-        "without HF_HUB_OFFLINE), then copy that cache here or set HF_HUB_CACHE to it; or give a local file or "
-        "folder as path.")
+        f"{describe(source)}: hub dataset {source.path!r} is not in the hub cache {hub.cache_dir()}, and {why}. "
+        f"Fetch it once on a machine with a network: `hf download {source.path} --repo-type dataset{revision}` (or "
+        "run once without HF_HUB_OFFLINE), then copy that cache here or set HF_HUB_CACHE to it; or give a local "
+        "file or folder as path.")
 
 
 def hub_revision(source: DatasetSource) -> str:
@@ -141,10 +119,10 @@ def hub_revision(source: DatasetSource) -> str:
     from huggingface_hub.errors import (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError,
                                         RevisionResolutionError)
 
-    offline = _offline()
+    offline = hub.offline()
     try:
         return HfApi().resolve_revision(source.path, repo_type="dataset", revision=source.revision,
-                                        cache_dir=hub_cache(), local_files_only=offline).resolved
+                                        cache_dir=hub.cache_dir(), local_files_only=offline).resolved
     except RevisionResolutionError as e:
         raise _not_cached(source, "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached") from e
     except RevisionNotFoundError as e:
@@ -172,13 +150,13 @@ def _load_dataset(source: DatasetSource, path: str, **kwargs):
 def _hub_splits(source: DatasetSource) -> dict:
     """A hub dataset's splits at source.revision (a commit: the task pins it)."""
     commit = hub_revision(source)
-    if not _offline():
+    if not hub.offline():
         return _load_dataset(source, source.path, revision=commit)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(source.path, repo_type="dataset", revision=commit, cache_dir=hub_cache(),
+        folder = snapshot_download(source.path, repo_type="dataset", revision=commit, cache_dir=hub.cache_dir(),
                                    local_files_only=True)
     except (LocalEntryNotFoundError, IncompleteSnapshotError) as e:
         raise _not_cached(source, f"HF_HUB_OFFLINE is set (no complete snapshot of commit {commit})") from e

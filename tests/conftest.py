@@ -113,3 +113,28 @@ def tiny_preference_model(root, num_train: int, num_eval: int):
 def computed(results) -> list[str]:
     """The stages a pipeline run computed (not served from the cache), in order."""
     return [row["stage"] for row in results["stages"] if row["status"] == "computed"]
+
+
+class Quiet:
+    """A reporter that shows nothing."""
+
+    def progress(self, *args, **kwargs):
+        return None
+
+
+@pytest.fixture
+def key_of(monkeypatch, tmp_path):
+    """key_of(task, config_dict, *args): the key the task would look up for that config (no stage runs)."""
+    from flows.config import PipelineConfig
+    from tasks import stage_tasks
+    from tasks.store import ArtifactStore
+
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None, **_:
+                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+
+    def key_of(task, config: dict, *args):
+        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                     lineage=None, reporter=Quiet())
+        return task.fn(ctx, *args)
+
+    return key_of

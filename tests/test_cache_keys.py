@@ -13,31 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import computed
-from flows.config import PipelineConfig
 from stages.imports import source_digest
 from tasks import stage_tasks, store
-from tasks.store import Artifact, ArtifactStore, code_version
-
-
-class Quiet:
-    """A reporter that shows nothing."""
-
-    def progress(self, *args, **kwargs):
-        return None
-
-
-@pytest.fixture
-def key_of(monkeypatch, tmp_path):
-    """key_of(task, config_dict, *args): the key the task would look up for that config."""
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None, **_:
-                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
-
-    def key_of(task, config: dict, *args):
-        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
-                                     lineage=None, reporter=Quiet())
-        return task.fn(ctx, *args)
-
-    return key_of
+from tasks.store import Artifact, code_version
 
 
 def artifact(stage: str, tmp_path: Path) -> Artifact:

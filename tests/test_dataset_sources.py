@@ -160,26 +160,13 @@ HUB_SOURCES = {"datasets": [{"path": "org/sums", "split": "train[:3]"}],
                "question_field": "problem", "answer_field": "solution"}
 
 
-class Quiet:
-    def progress(self, *args, **kwargs):
-        return None
-
-
 @pytest.fixture
-def key_of(monkeypatch, tmp_path):
-    """key_of(transform_section): the transform key the task would look up (no stage runs)."""
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, **_:
-                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
-
-    def key_of(section: dict) -> str:
-        config = PipelineConfig.model_validate({"transform": section, "sft": {"enabled": False}})
-        ctx = stage_tasks.RunContext(config, ArtifactStore(tmp_path / "artifacts"), lineage=None, reporter=Quiet())
-        return stage_tasks.transform_task.fn(ctx, None)
-
-    return key_of
+def transform_key(key_of):
+    """transform_key(transform_section): the transform key the task would look up (no stage runs)."""
+    return lambda section: key_of(stage_tasks.transform_task, {"transform": section, "sft": {"enabled": False}}, None)
 
 
-def test_a_hub_dataset_is_read_offline_from_the_cache_and_keyed_by_its_commit(hub_cache, key_of, out_dir):
+def test_a_hub_dataset_is_read_offline_from_the_cache_and_keyed_by_its_commit(hub_cache, transform_key, out_dir):
     cfg = TransformConfig(**HUB_SOURCES)
     assert sources.kind(cfg.datasets[0]) == "hub" and sources.hub_revision(cfg.datasets[0]) == COMMITS[0]
     summary = transform.run(cfg, None, out_dir)
@@ -188,12 +175,12 @@ def test_a_hub_dataset_is_read_offline_from_the_cache_and_keyed_by_its_commit(hu
                                                                          ("train 2 + 0", "2")]
     assert summary["eval"] == 2 and summary["sources"][0]["source"] == "org/sums (split=train[:3])"
 
-    first = key_of(HUB_SOURCES)
-    assert key_of({**HUB_SOURCES, "val_set_seed": 1}) != first  # (options are keyed too)
+    first = transform_key(HUB_SOURCES)
+    assert transform_key({**HUB_SOURCES, "val_set_seed": 1}) != first  # (options are keyed too)
     pinned = [{**s, "revision": COMMITS[0]} for s in HUB_SOURCES["datasets"]]
-    assert key_of({**HUB_SOURCES, "datasets": pinned}) == first  # the commit is keyed, not the branch name
+    assert transform_key({**HUB_SOURCES, "datasets": pinned}) == first  # the commit is keyed, not the branch name
     (hub_cache / "datasets--org--sums" / "refs" / "main").write_text(COMMITS[1])  # main moved to a new commit
-    assert key_of(HUB_SOURCES) != first
+    assert transform_key(HUB_SOURCES) != first
     transform.run(TransformConfig(**HUB_SOURCES), None, out_dir)
     assert pq.read_table(out_dir / "train.parquet").to_pylist()[0]["answer"] == "1"  # the new commit's rows
 

@@ -99,25 +99,10 @@ def hub_cache(tmp_path, monkeypatch, folder) -> Path:
     return cache
 
 
-class Quiet:
-    def progress(self, *args, **kwargs):
-        return None
-
-
 @pytest.fixture
-def key_of(monkeypatch, tmp_path):
-    """key_of(model_section): the base_model key the task would look up (no stage runs)."""
-    from flows.config import PipelineConfig
-
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, **_:
-                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
-
-    def key_of(model: dict) -> str:
-        ctx = stage_tasks.RunContext(PipelineConfig.model_validate({"model": model}),
-                                     ArtifactStore(tmp_path / "artifacts"), lineage=None, reporter=Quiet())
-        return stage_tasks.base_model_task.fn(ctx, prompts(tmp_path))
-
-    return key_of
+def model_key(key_of, tmp_path):
+    """model_key(model_section): the base_model key the task would look up (no stage runs)."""
+    return lambda model: key_of(stage_tasks.base_model_task, {"model": model}, prompts(tmp_path))
 
 
 def prompts(tmp_path: Path) -> Artifact:
@@ -139,15 +124,15 @@ def base_model_stage(tmp_path: Path, monkeypatch, model: dict) -> Artifact:
     return stage_tasks.base_model_task.fn(ctx, prompts(tmp_path))
 
 
-def test_a_hub_id_resolves_from_the_cache_offline_keyed_by_its_commit(hub_cache, key_of):
+def test_a_hub_id_resolves_from_the_cache_offline_keyed_by_its_commit(hub_cache, model_key):
     source = model_source.resolve("org/tiny")
     assert (source.kind, source.commit) == ("hub", COMMITS[0])
     assert source.path == hub_cache / "models--org--tiny" / "snapshots" / COMMITS[0]
-    first = key_of({"path": "org/tiny"})
-    assert key_of({"path": "org/tiny", "revision": COMMITS[0]}) == first  # the commit is keyed, not the name
+    first = model_key({"path": "org/tiny"})
+    assert model_key({"path": "org/tiny", "revision": COMMITS[0]}) == first  # the commit is keyed, not the name
     (hub_cache / "models--org--tiny" / "refs" / "main").write_text(COMMITS[1])  # main moved to a new commit
     assert model_source.resolve("org/tiny").commit == COMMITS[1]
-    assert key_of({"path": "org/tiny"}) != first
+    assert model_key({"path": "org/tiny"}) != first
 
 
 def test_a_hub_id_runs_through_the_base_model_task(hub_cache, tmp_path, monkeypatch):
@@ -189,14 +174,14 @@ def test_a_gguf_file_is_dequantized_once_into_an_ordinary_folder(gguf_file, tmp_
     assert base_model_stage(tmp_path, monkeypatch, {"path": str(gguf_file)}).reused  # converted once
 
 
-def test_a_gguf_file_is_keyed_by_its_bytes(gguf_file, tmp_path, key_of):
+def test_a_gguf_file_is_keyed_by_its_bytes(gguf_file, tmp_path, model_key):
     copy = tmp_path / "copy.gguf"
     shutil.copy(gguf_file, copy)
-    before = key_of({"path": str(copy)})
+    before = model_key({"path": str(copy)})
     data = bytearray(copy.read_bytes())
     data[-1] ^= 1  # one byte of the last tensor
     copy.write_bytes(bytes(data))
-    assert key_of({"path": str(copy)}) != before
+    assert model_key({"path": str(copy)}) != before
 
 
 def test_a_bad_gguf_file_is_named(gguf_file, tmp_path):
