@@ -318,7 +318,7 @@ def input_errors() -> tuple[type[BaseException], ...]:
     from stages.model_source import ModelSourceError
     from stages.reward_workers import RewardFunctionError
     from stages.sources import SourceError
-    from stages.transform import BadRowError
+    from stages.sources import BadRowError
     from tasks.lineage import StoreBusyError
     from tasks.store import StorageError
 

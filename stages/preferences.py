@@ -42,7 +42,7 @@ from stages import demo_data
 from stages.demo_data import DemoDataConfig, format_answer
 from stages.imports import load_function
 from stages.schemas import MESSAGE, PREFERENCES, write_table
-from stages.transform import SUFFIXES, BadRowError, read_rows
+from stages.sources import SUFFIXES, BadRowError, read_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LISTED = 5  # bad rows named in a BadRowsError message

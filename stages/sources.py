@@ -1,8 +1,9 @@
-"""Where the rows of a `transform.datasets` entry come from (axolotl's `datasets:` list).
+"""Where raw rows come from: a local data file (`read_rows`), or an entry of `transform.datasets` (axolotl's
+`datasets:` list, `DatasetSource`), the layer below the transform.
 
 A source's `path` is one of:
 
-- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `transform.read_rows`
+- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `read_rows`
   (CSV columns as text, a bad jsonl line named by file:line);
 - a local folder: with `data_files` ({split: files} relative to the folder, or a list: `train`) read the same
   way; without, through `datasets.load_dataset(folder, name)`, which finds the splits by file name
@@ -20,14 +21,106 @@ A source's `path` is one of:
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from stages import hub
 
-if TYPE_CHECKING:
-    from stages.transform import DatasetSource
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+BUILTIN_TYPES = ("question_answer", "messages", "text")
+AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
+                 "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
+                 "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
+                 "orcamini", "orpo", "pretrain", "pygmalion", "reflection", "sharegpt", "stepwise_supervised",
+                 "summarizetldr", "user_defined"}
+"""axolotl's prompt strategies (`type: alpaca`, `type: chat_template.default`, ...): refused by name, not
+mistaken for a user module."""
+
+
+class BadRowError(ValueError):
+    """A raw row the transform cannot turn into a prompt."""
+
+
+class DatasetSource(BaseModel):
+    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/sources.py reads it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A hub dataset id (org/name), a local file (jsonl, json, parquet, csv), a local folder, or `json` /
+    `parquet` / `csv` with data_files (axolotl's `path: json`)."""
+    name: str | None = None
+    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders."""
+    split: str | None = None
+    """Which rows, in the slice syntax of `datasets`: train, train[:2000], train[10%:20%], train+test.
+    Unset: train (a local file is one table, the split train)."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """Files of a hub dataset or folder (relative to it), or local files with path json|parquet|csv (relative
+    to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
+    revision: str | None = None
+    """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
+    to, so a new commit on the branch is a new key."""
+    type: str | None = None
+    """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
+    question_field: str | None = None
+    """question_answer: this source's question column; unset: transform.question_field."""
+    answer_field: str | None = None
+    """question_answer: this source's answer column; unset: transform.answer_field."""
+    messages_field: str | None = None
+    """messages: this source's chat column; unset: transform.messages_field."""
+    text_field: str | None = None
+    """text: this source's document column; unset: transform.text_field."""
+    system_prompt: str | None = None
+    """A system message for this source's prompts; unset: transform.system_prompt."""
+
+    @model_validator(mode="after")
+    def _supported_type(self):
+        if self.type is None or self.type in BUILTIN_TYPES:
+            return self
+        module = self.type.split(".")[0]
+        hint = " (axolotl's completion is type: text here)" if module == "completion" else ""
+        if "." not in self.type or module in AXOLOTL_TYPES:
+            raise ValueError(f"source {self.path!r}: type {self.type!r} is not supported{hint}; use one of "
+                             f"{', '.join(BUILTIN_TYPES)}, or your own transform as module.fn (axolotl's custom "
+                             "prompt-strategy convention: fn(cfg) -> (transform_fn, {remove_columns}))")
+        return self
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a local jsonl/json/parquet/csv file."""
+    suffix = path.suffix.lower()
+    if not path.exists():
+        raise FileNotFoundError(f"transform.paths: {path} does not exist")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        # Every column as text: type inference would turn an answer "5" into "5.0" and "007" into "7.0".
+        names = pcsv.open_csv(path).schema.names
+        as_text = pcsv.ConvertOptions(column_types={name: pa.string() for name in names})
+        return pcsv.read_csv(path, convert_options=as_text).to_pylist()
+    if suffix == ".jsonl":
+        rows = []
+        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise BadRowError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+        return rows
+    if suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else data.get("data", data.get("rows"))
+    raise ValueError(f"transform.paths: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
+
 
 BUILDERS = ("json", "parquet", "csv")
 """`path` values that mean "the local files in data_files" (axolotl's `path: json`)."""
@@ -166,8 +259,6 @@ def _hub_splits(source: DatasetSource) -> dict:
 def load(source: DatasetSource) -> list[tuple[int, dict]]:
     """The rows `source.split` selects, each as (its index in its split, the row)."""
     import datasets
-
-    from stages.transform import read_rows
 
     which = kind(source)
     if which == "file":

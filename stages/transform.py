@@ -13,7 +13,6 @@ rows, in order, are the train split, and `test_datasets` or `val_set_size` gives
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -24,64 +23,13 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.imports import load_function
+from stages import sources
+from stages.sources import BadRowError, DatasetSource, read_rows
 from stages.schemas import PROMPTS, write_table
 
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-BUILTIN_TYPES = ("question_answer", "messages", "text")
 SOURCE_FIELDS = ("type", "question_field", "answer_field", "messages_field", "text_field", "system_prompt")
 """What a `transform.datasets` entry may set for its own rows; unset, the transform section's applies."""
-AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
-                 "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
-                 "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
-                 "orcamini", "orpo", "pretrain", "pygmalion", "reflection", "sharegpt", "stepwise_supervised",
-                 "summarizetldr", "user_defined"}
-"""axolotl's prompt strategies (`type: alpaca`, `type: chat_template.default`, ...): refused by name, not
-mistaken for a user module."""
 
-
-class DatasetSource(BaseModel):
-    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/sources.py reads it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str
-    """A hub dataset id (org/name), a local file (jsonl, json, parquet, csv), a local folder, or `json` /
-    `parquet` / `csv` with data_files (axolotl's `path: json`)."""
-    name: str | None = None
-    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders."""
-    split: str | None = None
-    """Which rows, in the slice syntax of `datasets`: train, train[:2000], train[10%:20%], train+test.
-    Unset: train (a local file is one table, the split train)."""
-    data_files: str | list[str] | dict[str, str | list[str]] | None = None
-    """Files of a hub dataset or folder (relative to it), or local files with path json|parquet|csv (relative
-    to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
-    revision: str | None = None
-    """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
-    to, so a new commit on the branch is a new key."""
-    type: str | None = None
-    """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
-    question_field: str | None = None
-    """question_answer: this source's question column; unset: transform.question_field."""
-    answer_field: str | None = None
-    """question_answer: this source's answer column; unset: transform.answer_field."""
-    messages_field: str | None = None
-    """messages: this source's chat column; unset: transform.messages_field."""
-    text_field: str | None = None
-    """text: this source's document column; unset: transform.text_field."""
-    system_prompt: str | None = None
-    """A system message for this source's prompts; unset: transform.system_prompt."""
-
-    @model_validator(mode="after")
-    def _supported_type(self):
-        if self.type is None or self.type in BUILTIN_TYPES:
-            return self
-        module = self.type.split(".")[0]
-        hint = " (axolotl's completion is type: text here)" if module == "completion" else ""
-        if "." not in self.type or module in AXOLOTL_TYPES:
-            raise ValueError(f"source {self.path!r}: type {self.type!r} is not supported{hint}; use one of "
-                             f"{', '.join(BUILTIN_TYPES)}, or your own transform as module.fn (axolotl's custom "
-                             "prompt-strategy convention: fn(cfg) -> (transform_fn, {remove_columns}))")
-        return self
 
 
 class TransformConfig(BaseModel):
@@ -148,10 +96,6 @@ MAX_LISTED = 10  # bad rows named in a BadRowsError message
 MAX_DROPPED_INDICES = 100  # dropped row indices kept per split in the manifest
 
 
-class BadRowError(ValueError):
-    """A raw row the transform cannot turn into a prompt."""
-
-
 class BadRowsError(BadRowError):
     """Bad rows under `on_bad_rows: fail`; `bad` holds every (file, row index, reason)."""
 
@@ -198,35 +142,7 @@ def _text(cfg: TransformConfig):
 BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text}
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a local jsonl/json/parquet/csv file."""
-    suffix = path.suffix.lower()
-    if not path.exists():
-        raise FileNotFoundError(f"transform.paths: {path} does not exist")
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if suffix == ".csv":
-        import pyarrow.csv as pcsv
-
-        # Every column as text: type inference would turn an answer "5" into "5.0" and "007" into "7.0".
-        names = pcsv.open_csv(path).schema.names
-        as_text = pcsv.ConvertOptions(column_types={name: pa.string() for name in names})
-        return pcsv.read_csv(path, convert_options=as_text).to_pylist()
-    if suffix == ".jsonl":
-        rows = []
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise BadRowError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
-        return rows
-    if suffix == ".json":
-        data = json.loads(path.read_text())
-        return data if isinstance(data, list) else data.get("data", data.get("rows"))
-    raise ValueError(f"transform.paths: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
 
 
 def _normalize_prompt(prompt: Any) -> list[dict]:
@@ -321,8 +237,6 @@ def file_parts(cfg: TransformConfig, raw_files: dict[str, Path]) -> dict[str, li
 def dataset_parts(cfg: TransformConfig) -> dict[str, list[Part]]:
     """With transform.datasets: a part per source of the train split, and of the eval split those of
     test_datasets, or val_set_size rows drawn from the train parts."""
-    from stages import sources
-
     def parts_of(entries: list[DatasetSource], name: str) -> list[Part]:
         own = [(i, s, {f: getattr(s, f) for f in SOURCE_FIELDS if getattr(s, f) is not None})
                for i, s in enumerate(entries)]

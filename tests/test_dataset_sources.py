@@ -14,8 +14,8 @@ import pytest
 
 from flows.config import ConfigError, PipelineConfig, load_config
 from stages import sources, transform
-from stages.sources import SourceError
-from stages.transform import BadRowsError, DatasetSource, TransformConfig
+from stages.sources import DatasetSource, SourceError
+from stages.transform import BadRowsError, TransformConfig
 from tasks import stage_tasks
 from tasks.store import ArtifactStore
 
@@ -196,7 +196,7 @@ def test_a_hub_dataset_not_in_the_cache_offline_says_how_to_get_it(hub_cache, ou
 
 
 def test_source_types_are_the_built_ins():
-    assert tuple(transform.BUILTINS) == transform.BUILTIN_TYPES
+    assert tuple(transform.BUILTINS) == sources.BUILTIN_TYPES
     assert set(transform.SOURCE_FIELDS) <= set(TransformConfig.model_fields) & set(DatasetSource.model_fields)
 
 

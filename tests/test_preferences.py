@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from stages import demo_data, preferences
 from stages.demo_data import DemoDataConfig, format_answer
 from stages.preferences import PREFERENCES, BadRowsError, DemoPairsConfig, PreferenceConfig
-from stages.transform import BadRowError
+from stages.sources import BadRowError
 
 SYSTEM = "Be brief."
 Q1, GOOD1, BAD1 = "Which is larger, 9.8 or 9.11?", "9.8", "9.11"
