@@ -174,7 +174,8 @@ def test_tiny_run_raises_the_feature_matching_reward(tiny_policy):
 def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path):
     """The score key of rl: ebft changes with the frozen feature model and any ebft option; ce_coef enters the
     optimize key (and only when set: a GRPO run's optimize keys stay as they were)."""
-    from test_cache_keys import Quiet, artifact
+    from conftest import Quiet
+    from test_cache_keys import artifact
 
     from flows.config import PipelineConfig
     from tasks import stage_tasks

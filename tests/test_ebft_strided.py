@@ -171,8 +171,9 @@ def sevens(tmp_path_factory):
 def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     """Strided rollout -> EBFT score (the frozen starting policy's features against each block's real
     continuation) -> GRPO optimize, 8 rounds, on documents of sevens, from a policy that writes random digits:
-    the feature-matching distance falls (measured 0.016 -> 0.009 over the last three rounds) and blocks that
-    equal the document's continuation get more frequent (0.3% -> 3%). The mean reward is not the yardstick
+    the feature-matching distance falls (measured 0.016 -> 0.010 over the last three rounds) and blocks that
+    equal the document's continuation get more frequent (0.3% -> 3.4%). learning_rate 5e-3: at 1e-2 one round
+    spiked (distance 0.29 at round 4) on an AVX-512 machine, and the last rounds had not recovered. The mean reward is not the yardstick
     here: alignment minus diversity is ~0 both for unrelated samples and for n samples that all equal the
     reference. The rows keep where each block came from (document, anchor, the document's own text)."""
     from stages.rollout import RolloutConfig
@@ -182,7 +183,7 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     cfg = ebft.EBFTConfig(mode="strided", stride=4, context_length=8, generate_max_len=4,
                           embed_method="completion_mean", advantage_estimator="grpo")
     rollout_cfg = RolloutConfig(num_generations=8, prompts_per_round=10, max_completion_length=4)
-    grpo_cfg = grpo.GRPOConfig(learning_rate=1e-2, micro_batch_size=64, gradient_accumulation_steps=1, lora_r=8,
+    grpo_cfg = grpo.GRPOConfig(learning_rate=5e-3, micro_batch_size=64, gradient_accumulation_steps=1, lora_r=8,
                                lora_alpha=16)
     adapter, distances, exact = None, [], []
     for r in range(8):
@@ -228,7 +229,8 @@ def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
 def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
     """A strided rollout's key changes with what decides its blocks (stride, context_length, generate_max_len)
     and not with the score-only options; a strided eval's key changes with the frozen feature model."""
-    from test_cache_keys import Quiet, artifact
+    from conftest import Quiet
+    from test_cache_keys import artifact
 
     from flows.config import PipelineConfig
     from tasks import stage_tasks
