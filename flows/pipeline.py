@@ -314,6 +314,14 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
 
 
+def announce(ctx: RunContext, message: str, level: int) -> None:
+    """Log `message` and show it on the console (a warning in yellow) unless the run is quiet."""
+    log.log(level, message)
+    if not ctx.reporter.quiet:
+        ctx.reporter.console.print(message, soft_wrap=True, markup=False,
+                                   style="yellow" if level >= logging.WARNING else None)
+
+
 def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts."""
     from flows import retrain
@@ -325,18 +333,14 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
         splits = ", ".join(f"{split} {rows}" for split, rows in source["splits"].items())
         message = (f"transform: {source['key']} {source['source']}: {source['rows']} rows ({splits})"
                    + (f", {source['dropped']} dropped" if source["dropped"] else ""))
-        log.info(message)
-        if not ctx.reporter.quiet:
-            ctx.reporter.console.print(message, soft_wrap=True, markup=False)
+        announce(ctx, message, logging.INFO)
         ctx.lineage.set_tags(parent, {f"transform.source_rows.{source['key']}": source["rows"],
                                       f"transform.source.{source['key']}": source["source"]})
     ctx.dropped_rows = prompts.manifest["summary"].get("dropped", {})  # transform.on_bad_rows: drop
     for split, dropped in ctx.dropped_rows.items():
         message = (f"transform: dropped {dropped['rows']} bad row(s) of split {split!r} (transform.on_bad_rows: "
                    f"drop), rows {dropped['indices'][:10]}: {dropped['reasons'][0]}")
-        log.warning(message)
-        if not ctx.reporter.quiet:
-            ctx.reporter.console.print(message, soft_wrap=True, markup=False, style="yellow")
+        announce(ctx, message, logging.WARNING)
         ctx.lineage.set_tags(parent, {f"transform.dropped_rows.{split}": dropped["rows"]})
     base = base_model_task(ctx, prompts)
     champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
