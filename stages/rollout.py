@@ -30,12 +30,20 @@ class VLLMOptions(BaseModel):
     kv_cache_space_gib: float = Field(1.0, gt=0)
     """CPU only: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)."""
     max_model_len: int | None = Field(None, ge=1)
-    """Longest prompt + completion; unset: the model's max_position_embeddings."""
+    """Longest prompt + completion; unset: the model's max_position_embeddings, on CPU at most 1024 (vLLM's
+    CPU runner holds memory for 256 whole sequences of this length: SmolLM2's 8192 made a 10 GiB process).
+    Set it when prompt + completion can be longer."""
     dtype: str = "float32"
     """Engine dtype. float32 makes sampling log-probs match the trainer's most closely."""
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = True
     """No CUDA graphs / compilation: slower steady state, much faster start."""
+    lora_sync: Literal["auto", "merged", "adapter"] = "auto"
+    """vllm, ray_vllm: how a LoRA policy reaches the engine. merged: the round's adapter is merged into the
+    weights (as TRL's colocated vLLM does) and loaded in place, so generation runs plain matmuls; adapter:
+    vLLM's LoRA kernels apply it (a LoRARequest per version). auto: merged on CPU, where vLLM's LoRA path
+    made a SmolLM2-135M round ~4x slower than merged weights, merge included; adapter on GPUs, where the
+    kernels are fast and merging and reloading a large model each round is not."""
     in_process: bool = True
     """vllm: run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     On a 2-core CPU this is ~1.8x faster than vLLM's default of separate processes, which poll
@@ -173,6 +181,13 @@ class RolloutConfig(BaseModel):
             twice = sorted({u for u in urls if urls.count(u) > 1})
             if twice:
                 raise ValueError(f"rollout.vllm.server_urls lists {twice} more than once")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_sync(self) -> "RolloutConfig":
+        if self.vllm.lora_sync != "auto" and self.engine not in ("vllm", "ray_vllm"):
+            raise ValueError(f"rollout.vllm.lora_sync: {self.vllm.lora_sync} applies to the vllm and ray_vllm engines, "
+                             f"not {self.engine} (vllm_server loads each round's adapter into the server); remove it")
         return self
 
     @model_validator(mode="after")

@@ -89,7 +89,8 @@ def engine(tiny):
     from stages.engines.vllm_local import VLLMEngine
 
     eng = VLLMEngine(tiny["base"], gpu_memory_utilization=0.05, kv_cache_space_gib=0.25, max_model_len=128,
-                     dtype="float32", tensor_parallel_size=1, enforce_eager=True, max_lora_rank=8)
+                     dtype="float32", tensor_parallel_size=1, enforce_eager=True, max_lora_rank=8,
+                     lora_sync="adapter")
     yield eng
     eng.close()
 
@@ -161,6 +162,36 @@ def test_lora_versions_and_logprobs(engine, tiny):
     assert_logps_close(base_rows, trainer_logps(tiny["base"], None, base_rows))
     greedy = engine.generate(v2, PROMPTS, sampling(do_sample=False))
     assert toks(greedy) == toks(engine.generate(v2, PROMPTS, sampling(do_sample=False, seed=99)))
+
+
+def test_lora_merged_into_the_weights(engine, tiny):
+    """lora_sync: merged (auto's choice on CPU): each adapter version is merged once and loaded in place; the
+    log-probs are the trainer's for base + adapter, as with vLLM's LoRA kernels; the base comes back after."""
+    from stages.engines import Policy
+
+    v1, v2 = (Policy(tiny["base"], adapter_dir=a, version=i + 1) for i, a in enumerate(tiny["adapters"]))
+    base_policy = Policy(tiny["base"])
+    base_rows = engine.generate(base_policy, PROMPTS, sampling())
+    engine.lora_sync = "merged"
+    try:
+        assert engine.merges_lora()
+        reloads, merges = engine.weight_reloads, engine.merges
+        rows1 = engine.generate(v1, PROMPTS, sampling())
+        first_folder = engine.loaded_weights
+        assert (engine.weight_reloads, engine.merges) == (reloads + 1, merges + 1)
+        assert_well_formed(rows1, tiny["base"], 12, tiny["eos"])
+        assert_logps_close(rows1, trainer_logps(tiny["base"], tiny["adapters"][0], rows1))
+        assert [r["completion_token_ids"] for r in engine.generate(v1, PROMPTS, sampling())] == \
+            [r["completion_token_ids"] for r in rows1]
+        assert (engine.weight_reloads, engine.merges) == (reloads + 1, merges + 1)  # same version: kept
+        rows2 = engine.generate(v2, PROMPTS, sampling())
+        assert (engine.weight_reloads, engine.merges) == (reloads + 2, merges + 2)
+        assert not first_folder.exists()  # the previous merged folder is gone once the new one is loaded
+        assert_logps_close(rows2, trainer_logps(tiny["base"], tiny["adapters"][1], rows2))
+        back = engine.generate(base_policy, PROMPTS, sampling())
+        assert [r["completion_token_ids"] for r in back] == [r["completion_token_ids"] for r in base_rows]
+    finally:
+        engine.lora_sync = "adapter"
 
 
 def test_full_weight_update(engine, tiny):

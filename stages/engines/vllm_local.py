@@ -6,8 +6,14 @@
   the log-softmax after the top-p mask (TRL does the same with vLLM); the transformers
   engine does not, so only then the two differ by the kept mass. Greedy decoding
   (`do_sample=False`) returns log softmax(logits) (temperature 1).
-- LoRA policies: a new `LoRARequest(name, id, adapter_dir)` for every adapter version
-  (a new id when the folder or its weights file changes), so vLLM loads it afresh.
+- LoRA policies, two ways (`lora_sync`). `merged` (the default on CPU): the adapter is merged
+  into the base weights once per version (PEFT `merge_and_unload`, as TRL's colocated vLLM does)
+  and the merged folder goes in through the full-weight path below; the engine then runs plain
+  matmuls. On CPU vLLM's LoRA kernels made a SmolLM2-135M round ~4x slower than the merged
+  weights, merge and reload included (BENCHMARKS.md). `adapter` (the default on GPUs, where the
+  LoRA kernels are fast and a merge + reload of a large model is not): a new
+  `LoRARequest(name, id, adapter_dir)` for every adapter version (a new id when the folder or its
+  weights file changes), so vLLM loads it afresh.
 - Full fine-tuning: when `policy.model_dir` differs from the weights the engine holds, the
   engine takes the folder's weights in place, without a restart: vLLM's layerwise
   `reload_weights` through a worker extension that also re-ties a tied lm_head and, on CPU,
@@ -21,6 +27,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -147,7 +156,18 @@ def repack_cpu_gemms(model) -> list[str]:
     return repacked
 
 
+def adapter_key(adapter_dir: Path, version: int) -> tuple:
+    """What identifies an adapter version: its folder, version and weights file's modification time."""
+    adapter_dir = Path(adapter_dir).resolve()
+    weights = adapter_dir / "adapter_model.safetensors"
+    return str(adapter_dir), version, weights.stat().st_mtime_ns if weights.exists() else 0
+
+
 MAX_NUM_SEQS = 256  # sequences per engine step (vLLM's default on GPU)
+CPU_MAX_MODEL_LEN = 1024
+"""max_model_len on CPU when none is set and the model allows more. The CPU step budget is sized for
+MAX_NUM_SEQS whole sequences of this length, and vLLM's CPU runner holds memory in proportion: SmolLM2's
+8192 made a 10 GiB process, 512 a 4 GiB one (BENCHMARKS.md)."""
 
 
 class VLLMEngine:
@@ -157,7 +177,8 @@ class VLLMEngine:
 
     def __init__(self, base_dir, gpu_memory_utilization: float = 0.05, kv_cache_space_gib: float = 1.0,
                  max_model_len: int | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
-                 enforce_eager: bool = True, max_lora_rank: int = 16, in_process: bool = True):
+                 enforce_eager: bool = True, max_lora_rank: int = 16, in_process: bool = True,
+                 lora_sync: str = "auto"):
         self.base_dir = Path(base_dir)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_space_gib = kv_cache_space_gib
@@ -167,11 +188,17 @@ class VLLMEngine:
         self.enforce_eager = enforce_eager
         self.max_lora_rank = max_lora_rank
         self.in_process = in_process
+        if lora_sync not in ("auto", "merged", "adapter"):
+            raise ValueError(f"rollout.vllm.lora_sync: {lora_sync!r}; use auto, merged or adapter")
+        self.lora_sync = lora_sync
         self.llm = None
         self.tokenizer = None
         self.loaded_weights: Path = self.base_dir.resolve()
         self._lora_ids: dict[tuple, int] = {}
         self.weight_reloads = 0
+        self.merges = 0
+        self._merged: tuple[tuple, Path] | None = None  # (adapter key, merged folder) last merged
+        self._scratch: Path | None = None  # holds merged folders; removed on close (or at exit)
 
     def start(self) -> None:
         """Build the engine now rather than at the first generate (nothing to do once built)."""
@@ -193,9 +220,11 @@ class VLLMEngine:
             # prefill is split across steps. A token budget that fits every sequence whole avoids the split.
             import json
 
-            max_len = self.max_model_len or json.loads(((model_dir or self.base_dir) / "config.json").read_text()).get(
-                "max_position_embeddings", 2048)
-            extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * max_len)
+            if self.max_model_len is None:
+                model_max = json.loads(((model_dir or self.base_dir) / "config.json").read_text()).get(
+                    "max_position_embeddings", 2048)
+                self.max_model_len = min(model_max, CPU_MAX_MODEL_LEN)
+            extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * self.max_model_len)
 
         # Read by vLLM when the engine is built: 0 keeps the engine core and worker in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
@@ -235,14 +264,40 @@ class VLLMEngine:
         self.loaded_weights = model_dir
         self.weight_reloads += 1
 
+    def merges_lora(self) -> bool:
+        """Whether LoRA policies are merged into the weights (`lora_sync`; auto: on CPU) rather than
+        applied by vLLM's LoRA kernels."""
+        if self.lora_sync != "auto":
+            return self.lora_sync == "merged"
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+
+    def _merged_weights(self, policy: Policy) -> Path:
+        """A full-weight folder of `policy`'s model with its adapter merged in, made once per adapter version
+        (`generate` deletes the previous one once the engine has loaded the new one)."""
+        key = adapter_key(policy.adapter_dir, policy.version) + (str(Path(policy.model_dir).resolve()),)
+        if self._merged and self._merged[0] == key:
+            return self._merged[1]
+        from stages.policy import load_policy
+
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="posttrain-vllm-merged-"))
+            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        model, _ = load_policy(policy.model_dir, policy.adapter_dir)
+        self.merges += 1
+        folder = self._scratch / f"v{policy.version}-{self.merges}"
+        model.save_pretrained(folder)
+        del model
+        self._merged = (key, folder)
+        return folder
+
     def _lora_request(self, adapter_dir: Path, version: int):
         """A LoRARequest whose id is new for every (folder, version, weights file) seen."""
         from vllm.lora.request import LoRARequest
 
+        key = adapter_key(adapter_dir, version)
         adapter_dir = Path(adapter_dir).resolve()
-        weights = adapter_dir / "adapter_model.safetensors"
-        stamp = weights.stat().st_mtime_ns if weights.exists() else 0
-        key = (str(adapter_dir), version, stamp)
         if key not in self._lora_ids:
             self._lora_ids[key] = len(self._lora_ids) + 1
         lora_id = self._lora_ids[key]
@@ -254,8 +309,15 @@ class VLLMEngine:
         `indices`: the prompts' positions in a larger call split across engines (their seeds); default 0..n-1."""
         if self.llm is None:
             self._start()
-        self._set_weights(policy.model_dir)
-        lora = self._lora_request(policy.adapter_dir, policy.version) if policy.adapter_dir else None
+        lora = None
+        if policy.adapter_dir and self.merges_lora():
+            previous = self._merged
+            self._set_weights(self._merged_weights(policy))
+            if previous and previous[1] != self._merged[1]:
+                shutil.rmtree(previous[1], ignore_errors=True)  # the engine no longer reads it
+        else:
+            self._set_weights(policy.model_dir)
+            lora = self._lora_request(policy.adapter_dir, policy.version) if policy.adapter_dir else None
         eos = self.tokenizer.eos_token_id
         ids = prompt_token_ids(self.tokenizer, prompts)
         outputs = self.llm.generate(
@@ -267,7 +329,10 @@ class VLLMEngine:
         return [to_result(self.tokenizer, p, out.outputs[0], eos) for p, out in zip(ids, outputs)]
 
     def close(self) -> None:
-        """Shut the engine down (its worker processes and memory)."""
+        """Shut the engine down (its worker processes and memory) and delete its merged weights."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch, self._merged = None, None
         if self.llm is not None:
             llm, self.llm = self.llm, None
             try:

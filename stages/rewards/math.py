@@ -8,6 +8,10 @@ from stages.rewards.common import completion_text
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 FORMAT = re.compile(r"^\s*<answer>[^<]*</answer>\s*$", re.DOTALL)
+NUMBER = r"(-?\d+(?:\.\d+)?)"
+BARE_NUMBER = re.compile(rf"^\s*{NUMBER}\s*\.?\s*$")
+# A closing statement: "... is 7.", "answer: 7", "= 7" at the very end of the text (markdown bold and $ allowed).
+CLOSING_STATEMENT = re.compile(rf"(?:\bis|=|:)\s*[*$]*\s*{NUMBER}\s*[*$]*\s*\.?\s*$", re.IGNORECASE)
 
 
 def extract_answer(text: str) -> str:
@@ -18,6 +22,36 @@ def extract_answer(text: str) -> str:
     """
     match = ANSWER_TAG.search(text)
     return match.group(1).strip() if match else text.strip()
+
+
+def stated_answer(text: str) -> str | None:
+    """The answer a completion states, or None when it states none: the text of its first
+    `<answer>...</answer>`; else the number it consists of; else the number of its closing statement
+    ("... is 7.", "answer: 7", "= 7" ending the text). Reasoning cut off mid-way states nothing, even
+    when its last number happens to be the gold one.
+
+    >>> stated_answer("The largest of 3, 8, 1 is 8."), stated_answer(" 8 "), stated_answer("<answer>8</answer>")
+    ('8', '8', '8')
+    >>> stated_answer("To find the largest of 3, 8, 1, 6") is None
+    True
+    """
+    match = ANSWER_TAG.search(text)
+    if match:
+        return match.group(1).strip()
+    match = BARE_NUMBER.search(text) or CLOSING_STATEMENT.search(text)
+    return match.group(1) if match else None
+
+
+def same_answer(predicted: str, gold) -> bool:
+    """True when `predicted` equals `gold` as text or mathematically (math-verify; `$...$` added when absent)."""
+    from math_verify import parse, verify
+
+    gold_text = str(gold)
+    if predicted == gold_text:
+        return True
+    gold_parsed = parse(gold_text if "$" in gold_text else f"${gold_text}$")
+    pred_parsed = parse(predicted if "$" in predicted else f"${predicted}$")
+    return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed))
 
 
 def accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> list[float]:
@@ -31,20 +65,28 @@ def accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> li
     >>> accuracy_reward(completions=["the answer is $\\\\frac{1}{2}$"], answer=["0.5"])
     [1.0]
     """
-    from math_verify import parse, verify
-
     if answer is None:
         raise ValueError("accuracy_reward needs an `answer` column in the prompts table")
+    return [1.0 if same_answer(extract_answer(completion_text(c)), gold) else 0.0 for c, gold in zip(completions, answer)]
+
+
+def stated_accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> list[float]:
+    """1.0 where the answer the completion states (`stated_answer`) equals `answer`, else 0.0.
+
+    Stricter than `accuracy` on free text: math-verify reads the last number of a completion without
+    `<answer>` tags, so reasoning cut off at max_completion_length scores whenever that number is the
+    gold one ("The largest is 6, which is the sum of 1 to 9" scores 1 for 9); here only a stated answer does.
+
+    >>> stated_accuracy_reward(completions=["The largest of 3, 9, 1 is 9.", "Of 3, 9, 1 the largest is 3, then 9",
+    ...                                     "<answer>9</answer>"], answer=["9", "9", "9"])
+    [1.0, 0.0, 1.0]
+    """
+    if answer is None:
+        raise ValueError("stated_accuracy_reward needs an `answer` column in the prompts table")
     scores = []
     for completion, gold in zip(completions, answer):
-        predicted = extract_answer(completion_text(completion))
-        gold_text = str(gold)
-        if predicted == gold_text:
-            scores.append(1.0)
-            continue
-        gold_parsed = parse(gold_text if "$" in gold_text else f"${gold_text}$")
-        pred_parsed = parse(predicted if "$" in predicted else f"${predicted}$")
-        scores.append(1.0 if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed) else 0.0)
+        predicted = stated_answer(completion_text(completion))
+        scores.append(1.0 if predicted is not None and same_answer(predicted, gold) else 0.0)
     return scores
 
 
