@@ -179,12 +179,15 @@ class GRPOConfig(BaseModel):
     """Drop sequences with negative advantage whose mean KL(pi_sampling || pi_theta) per token exceeds this
     (DeepSeek-V3.2's off-policy sequence masking, TRL's off_policy_mask_threshold); unset: off."""
     reuse_sampling_logps: bool = True
-    """Take pi_old (the policy at the start of the round) from the rollouts' sampling log-probs where they are
-    the same numbers: rows the transformers engine sampled in this round from the round's starting policy
-    (same weights, float32, log softmax(logits / temperature) as here), not replayed. This saves the no-grad
-    forward pass over the round, about a quarter of the optimize compute. Rows from another engine (vLLM's
-    numerics differ), an older policy (async prefetch), a rollout_func or a replay buffer are recomputed.
-    False: recompute every row, as TRL does (their difference is float rounding, ~1e-6 per token)."""
+    """Skip the no-grad pi_old pass (pi_old: the policy at the start of the round) where its numbers are at hand,
+    saving about a quarter of the optimize compute. (1) A round that is one optimizer step of one pass
+    (num_iterations 1, all rows in one step) trains on pi_old itself: pi_old is the step's own forward,
+    detached, for every row (TRL does the same when a generation batch is one step). (2) Otherwise, rows the
+    transformers engine sampled in this round from the round's starting policy (same weights, float32, log
+    softmax(logits / temperature) as here), not replayed, bring pi_old as their sampling log-probs. Rows from
+    another engine (vLLM's numerics differ), an older policy (async prefetch), a rollout_func or a replay
+    buffer are recomputed. False: recompute every row in a pass of its own (the difference is float
+    rounding, ~1e-6 per token)."""
     seed: int = 0
 
     @model_validator(mode="after")
@@ -624,11 +627,14 @@ def run(
 
     # pi_old: the policy at the start of the round, before any update (TRL computes it when a
     # generation batch spans several optimizer steps or num_iterations > 1, and always when it corrects
-    # for vLLM); every pass of the round is clipped against it.
+    # for vLLM); every pass of the round is clipped against it. One step of one pass: the step's own forward.
+    replayed = [r for r in rows if r.get("replayed")]
+    pi_old_is_step = (cfg.reuse_sampling_logps and cfg.num_iterations == 1 and len(steps) == 1
+                      and not (replayed and cfg.replay_recompute_logps))
     old_logps: dict[str, list[float]] = {}  # of the rows this rank trains
     reused = 0
     with torch.no_grad():
-        for run in runs:
+        for run in runs if not pi_old_is_step else []:
             mine, passes = rank_share(run)
             for slot in range(passes):
                 chunk = []
@@ -647,7 +653,6 @@ def run(
                     old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
     if group is not None:
         reused = int(group.all_reduce([reused])[0])
-    replayed = [r for r in rows if r.get("replayed")]
     if cfg.replay_recompute_logps:  # the stale sample counts as drawn from pi_old (docstring of the option)
         for row in replayed:
             if row["rollout_id"] in old_logps:
@@ -699,7 +704,10 @@ def run(
                 if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
                     (logps.sum() * 0.0).backward()
                     continue
-                old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
+                if pi_old_is_step:
+                    old = logps.detach()
+                else:
+                    old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
                 is_weights = keep_mask = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
@@ -779,6 +787,7 @@ def run(
                    skipped_steps=skipped_steps, skipped_batches=skipped_batches,
                    learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
                    optimizer_state=optimizer_state, reused_sampling_logps=reused,
+                   pi_old_from_step=int(pi_old_is_step),  # 1: pi_old was the round's one step's own forward
                    # trainable weights this rank holds: all of them, or its 1/world_size shard under fsdp
                    trainable_params_per_rank=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                                  for p in params),

@@ -159,6 +159,24 @@ def test_on_policy_rows_bring_pi_old_with_them(tiny):
     assert _run(root, other_engine, "reuse_vllm_out")[0]["reused_sampling_logps"] == 0
 
 
+def test_one_step_round_takes_pi_old_from_its_own_forward(tiny):
+    """A round that is one optimizer step of one pass trains on pi_old itself: no pi_old pass, whatever engine
+    sampled the rows (here vLLM's, which are otherwise recomputed); the same loss, gradient and weights as with
+    the pass. A round of two steps still runs the pass for them."""
+    root, rows = tiny
+    scored = _scored(root, "one_step_scored", [{**r, "engine": "vllm"} for r in rows])
+    one_step = dict(micro_batch_size=8, gradient_accumulation_steps=4)  # 32 rows: the whole round
+    fast, fast_steps, fast_out = _run(root, scored, "one_step_fast", **one_step)
+    slow, slow_steps, slow_out = _run(root, scored, "one_step_slow", reuse_sampling_logps=False, **one_step)
+    assert (fast["pi_old_from_step"], slow["pi_old_from_step"]) == (1, 0)
+    assert len(fast_steps) == len(slow_steps) == 1
+    assert fast_steps[0][1]["loss"] == pytest.approx(slow_steps[0][1]["loss"], rel=1e-4, abs=1e-6)
+    assert fast_steps[0][1]["grad_norm"] == pytest.approx(slow_steps[0][1]["grad_norm"], rel=1e-4)
+    a, b = _adapter(fast_out), _adapter(slow_out)
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+    assert _run(root, scored, "two_steps", micro_batch_size=8, gradient_accumulation_steps=2)[0]["pi_old_from_step"] == 0
+
+
 def test_masked_truncated_completions_contribute_no_gradient(tiny):
     """All rows in one optimizer step (dapo: the gradient does not depend on how rows fall into
     micro-batches): masking the truncated rows gives the gradient of the other rows alone."""
