@@ -18,6 +18,9 @@ Variants:
 - `vllm-base`: the engine with no adapter (a lower bound for vLLM on this model).
 - `transformers`: the transformers engine (`rollout.engine: transformers`), LoRA merged on load.
 - add `@LEN` to a vLLM variant to set `rollout.vllm.max_model_len` (unset: the engine's default).
+- `optimize`: the optimize stage (`stages.grpo.run`, the config's grpo section) on the run's first scored
+  round, `--repeat` times each with `grpo.reuse_sampling_logps` on (a one-step round takes pi_old from its
+  own forward) and off (a no-grad pi_old pass over the rows first, as every vLLM round did before).
 
 Prints one line per variant: engine build seconds, first and steady call seconds, tokens/s, peak RSS.
 """
@@ -31,6 +34,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,9 +63,38 @@ def inputs(run_dir: Path) -> tuple[Path, Path, list]:
     return base, adapter, prompts
 
 
+def optimize_times(run_dir: Path, repeat: int) -> dict:
+    """Seconds of stages.grpo.run on the run's round-0 scored rollouts, pi_old from the step vs its own pass."""
+    import yaml
+
+    from stages import grpo
+
+    config = yaml.safe_load((ROOT / "configs" / "smollm2.yaml").read_text())
+    base = newest(run_dir / "base_model", "config.json")
+    scored = next(p.parent for p in (run_dir / "score").glob("*/scored.parquet")
+                  if json.loads((p.parent / "_manifest.json").read_text())["config"].get("round") == 0)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for reuse in (True, False):
+            cfg = grpo.GRPOConfig(**{**config["grpo"], "rounds": 1, "reuse_sampling_logps": reuse})
+            times = []
+            for call in range(repeat):
+                folder = Path(tmp) / f"{reuse}-{call}"
+                folder.mkdir()
+                started = time.perf_counter()
+                metrics = grpo.run(cfg, base, None, scored / "scored.parquet", 0, 0.7, 32, folder)
+                times.append(time.perf_counter() - started)
+            out[f"reuse_{str(reuse).lower()}_s"] = round(statistics.median(times), 1)
+            out[f"reuse_{str(reuse).lower()}_trained_rows"] = metrics["trained_rows"]
+    return {"variant": "optimize", **out,
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+
+
 def one_variant(variant: str, run_dir: Path, repeat: int) -> dict:
     from stages.engines import Policy, Sampling, get_engine
 
+    if variant == "optimize":
+        return optimize_times(run_dir, repeat)
     name, _, length = variant.partition("@")
     base, adapter, prompts = inputs(run_dir)
     kind = "transformers" if name == "transformers" else "vllm"

@@ -32,6 +32,20 @@ def test_two_answers_half_and_half_have_entropy_ln2():
     assert stats["constant_baseline"] == 1.0
 
 
+def test_free_text_answers_are_read_whether_or_not_a_period_ends_them():
+    """A real model's greedy answers are sentences. Before: a sentence that did not end in a period was parsed as
+    one LaTeX expression (a product of its letters) and scored 0 even when it stated the gold answer, which put a
+    SmolLM2 run that had learned the task at 0.21 instead of 0.77. Reasoning cut off mid-way is read by its last
+    number (the lenient metric); `stated_accuracy` refuses it."""
+    from stages.rewards import stated_accuracy_reward
+
+    completions = ["The largest of the three is 5", "The largest of the six numbers is 5.", "The answer is 5",
+                   "To find the largest of 6, 1, 8, 5", "To find the largest of 6, 1, 5, 8"]
+    gold = ["5"] * 5
+    assert accuracy_reward(completions=completions, answer=gold) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert stated_accuracy_reward(completions=completions, answer=gold) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
 def test_all_right_is_accuracy_one_and_the_baseline_comes_from_gold_frequencies():
     gold = [7, 7, 7, " 3", "3", 5, 8, 7]  # answers compared as str(answer).strip(): "3" twice
     completions = tagged([str(a).strip() for a in gold])

@@ -43,14 +43,22 @@ def stated_answer(text: str) -> str | None:
 
 
 def same_answer(predicted: str, gold) -> bool:
-    """True when `predicted` equals `gold` as text or mathematically (math-verify; `$...$` added when absent)."""
+    """True when `predicted` equals `gold` as text or mathematically (math-verify).
+
+    `gold` is an expression (`$...$` added when absent). `predicted` may be free text: math-verify reads it as
+    it is (its last answer-like expression) and only then as one `$...$` expression. Wrapped first, a sentence
+    would become a product of letters ("The largest is 5" -> t*h*e*...*5, never 5).
+
+    >>> same_answer("The largest of the three is 5", "5"), same_answer("0.5", "1/2"), same_answer("x^2", "x^2")
+    (True, True, True)
+    """
     from math_verify import parse, verify
 
     gold_text = str(gold)
     if predicted == gold_text:
         return True
     gold_parsed = parse(gold_text if "$" in gold_text else f"${gold_text}$")
-    pred_parsed = parse(predicted if "$" in predicted else f"${predicted}$")
+    pred_parsed = parse(predicted) or ([] if "$" in predicted else parse(f"${predicted}$"))
     return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed))
 
 
