@@ -178,6 +178,8 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     # before the key: a hub id's commit (downloaded into the hub cache if it is not there), a path's kind
     source = model_source.resolve(cfg.path, cfg.revision) if cfg.path else None
     options = cfg.model_dump(mode="json", exclude={"revision"})  # a hub id's revision: as the commit it names
+    if source:  # the fields that build a model here (sizes, seed) make nothing of a model read from a path
+        options = {"path": cfg.path}
     if source and source.commit:  # a hub id: the commit it resolved to, not the id alone
         section = {**options, "commit": source.commit}
     elif source:  # a folder or .gguf: its files, not the prompts, make the model

@@ -182,6 +182,8 @@ def test_a_gguf_file_is_keyed_by_its_bytes(gguf_file, tmp_path, model_key):
     data[-1] ^= 1  # one byte of the last tensor
     copy.write_bytes(bytes(data))
     assert model_key({"path": str(copy)}) != before
+    # the fields that build a model here (seed, sizes) change nothing of a model read from a file
+    assert model_key({"path": str(copy), "seed": 3, "hidden_size": 512}) == model_key({"path": str(copy)})
 
 
 def test_a_bad_gguf_file_is_named(gguf_file, tmp_path):
