@@ -433,7 +433,7 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
 
     ray_engine = RayVLLMEngine(tiny["base"], num_engines=2, num_cpus_per_engine=1, gpu_memory_utilization=0.05,
                                kv_cache_space_gib=0.25, max_model_len=128, dtype="float32", tensor_parallel_size=1,
-                               enforce_eager=True, max_lora_rank=8)
+                               enforce_eager=True, max_lora_rank=8, lora_sync="adapter")  # as `engine`
     policies = [Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1),
                 Policy(tiny["base"], adapter_dir=tiny["adapters"][1], version=2),
                 Policy(tiny["base"], weights_dir=tiny["full"], version=3)]
