@@ -71,8 +71,10 @@ def optimize_times(run_dir: Path, repeat: int) -> dict:
 
     config = yaml.safe_load((ROOT / "configs" / "smollm2.yaml").read_text())
     base = newest(run_dir / "base_model", "config.json")
+    import pyarrow.parquet as pq
+
     scored = next(p.parent for p in (run_dir / "score").glob("*/scored.parquet")
-                  if json.loads((p.parent / "_manifest.json").read_text())["config"].get("round") == 0)
+                  if pq.read_table(p, columns=["round_index"]).column(0)[0].as_py() == 0)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for reuse in (True, False):
