@@ -27,6 +27,11 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+BUILD_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings")
+"""BaseModelConfig's fields that shape a model built here (none applies to a model read from `path`)."""
+
+
 class BaseModelConfig(BaseModel):
     """Where the base policy comes from: built from a config here, or `path` (a hub id, a folder, a .gguf)."""
 
@@ -49,6 +54,16 @@ class BaseModelConfig(BaseModel):
     intermediate_size: int = Field(512, ge=16)
     max_position_embeddings: int = Field(256, ge=32)
     seed: int = 0
+    """Initialization of a model built here. Unused with `path` (set with the top-level `seed` there too)."""
+
+    @model_validator(mode="after")
+    def _build_fields_need_no_path(self):
+        """A model read from `path` keeps its own architecture: the build fields would be silently ignored."""
+        ignored = sorted(set(BUILD_FIELDS) & self.model_fields_set) if self.path else []
+        if ignored:
+            raise ValueError(f"model.{ignored[0]} shapes a model built here, but model.path {self.path!r} is read as "
+                             f"it is, with its own architecture; remove {', '.join('model.' + f for f in ignored)}")
+        return self
 
     @model_validator(mode="after")
     def _head_dim_fits_vllm(self):

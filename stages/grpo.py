@@ -188,6 +188,12 @@ class GRPOConfig(BaseModel):
     another engine (vLLM's numerics differ), an older policy (async prefetch), a rollout_func or a replay
     buffer are recomputed. False: recompute every row in a pass of its own (the difference is float
     rounding, ~1e-6 per token)."""
+    shared_prompt_pass: bool = True
+    """Rows of a micro-batch that share a prompt (a GRPO group) run it through the model once, its KV cache
+    copied to each row with gradients flowing back into the one pass (`batch_logps`): the same log-probs and
+    gradients as a plain forward up to float rounding, for a fraction of the prompt compute (2.3x faster on
+    the quickstart's 64-row micro-batches). False: one plain forward over prompt and completion per
+    micro-batch, as TRL. FSDP (`train.strategy: fsdp`) always runs the plain forward (module docstring)."""
     seed: int = 0
 
     @model_validator(mode="after")
@@ -573,8 +579,9 @@ def run(
     optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir, sharded)
 
     def forward_logps(module, batch: dict):
-        """(log-probs, entropies) of a collated batch: one plain forward when sharded (module docstring)."""
-        if sharded:
+        """(log-probs, entropies) of a collated batch: one plain forward when sharded (module docstring) or
+        when grpo.shared_prompt_pass is off."""
+        if sharded or not cfg.shared_prompt_pass:
             return completion_logps(module, *_inputs(batch), temperature)
         return batch_logps(module, batch, temperature)
 

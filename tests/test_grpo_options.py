@@ -321,6 +321,28 @@ def test_shared_prompt_pass_gives_the_plain_logps_and_gradients(tiny):
         assert torch.allclose(grad, shared_grads[name], rtol=1e-3, atol=1e-6), name
 
 
+def test_shared_prompt_pass_can_be_switched_off(tiny, monkeypatch):
+    """grpo.shared_prompt_pass: false runs no shared prompt pass (batch_logps is never called) and trains the
+    same round up to float rounding."""
+    root, rows = tiny
+    scored = _scored(root, "shared_scored", rows)
+    calls = []
+    shared_pass = grpo.batch_logps
+    monkeypatch.setattr(grpo, "batch_logps", lambda *args: calls.append(1) or shared_pass(*args))
+    _, shared_steps, shared_out = _run(root, scored, "shared_on")
+    assert calls
+    calls.clear()
+    _, plain_steps, plain_out = _run(root, scored, "shared_off", shared_prompt_pass=False)
+    assert not calls
+    assert len(shared_steps) == len(plain_steps) == 2
+    for (_, a), (_, b) in zip(shared_steps, plain_steps):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    a, b = _adapter(shared_out), _adapter(plain_out)
+    # lr 1e-2: an Adam step moves a weight by ~1e-2; float noise in near-zero gradient entries moves it ~1e-4
+    assert all(torch.allclose(a[k], b[k], atol=1e-3) for k in a)
+
+
 def test_shared_prompt_pass_backward_adds_in_a_fixed_order(tiny):
     """The group's rows take their prompt's KV cache by index_select, whose backward adds the rows'
     gradients in order. Tensor indexing (DynamicCache.batch_select_indices) would backpropagate through

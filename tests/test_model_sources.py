@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_model
 from stages import model_source
-from stages.base_model import CHAT_TEMPLATE
+from stages.base_model import CHAT_TEMPLATE, BaseModelConfig
 from stages.model_source import ModelSourceError
 from tasks import stage_tasks
 from tasks.store import Artifact, ArtifactStore
@@ -182,8 +182,8 @@ def test_a_gguf_file_is_keyed_by_its_bytes(gguf_file, tmp_path, model_key):
     data[-1] ^= 1  # one byte of the last tensor
     copy.write_bytes(bytes(data))
     assert model_key({"path": str(copy)}) != before
-    # the fields that build a model here (seed, sizes) change nothing of a model read from a file
-    assert model_key({"path": str(copy), "seed": 3, "hidden_size": 512}) == model_key({"path": str(copy)})
+    # the seed of a model built here changes nothing of a model read from a file (its sizes are refused)
+    assert model_key({"path": str(copy), "seed": 3}) == model_key({"path": str(copy)})
 
 
 def test_a_bad_gguf_file_is_named(gguf_file, tmp_path):
@@ -215,3 +215,18 @@ def test_folders_and_paths_that_cannot_be_loaded_say_what_to_do(folder, tmp_path
         model_source.resolve(str(folder / "config.json"))
     with pytest.raises(ModelSourceError, match="model.revision: 'v2' applies to hub ids only"):
         model_source.resolve(str(folder), "v2")
+
+
+def test_build_fields_beside_a_model_path_are_refused():
+    """model.hidden_size etc. shape a model built here; beside model.path they would be ignored, so the config is
+    refused naming them. The seed (set by the top-level `seed` for every section) is allowed."""
+    from pydantic import ValidationError
+
+    from flows.config import PipelineConfig
+
+    with pytest.raises(ValidationError, match=r"model.hidden_size shapes a model built here, but model.path "
+                                              r"'HuggingFaceTB/SmolLM2-135M-Instruct' is read as it is"):
+        BaseModelConfig(path="HuggingFaceTB/SmolLM2-135M-Instruct", hidden_size=512, seed=3)
+    assert BaseModelConfig(path="HuggingFaceTB/SmolLM2-135M-Instruct", seed=3).seed == 3
+    assert BaseModelConfig(hidden_size=512).hidden_size == 512
+    assert PipelineConfig.model_validate({"model": {"path": "org/model"}, "seed": 4}).model.seed == 4
