@@ -7,8 +7,9 @@
 For each seed S and variant, `posttrain run CONFIG --quiet artifacts_dir=DIR model.seed=S sft.seed=S
 rollout.seed=S grpo.seed=S OVERRIDE... VARIANT...` in its own process (benchmarks/vs_trl.py's seeds, so the
 "default" variant is vs_trl's posttrain side), all of a seed's variants in one artifacts folder, so they share
-its data, SFT policy and base eval and differ only in their GRPO rounds (the patched variants, whose code
-changes under the same cache keys, in DIR/patched). Variants:
+its data, SFT policy and base eval and differ only in their GRPO rounds (a patched variant, whose code
+changes under the same cache keys, in DIR/patched-VARIANT, with the main folder's data and SFT linked in).
+Variants:
 
   default              every speed-up on
   no_reuse_logps       grpo.reuse_sampling_logps=false: pi_old from a no-grad forward pass, not the sampling
@@ -19,7 +20,9 @@ changes under the same cache keys, in DIR/patched). Variants:
                        whose rows all have advantage 0 still steps AdamW (on its momentum), as TRL
   atomic_grad_order    the KV-cache copy of the shared prompt pass by tensor indexing (before commit a762107),
                        whose backward adds the rows' gradients with atomic adds (benchmarks/ablation_patches/)
-  all_off              the first three and atomic_grad_order together
+  trl_dapo_normalizer  dapo divides each step by the round's completion tokens over its steps (TRL's mean per
+                       step), not by the step's own tokens (benchmarks/ablation_patches/)
+  all_off              all of the above together
 
 Writes DIR/ablations.json (one row per run, rewritten after each) and prints, per variant, the final held-out
 accuracy of each seed and min / median / max, beside TRL's and posttrain's from vs_trl.json files (--baseline).
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -38,26 +42,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quickstart import run_once  # noqa: E402  (same directory)
 
 PATCHES = Path(__file__).resolve().parent / "ablation_patches"
-VARIANTS: dict[str, tuple[list[str], bool]] = {  # name: (overrides, with the atomic-order patch)
-    "default": ([], False),
-    "no_reuse_logps": (["grpo.reuse_sampling_logps=false"], False),
-    "no_shared_prompt": (["grpo.shared_prompt_pass=false"], False),
-    "no_skip": (["grpo.skip_zero_advantage_batches=false"], False),
-    "atomic_grad_order": ([], True),
+VARIANTS: dict[str, tuple[list[str], list[str]]] = {  # name: (overrides, patches of ablation_patches/)
+    "default": ([], []),
+    "no_reuse_logps": (["grpo.reuse_sampling_logps=false"], []),
+    "no_shared_prompt": (["grpo.shared_prompt_pass=false"], []),
+    "no_skip": (["grpo.skip_zero_advantage_batches=false"], []),
+    "atomic_grad_order": ([], ["atomic_grad_order"]),
+    "trl_dapo_normalizer": ([], ["trl_dapo_normalizer"]),
     "all_off": (["grpo.reuse_sampling_logps=false", "grpo.shared_prompt_pass=false",
-                 "grpo.skip_zero_advantage_batches=false"], True),
+                 "grpo.skip_zero_advantage_batches=false"], ["atomic_grad_order", "trl_dapo_normalizer"]),
 }
+
+
+UPSTREAM = ("demo_data", "transform", "base_model", "sft")
+"""Stages before GRPO, which no variant changes: a patched variant's folder links them from the main one."""
+
+
+def share_upstream(main: Path, patched: Path) -> None:
+    """Hard-link the finished UPSTREAM artifacts of `main` into `patched` (the store reuses them by key)."""
+    for stage in UPSTREAM:
+        for folder in (main / stage).glob("*/_manifest.json"):
+            target = patched / stage / folder.parent.name
+            if not target.exists():
+                shutil.copytree(folder.parent, target, copy_function=os.link)
 
 
 def run_variant(config: str, artifacts: Path, seed: int, variant: str, overrides: list[str]) -> dict:
     """One posttrain run of `variant` at `seed`; its row."""
-    variant_overrides, atomic = VARIANTS[variant]
+    variant_overrides, patches = VARIANTS[variant]
     seeds = [f"{section}.seed={seed}" for section in ("model", "sft", "rollout", "grpo")]
     environment = dict(os.environ)
-    if atomic:  # patched code under the same cache keys: its own artifacts folder, or it would reuse the default's
-        artifacts = artifacts / "patched"
-        artifacts.mkdir(exist_ok=True)
+    if patches:  # code patched under the same cache keys: a folder of its own, or it would reuse another's rounds
+        patched = artifacts / f"patched-{variant}"
+        share_upstream(artifacts, patched)
+        artifacts = patched
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PATCHES), os.environ.get("PYTHONPATH")]))
+        os.environ["ABLATION_PATCHES"] = ",".join(patches)
     try:
         seconds, summary = run_once(artifacts, [*seeds, *overrides, *variant_overrides], config)
     finally:

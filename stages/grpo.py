@@ -469,6 +469,16 @@ def _copy_rows(cache, index: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, index)
 
 
+def dapo_normalizer(steps: list[list[list[dict]]], step_index: int, masked_out: set[str]) -> float:
+    """dapo's loss divisor for optimizer step `step_index` of a round (`steps[s]`: its micro-batches): the
+    completion tokens of all the step's rows, those of skipped micro-batches included, those masked by
+    mask_truncated_completions left out (the tokens TRL's `num_items_in_batch` counts). TRL divides by the
+    generation batch's tokens over its steps_per_generation (the mean per step); the same number when a round
+    is one step (benchmarks/ablations.py compares the two)."""
+    return sum(len(r["completion_token_ids"]) for mb in steps[step_index] for r in mb
+               if r["rollout_id"] not in masked_out)
+
+
 def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The optimizer named by `grpo.optim` over `params`, at the peak learning rate."""
     if cfg.optim == "adamw":
@@ -686,9 +696,7 @@ def run(
                 if on_step:
                     on_step(position + 1, steps_per_round)
                 continue
-            # completion tokens of the whole step, skipped micro-batches included (dapo's normalizer)
-            num_items = sum(len(r["completion_token_ids"]) for mb in micro_batches for r in mb
-                            if r["rollout_id"] not in masked_out)
+            num_items = dapo_normalizer(steps, step_index, masked_out)
             step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
             mine, passes = rank_share(live)
             for slot in range(passes):

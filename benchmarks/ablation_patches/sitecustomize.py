@@ -1,10 +1,18 @@
-"""benchmarks/ablations.py's atomic_grad_order variant: on PYTHONPATH, Python imports this at start-up.
+"""benchmarks/ablations.py's patched variants: on PYTHONPATH, Python imports this at start-up and applies the
+patches named in ABLATION_PATCHES (comma-separated). Only that benchmark puts this folder on the path.
 
-It puts back the optimize stage's KV-cache copy as it was before commit a762107 (tensor indexing, as
-`DynamicCache.batch_select_indices` does), whose backward adds the rows' gradients with atomic float adds across
-threads, instead of `index_select`'s fixed order. Only this benchmark uses it."""
+- atomic_grad_order: the optimize stage's KV-cache copy as it was before commit a762107 (tensor indexing, as
+  `DynamicCache.batch_select_indices` does), whose backward adds the rows' gradients with atomic float adds
+  across threads, instead of `index_select`'s fixed order.
+- trl_dapo_normalizer: dapo divides every step's loss by the round's completion tokens over its number of
+  steps (TRL's `num_items_in_batch` * gradient_accumulation_steps / steps_per_generation), not by the step's own.
+"""
+
+import os
 
 import stages.grpo
+
+PATCHES = {name for name in os.environ.get("ABLATION_PATCHES", "").split(",") if name}
 
 
 def _copy_rows_by_indexing(cache, index):
@@ -13,4 +21,17 @@ def _copy_rows_by_indexing(cache, index):
         layer.values = layer.values[index]
 
 
-stages.grpo._copy_rows = _copy_rows_by_indexing
+_step_normalizer = stages.grpo.dapo_normalizer
+
+
+def _round_mean_normalizer(steps, step_index, masked_out):
+    return sum(_step_normalizer(steps, s, masked_out) for s in range(len(steps))) / len(steps)
+
+
+unknown = PATCHES - {"atomic_grad_order", "trl_dapo_normalizer"}
+if unknown:
+    raise SystemExit(f"ABLATION_PATCHES: unknown patch(es) {sorted(unknown)}")
+if "atomic_grad_order" in PATCHES:
+    stages.grpo._copy_rows = _copy_rows_by_indexing
+if "trl_dapo_normalizer" in PATCHES:
+    stages.grpo.dapo_normalizer = _round_mean_normalizer
