@@ -2,6 +2,7 @@
 
   .venv/bin/python benchmarks/vs_trl.py [--config configs/quickstart.yaml] [--seeds 0 1 2] [--rounds N]
                                         [--artifacts DIR] [OVERRIDE ...]
+  .venv/bin/python benchmarks/vs_trl.py --report DIR ...    (one table of earlier runs' DIR/vs_trl.json)
 
 For each seed S:
 1. posttrain: `posttrain run CONFIG --quiet artifacts_dir=DIR model.seed=S sft.seed=S rollout.seed=S
@@ -379,8 +380,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--rounds", type=int, default=None, help="grpo.rounds on both sides (default: the config's)")
     parser.add_argument("--artifacts", type=Path, default=None)
+    parser.add_argument("--report", type=Path, nargs="+", default=None, metavar="DIR",
+                        help="run nothing: one table of the DIR/vs_trl.json rows of these folders (e.g. two lanes)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides for posttrain, mapped to TRL where they can be")
     args = parser.parse_args()
+    if args.report:
+        rows = [row for folder in args.report for row in json.loads((folder / "vs_trl.json").read_text())]
+        print(table(sorted(rows, key=lambda r: r["seed"])))
+        return
     artifacts = (args.artifacts or Path(tempfile.mkdtemp(prefix="posttrain-vs-trl-"))).resolve()
     results = [compare_seed(args.config, artifacts, seed, args.rounds, args.overrides) for seed in args.seeds]
     artifacts.mkdir(parents=True, exist_ok=True)
