@@ -12,17 +12,17 @@ changes under the same cache keys, in DIR/patched-VARIANT, with the main folder'
 Variants:
 
   default              every speed-up on
+  no_skip              grpo.skip_zero_advantage_batches=false: every row runs forward and backward and a step
+                       whose rows all have advantage 0 still steps AdamW (on its momentum), as TRL
+  trl_dapo_normalizer  dapo divides each step by the round's completion tokens over its steps (TRL's mean per
+                       step), not by the step's own tokens (benchmarks/ablation_patches/)
   no_reuse_logps       grpo.reuse_sampling_logps=false: pi_old from a no-grad forward pass, not the sampling
                        log-probs (~1e-6 apart per token)
   no_shared_prompt     grpo.shared_prompt_pass=false: a plain forward per micro-batch, not one prompt pass per
                        group with its KV cache copied to the group's rows
-  no_skip              grpo.skip_zero_advantage_batches=false: every row runs forward and backward and a step
-                       whose rows all have advantage 0 still steps AdamW (on its momentum), as TRL
+  all_off              all of these and atomic_grad_order together
   atomic_grad_order    the KV-cache copy of the shared prompt pass by tensor indexing (before commit a762107),
                        whose backward adds the rows' gradients with atomic adds (benchmarks/ablation_patches/)
-  trl_dapo_normalizer  dapo divides each step by the round's completion tokens over its steps (TRL's mean per
-                       step), not by the step's own tokens (benchmarks/ablation_patches/)
-  all_off              all of the above together
 
 Writes DIR/ablations.json (one row per run, rewritten after each) and prints, per variant, the final held-out
 accuracy of each seed and min / median / max, beside TRL's and posttrain's from vs_trl.json files (--baseline).
@@ -44,14 +44,15 @@ from quickstart import run_once  # noqa: E402  (same directory)
 PATCHES = Path(__file__).resolve().parent / "ablation_patches"
 VARIANTS: dict[str, tuple[list[str], list[str]]] = {  # name: (overrides, patches of ablation_patches/)
     "default": ([], []),
+    "no_skip": (["grpo.skip_zero_advantage_batches=false"], []),
+    "trl_dapo_normalizer": ([], ["trl_dapo_normalizer"]),
     "no_reuse_logps": (["grpo.reuse_sampling_logps=false"], []),
     "no_shared_prompt": (["grpo.shared_prompt_pass=false"], []),
-    "no_skip": (["grpo.skip_zero_advantage_batches=false"], []),
-    "atomic_grad_order": ([], ["atomic_grad_order"]),
-    "trl_dapo_normalizer": ([], ["trl_dapo_normalizer"]),
     "all_off": (["grpo.reuse_sampling_logps=false", "grpo.shared_prompt_pass=false",
                  "grpo.skip_zero_advantage_batches=false"], ["atomic_grad_order", "trl_dapo_normalizer"]),
+    "atomic_grad_order": ([], ["atomic_grad_order"]),
 }
+"""In the order a seed runs them (the ones that change more than float rounding first)."""
 
 
 UPSTREAM = ("demo_data", "transform", "base_model", "sft")
