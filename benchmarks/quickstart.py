@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quickstart.yaml") -> tuple[float, dict]:
     """`posttrain run CONFIG` in its own process; its wall time and summary.json."""
-    before = set((artifacts / "runs").glob("*")) if (artifacts / "runs").exists() else set()
     command = [str(Path(sys.executable).parent / "posttrain"), "run", config, "--quiet",
                f"artifacts_dir={artifacts}", *overrides]
     start = time.time()
@@ -36,7 +35,9 @@ def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quick
     import yaml
 
     name = yaml.safe_load((ROOT / config).read_text())["name"]
-    new = [d for d in set((artifacts / "runs").glob("*")) - before if _is_this_run(d, [f"name={name}", *overrides])]
+    # finished by this command: a new run folder, or that of an interrupted run it resumed
+    new = [d for d in (artifacts / "runs").glob("*") if (d / "summary.json").exists()
+           and (d / "summary.json").stat().st_mtime >= start and _is_this_run(d, [f"name={name}", *overrides])]
     if len(new) != 1:  # other runs (other configs or seeds) may finish in the same folder meanwhile
         sys.exit(f"cannot tell which of {sorted(d.name for d in new)} is this run ({overrides})")
     return seconds, json.loads((new[0] / "summary.json").read_text())
