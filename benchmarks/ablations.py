@@ -25,7 +25,8 @@ Variants:
                        whose backward adds the rows' gradients with atomic adds (benchmarks/ablation_patches/)
 
 Writes DIR/ablations.json (one row per run, rewritten after each) and prints, per variant, the final held-out
-accuracy of each seed and min / median / max, beside TRL's and posttrain's from vs_trl.json files (--baseline).
+accuracy of each seed and min / median / max, beside TRL's and posttrain's from vs_trl.json files (--baseline),
+then the mean sampled accuracy of each run's last 5 rounds (finer where the greedy eval is at 1.0 on most seeds).
 """
 
 from __future__ import annotations
@@ -90,8 +91,34 @@ def run_variant(config: str, artifacts: Path, seed: int, variant: str, overrides
             "health": summary["health"]}
 
 
+LAST_ROUNDS = 5
+
+
+def sampled_accuracy(folder: Path, row: dict) -> float | None:
+    """Mean sampled accuracy reward of the run's last LAST_ROUNDS rounds (`rewards/accuracy/mean` of their score
+    stages): how well the policy does while it trains, where the greedy eval is already at 1.0."""
+    runs = [folder / "runs" / row["run"], folder / f"patched-{row['variant']}" / "runs" / row["run"]]
+    summary = json.loads(next(p for p in runs if p.exists()).joinpath("summary.json").read_text())
+    scores = [s for s in summary["stages"] if s["stage"].startswith("score r")]
+    means = [json.loads((Path(s["path"]) / "_manifest.json").read_text())["summary"].get("rewards/accuracy/mean")
+             for s in scores[-LAST_ROUNDS:]]
+    return statistics.mean(means) if means and None not in means else None
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}" if values else "-"
+
+
+def print_sampled(rows: list[dict]) -> None:
+    """Per variant: sampled accuracy over the last rounds (row["sampled"]) per seed, min / median / max."""
+    seeds = sorted({r["seed"] for r in rows})
+    print(f"\n| sampled accuracy, last {LAST_ROUNDS} rounds | " + " | ".join(f"seed {s}" for s in seeds)
+          + " | min / median / max |")
+    print("|" + " --- |" * (len(seeds) + 2))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        by_seed = {r["seed"]: r["sampled"] for r in rows if r["variant"] == variant and r.get("sampled") is not None}
+        cells = [f"{by_seed[s]:.3f}" if s in by_seed else "-" for s in seeds]
+        print(f"| {variant} | " + " | ".join(cells) + f" | {spread(list(by_seed.values()))} |")
 
 
 def print_table(rows: list[dict], baselines: list[dict]) -> None:
@@ -127,7 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     baselines = [row for path in args.baseline for row in json.loads(path.read_text())]
     if args.report:
-        print_table([r for d in args.report for r in json.loads((d / "ablations.json").read_text())], baselines)
+        rows = [{**r, "sampled": sampled_accuracy(d, r)} for d in args.report
+                for r in json.loads((d / "ablations.json").read_text())]
+        print_table(rows, baselines)
+        print_sampled(rows)
         return
     if args.artifacts is None:
         parser.error("--artifacts DIR is needed (the runs' folder, and where ablations.json goes)")
@@ -145,6 +175,7 @@ def main() -> None:
             print(f"seed {seed} {variant}: {r['wall_s']:.0f} s, base {r['base']:.3f} -> final {r['final']:.3f}",
                   flush=True)
     print_table(rows, baselines)
+    print_sampled([{**r, "sampled": sampled_accuracy(args.artifacts, r)} for r in rows])
 
 
 if __name__ == "__main__":
