@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quickstart import run_once  # noqa: E402  (same directory)
+from quickstart import pinned_seeds, run_once  # noqa: E402  (same directory)
 
 PATCHES = Path(__file__).resolve().parent / "ablation_patches"
 VARIANTS: dict[str, tuple[list[str], list[str]]] = {  # name: (overrides, patches of ablation_patches/)
@@ -72,19 +72,14 @@ def share_upstream(main: Path, patched: Path) -> None:
 def run_variant(config: str, artifacts: Path, seed: int, variant: str, overrides: list[str]) -> dict:
     """One posttrain run of `variant` at `seed`; its row."""
     variant_overrides, patches = VARIANTS[variant]
-    seeds = [f"{section}.seed={seed}" for section in ("model", "sft", "rollout", "grpo")]
-    environment = dict(os.environ)
+    env = None
     if patches:  # code patched under the same cache keys: a folder of its own, or it would reuse another's rounds
         patched = artifacts / f"patched-{variant}"
         share_upstream(artifacts, patched)
         artifacts = patched
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PATCHES), os.environ.get("PYTHONPATH")]))
-        os.environ["ABLATION_PATCHES"] = ",".join(patches)
-    try:
-        seconds, summary = run_once(artifacts, [*seeds, *overrides, *variant_overrides], config)
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
+        env = {**os.environ, "ABLATION_PATCHES": ",".join(patches),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(PATCHES), os.environ.get("PYTHONPATH")]))}
+    seconds, summary = run_once(artifacts, [*pinned_seeds(seed), *overrides, *variant_overrides], config, env)
     return {"variant": variant, "seed": seed, "wall_s": round(seconds, 1), "rounds_wall_s": summary["rounds_wall_s"],
             "base": summary["base_accuracy"], "final": summary["final_accuracy"],
             "constant_baseline": summary["constant_baseline"], "run": summary["run_name"],

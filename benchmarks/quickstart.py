@@ -23,12 +23,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quickstart.yaml") -> tuple[float, dict]:
-    """`posttrain run CONFIG` in its own process; its wall time and summary.json."""
+def pinned_seeds(seed: int) -> list[str]:
+    """Overrides that seed a run's model, SFT, sampling and optimizer with `seed` (vs_trl.py's and
+    ablations.py's runs; the top-level `seed=S` would also set the DPO and reward-model seeds)."""
+    return [f"{section}.seed={seed}" for section in ("model", "sft", "rollout", "grpo")]
+
+
+def run_once(artifacts: Path, overrides: list[str], config: str = "configs/quickstart.yaml",
+             env: dict[str, str] | None = None) -> tuple[float, dict]:
+    """`posttrain run CONFIG` in its own process (environment `env`, default this one's); its wall time and
+    summary.json."""
     command = [str(Path(sys.executable).parent / "posttrain"), "run", config, "--quiet",
                f"artifacts_dir={artifacts}", *overrides]
     start = time.time()
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     seconds = time.time() - start
     if out.returncode != 0:
         sys.exit(f"run failed:\n{out.stderr[-4000:]}")

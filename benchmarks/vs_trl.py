@@ -101,7 +101,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp; see the docstring
 
-from quickstart import run_once  # noqa: E402  (benchmarks/ is this script's folder)
+from quickstart import pinned_seeds, run_once  # noqa: E402  (benchmarks/ is this script's folder)
 
 ROUND_KINDS = ("rollout", "score", "optimize")
 
@@ -308,8 +308,7 @@ def trl_side(cfg, sft_dir: Path, prompts_dir: Path, work: Path, seed: int) -> di
 def compare_seed(config: str, artifacts: Path, seed: int, rounds: int | None, overrides: list[str]) -> dict:
     from flows.config import load_config
 
-    pinned = [f"model.seed={seed}", f"sft.seed={seed}", f"rollout.seed={seed}", f"grpo.seed={seed}"]
-    all_overrides = [*pinned, *overrides, *([f"grpo.rounds={rounds}"] if rounds else [])]
+    all_overrides = [*pinned_seeds(seed), *overrides, *([f"grpo.rounds={rounds}"] if rounds else [])]
     cfg = load_config(ROOT / config, all_overrides)
     print(f"seed {seed}: posttrain run ({cfg.grpo.rounds} rounds) ...", file=sys.stderr, flush=True)
     ours = posttrain_side(config, artifacts, all_overrides)
