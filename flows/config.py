@@ -41,6 +41,10 @@ AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transf
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
                 "revision_of_model": ("model", "revision")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
+AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
+                       "gradient_checkpointing", "flash_attention": "attn_implementation",
+                       "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
+"""axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`axolotl_devices`)."""
 PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
 """The prompts splits transform.datasets makes."""
 
@@ -180,6 +184,51 @@ class PipelineConfig(BaseModel):
             data[section] = {**target, field: data.pop(key)}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_device_keys(cls, data):
+        """axolotl's `bf16`, `fp16`, `gradient_checkpointing`, `flash_attention`, `sdp_attention` and
+        `eager_attention` set train.precision, train.gradient_checkpointing and train.attn_implementation."""
+        if not isinstance(data, dict) or not data.keys() & AXOLOTL_DEVICE_KEYS.keys():
+            return data
+        data = dict(data)
+        train = data.get("train") or {}
+        if isinstance(train, BaseModel):
+            train = train.model_dump(exclude_unset=True)
+        if not isinstance(train, dict):
+            return data
+        settings = axolotl_devices({k: data.pop(k) for k in list(data) if k in AXOLOTL_DEVICE_KEYS})
+        for field, (value, source) in settings.items():
+            if field in train and train[field] != value:
+                raise ValueError(f"{source} (axolotl's key) sets train.{field}: {value}, but train.{field} is "
+                                 f"{train[field]!r}; set one of them")
+            train[field] = value
+        data["train"] = train
+        return data
+
+    @model_validator(mode="after")
+    def _machine_has_what_train_asks(self):
+        """train.device / precision / attn_implementation, and grpo.optim adamw_8bit, that this machine cannot
+        run fail here, naming the key, not in the middle of a run (stages/devices.py check_machine)."""
+        from stages import devices
+
+        devices.check_machine(self.train)
+        if self.uses_rounds and self.grpo.optim == "adamw_8bit":
+            if devices.device(self.train).type != "cuda":
+                raise ValueError("grpo.optim: adamw_8bit is bitsandbytes' 8-bit AdamW, which needs a CUDA GPU; "
+                                 "this run trains on the CPU (train.device). Use grpo.optim: adamw, or adafactor "
+                                 "for less optimizer memory")
+            import importlib.util
+
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError("grpo.optim: adamw_8bit needs the bitsandbytes package, not installed here "
+                                 "(pip install bitsandbytes); or use grpo.optim: adamw")
+        if (self.train.precision == "fp16" and self.train.num_processes > 1 and self.train.strategy == "fsdp"
+                and self.uses_rounds):
+            raise ValueError("train.precision: fp16 with train.strategy: fsdp is not built for the optimize stage "
+                             "(its gradient scaler would check each rank's shard alone); use bf16, or strategy ddp")
+        return self
+
     @property
     def uses_rounds(self) -> bool:
         """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""
@@ -298,6 +347,41 @@ class PipelineConfig(BaseModel):
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def axolotl_devices(keys: dict) -> dict[str, tuple]:
+    """{train field: (value, the axolotl key that set it)} for axolotl's precision and kernel keys.
+    bf16: true | auto (auto: bf16 where the GPU has it -- posttrain's precision auto), fp16: true; both false:
+    fp32. flash_attention / sdp_attention / eager_attention: true picks that kernel. tf32 (matmul mode on
+    Ampere+) is accepted only as false or auto, which posttrain does (PyTorch's default)."""
+    out: dict[str, tuple] = {}
+    bf16, fp16 = keys.get("bf16"), keys.get("fp16")
+    if bf16 not in (None, True, False, "auto") or fp16 not in (None, True, False):
+        raise ValueError(f"bf16 is {bf16!r}, fp16 is {fp16!r}: axolotl's bf16 is true, false or auto, fp16 true "
+                         "or false (posttrain: train.precision fp32 | bf16 | fp16 | auto)")
+    if bf16 is True and fp16 is True:
+        raise ValueError("bf16: true and fp16: true: choose one precision (train.precision)")
+    if bf16 is True or bf16 == "auto":
+        out["precision"] = ("bf16" if bf16 is True else "auto", "bf16")
+    elif fp16 is True:
+        out["precision"] = ("fp16", "fp16")
+    elif bf16 is False or fp16 is False:
+        out["precision"] = ("fp32", "bf16" if bf16 is False else "fp16")
+    if keys.get("tf32") not in (None, False, "auto"):
+        raise ValueError(f"tf32: {keys['tf32']!r} is not built: posttrain leaves PyTorch's matmul precision at its "
+                         "default (full fp32 for fp32 matmuls); remove tf32 or set it to false")
+    if "gradient_checkpointing" in keys:
+        value = keys["gradient_checkpointing"]
+        if not isinstance(value, bool):
+            raise ValueError(f"gradient_checkpointing: {value!r}; use true or false")
+        out["gradient_checkpointing"] = (value, "gradient_checkpointing")
+    kernels = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
+    chosen = [k for k in kernels if keys.get(k) is True]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)} are all true: choose one attention kernel (train.attn_implementation)")
+    if chosen:
+        out["attn_implementation"] = (kernels[chosen[0]], chosen[0])
+    return out
 
 
 class ConfigError(ValueError):

@@ -31,6 +31,7 @@ from tasks.publish import publish_rounds, publish_summary, sample_completions
 from tasks.reporting import Reporter
 from tasks.stage_tasks import (
     RunContext,
+    placement,
     preference_optimization_task,
     preferences_task,
     reward_model_task,
@@ -167,7 +168,7 @@ def _atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     cfg = ctx.config
     session = atropos.AtroposSession(
         cfg.rollout.atropos, lambda: get_engine(cfg.rollout.engine, policy.path,
-                                                engine_options(cfg.rollout, cfg.grpo.lora_r)),
+                                                engine_options(cfg.rollout, cfg.grpo.lora_r, placement(ctx))),
         atropos_batch_size(ctx), cfg.grpo.rounds, ctx.store.root)
     adapter, lineage_keys, metrics = None, {}, {}
     try:

@@ -46,6 +46,8 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.devices import DeviceConfig
+
 LOG_TAIL_LINES = 40
 
 
@@ -67,9 +69,11 @@ class RayTrainConfig(BaseModel):
     """Seconds the ranks may wait for the cluster's free resources before the stage fails, naming them."""
 
 
-class TrainConfig(BaseModel):
-    """Where training runs: on how many processes, with which data-parallel strategy. Not part of any
-    stage's key: a 2-process run trains the same weights as a 1-process run (within float rounding)."""
+class TrainConfig(DeviceConfig):
+    """Where training runs: on which device in which precision (DeviceConfig, stages/devices.py; every stage
+    that runs a model follows them), on how many processes, with which data-parallel strategy. Only the
+    precision is part of stage keys: a 2-process run trains the same weights as a 1-process run, a GPU
+    run as a CPU run (within float rounding)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -376,7 +380,10 @@ def _main(spec_path: str) -> None:
     spec = pickle.loads(Path(spec_path).read_bytes())
     torch.set_num_threads(spec["threads"])
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
-    # one group for both kinds of tensor: collectives on CPU tensors use gloo, on CUDA tensors NCCL
+    # one group for both kinds of tensor: collectives on CPU tensors use gloo, on CUDA tensors NCCL (each rank
+    # on its LOCAL_RANK's GPU, the one stages/devices.py places its models on)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     group = Group(dist.get_rank(), dist.get_world_size(), spec["strategy"])
     emit = None

@@ -173,14 +173,14 @@ def layer_indices(fractions: list[float], num_hidden_layers: int) -> list[int]:
 def pool(hidden: torch.Tensor, method: str, attention_mask: torch.Tensor,
          prompt_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sequence embeddings (B, D) of right-padded hidden states (B, S, D), axolotl's `apply_embed_method`."""
-    batch = torch.arange(hidden.shape[0])
+    batch = torch.arange(hidden.shape[0], device=hidden.device)
     lengths = attention_mask.sum(dim=1).long()
     if method == "last_token":
         return hidden[batch, lengths - 1]
     if method in ("mean_pooling", "completion_mean"):
         mask = attention_mask.bool()
         if method == "completion_mean":
-            mask = mask & (torch.arange(hidden.shape[1]).unsqueeze(0) >= prompt_lengths.unsqueeze(1))
+            mask = mask & (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) >= prompt_lengths.unsqueeze(1))
         mask = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     if method == "concat":
@@ -272,10 +272,10 @@ class FeatureNetwork:
     """The frozen feature model phi: a policy folder loaded once, eval mode, no gradients."""
 
     def __init__(self, model_dir: Path, feature_layers: list[float], batch_size: int = 64,
-                 normalize_layers: bool = False):
+                 normalize_layers: bool = False, devices=None):
         from stages.policy import load_policy
 
-        self.model, self.tokenizer = load_policy(Path(model_dir))
+        self.model, self.tokenizer = load_policy(Path(model_dir), devices=devices)
         self.model.requires_grad_(False)
         self.layers = layer_indices(feature_layers, self.model.config.num_hidden_layers)
         self.batch_size = batch_size
@@ -291,16 +291,16 @@ class FeatureNetwork:
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
             width = max(len(s) for s in chunk)
-            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
-            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk])
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=self.model.device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.model.device)
             hidden = body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
             layers = [hidden[i].float() for i in self.layers]
             if self.normalize_layers:  # no layer outweighs the others by its norm
                 layers = [F.normalize(h, p=2, dim=-1) for h in layers]
             features = torch.cat(layers, dim=-1)
-            lengths = torch.tensor(prompt_lengths[start : start + self.batch_size])
+            lengths = torch.tensor(prompt_lengths[start : start + self.batch_size], device=self.model.device)
             out.append(pool(features, method, mask, lengths))
-        return torch.cat(out)
+        return torch.cat(out).cpu()
 
     def reference_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -330,16 +330,18 @@ def score_rows(cfg: EBFTConfig, network: FeatureNetwork, rows: list[dict], num_g
 
 
 def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_generations: int, scale_rewards: str,
-        out_dir: Path) -> dict:
-    """Score a round's rollouts with the frozen feature model into out_dir/scored.parquet; return metrics
-    (the score stage's reward_mean, rewards/<alignment|diversity>/mean, collapse metrics, and ebft/*)."""
+        out_dir: Path, devices=None) -> dict:
+    """Score a round's rollouts with the frozen feature model (on `devices`, stages/devices.py) into
+    out_dir/scored.parquet; return metrics (the score stage's reward_mean, rewards/<alignment|diversity>/mean,
+    collapse metrics, and ebft/*)."""
     from stages.health import collapse_metrics
 
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     if len(rows) % num_generations:
         raise ValueError(f"{rollouts_path}: {len(rows)} rows is not a multiple of num_generations={num_generations}")
-    network = FeatureNetwork(feature_model_dir, cfg.feature_layers, normalize_layers=cfg.mode == "strided")
+    network = FeatureNetwork(feature_model_dir, cfg.feature_layers, normalize_layers=cfg.mode == "strided",
+                             devices=devices)
     out, reference_ids = score_rows(cfg, network, rows, num_generations, str(rollouts_path))
     rewards = out["reward"].double()
     adv = advantages(rewards, num_generations, cfg.advantage_estimator, scale_rewards)

@@ -69,7 +69,7 @@ def strided_attention(doc_length: int, block_anchors: list[int], steps: int) -> 
     and sits at position a_b + t.
     """
     nb = len(block_anchors)  # at least 1
-    index = torch.arange(doc_length + steps * nb)
+    index = torch.arange(doc_length + steps * nb)  # on the CPU: generate_blocks moves the result
     is_doc = index < doc_length
     offset = (index - doc_length).clamp(min=0)
     block, step = offset % nb, offset // nb
@@ -98,15 +98,15 @@ def generate_blocks(model, doc_ids: list[int], block_anchors: list[int], generat
     (batch, num_blocks, generate_max_len). Log-probs are log pi(token) under logits / temperature (greedy:
     under the plain logits)."""
     nb, length = len(block_anchors), len(doc_ids)
-    dtype = next(model.parameters()).dtype
-    sequence = torch.tensor([doc_ids] * batch, dtype=torch.long)
-    first_logits_at = torch.tensor([a - 1 for a in block_anchors])  # the token before an anchor predicts it
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    sequence = torch.tensor([doc_ids] * batch, dtype=torch.long, device=device)
+    first_logits_at = torch.tensor([a - 1 for a in block_anchors], device=device)  # the token before an anchor predicts it
     tokens, logprobs = [], []
     for step in range(generate_max_len):
         allowed, positions = strided_attention(length, block_anchors, step)
-        logits = model(input_ids=sequence, attention_mask=additive_mask(allowed, batch, dtype),
-                       position_ids=positions.expand(batch, -1)).logits
-        at = first_logits_at if step == 0 else length + (step - 1) * nb + torch.arange(nb)
+        logits = model(input_ids=sequence, attention_mask=additive_mask(allowed.to(device), batch, dtype),
+                       position_ids=positions.to(device).expand(batch, -1)).logits
+        at = first_logits_at if step == 0 else length + (step - 1) * nb + torch.arange(nb, device=device)
         step_logits = logits[:, at, :].float()
         if not greedy:
             step_logits = step_logits / temperature
@@ -121,7 +121,7 @@ def generate_blocks(model, doc_ids: list[int], block_anchors: list[int], generat
         tokens.append(chosen)
         logprobs.append(logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
         sequence = torch.cat([sequence, chosen], dim=1)
-    return torch.stack(tokens, dim=-1), torch.stack(logprobs, dim=-1)
+    return torch.stack(tokens, dim=-1).cpu(), torch.stack(logprobs, dim=-1).cpu()
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -147,7 +147,7 @@ def document_ids(tokenizer, row: dict, where: str) -> list[int]:
 
 
 def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out_dir: Path,
-            on_progress: Callable[[int, int], None] | None = None) -> dict:
+            on_progress: Callable[[int, int], None] | None = None, devices=None) -> dict:
     """The round's strided rollouts: rollout.prompts_per_round documents (rollout.py's `select_prompts`),
     num_generations samples of each of their blocks, into out_dir/rollouts.parquet; return a summary."""
     from stages.policy import load_policy
@@ -155,9 +155,9 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
 
     rows = pq.read_table(prompts_path).to_pylist()
     picked = select_prompts(rows, round_index, rollout_cfg.prompts_per_round, rollout_cfg.seed)
-    model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir)
+    model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir, devices=devices)
     n, length = rollout_cfg.num_generations, ebft.generate_max_len
-    generator = torch.Generator().manual_seed(rollout_cfg.seed * 100_003 + round_index)
+    generator = torch.Generator(device=model.device).manual_seed(rollout_cfg.seed * 100_003 + round_index)
     passthrough = [c for c in rows[0] if c not in ROLLOUTS.names and c != TEXT_COLUMN]
     records, skipped, started = [], 0, time.perf_counter()
     for done, row in enumerate(picked, start=1):
@@ -202,7 +202,8 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
 
 
 def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path | None, feature_model_dir: Path,
-             prompts_path: Path, out_dir: Path, on_progress: Callable[[int, int], None] | None = None) -> dict:
+             prompts_path: Path, out_dir: Path, on_progress: Callable[[int, int], None] | None = None,
+             devices=None) -> dict:
     """Greedy blocks at every anchor of the held-out documents, against the documents' own continuations:
     `accuracy` (share of generated tokens equal to the document's token at that place), `exact_blocks`,
     `feature_distance` (mean over blocks of ||phi(block) - phi(reference)||^2, features of the frozen
@@ -214,7 +215,7 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
     from stages.policy import load_policy
 
     rows = pq.read_table(prompts_path).to_pylist()[:max_documents]
-    model, tokenizer = load_policy(model_dir, adapter_dir)
+    model, tokenizer = load_policy(model_dir, adapter_dir, devices=devices)
     length = ebft.generate_max_len
     blocks = []
     for done, row in enumerate(rows, start=1):
@@ -230,7 +231,7 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
         raise ValueError(f"{prompts_path}: no held-out document has room for one block "
                          f"(ebft.context_length + ebft.generate_max_len = {ebft.context_length + length} tokens)")
     del model
-    network = FeatureNetwork(feature_model_dir, ebft.feature_layers, normalize_layers=True)
+    network = FeatureNetwork(feature_model_dir, ebft.feature_layers, normalize_layers=True, devices=devices)
     prompt_lengths = [len(p) for _, _, p, _, _ in blocks]
     generated = network.embed([p + g for _, _, p, g, _ in blocks], prompt_lengths, ebft.pooling)
     reference = network.embed([p + r for _, _, p, _, r in blocks], prompt_lengths, ebft.pooling)

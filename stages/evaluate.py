@@ -78,10 +78,11 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
 
 
 def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path: Path, out_dir: Path,
-        on_progress: Callable[[int, int], None] | None = None) -> dict:
+        on_progress: Callable[[int, int], None] | None = None, devices=None) -> dict:
     """Greedy-decode every eval prompt; return {"accuracy", "num_prompts", "format_rate"} and `answer_stats`.
     Uses no randomness: it neither seeds nor draws from torch's global RNG, which a rollout or optimize
-    round in another thread of the process may be using."""
+    round in another thread of the process may be using. `devices`: where and in which dtype the policy runs
+    (stages/devices.py)."""
     from stages.policy import load_policy
     from stages.rewards import accuracy_reward, format_reward
     from stages.rewards.math import extract_answer
@@ -89,7 +90,7 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     from stages.engines.hf import generate
 
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
-    model, tokenizer = load_policy(model_dir, adapter_dir)
+    model, tokenizer = load_policy(model_dir, adapter_dir, devices=devices)
     done = 0
 
     def progress(n):

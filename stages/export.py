@@ -2,7 +2,9 @@
 
 The folder holds safetensors weights, the tokenizer (with chat template) and a
 README.md model card carrying the config, metrics and lineage it is given. It loads
-with `AutoModelForCausalLM.from_pretrained(folder)`.
+with `AutoModelForCausalLM.from_pretrained(folder)`. The merge runs on the run's device in its precision
+(stages/devices.py), and the weights are saved in that dtype: fp32 on CPU, bf16 on a GPU (as axolotl's
+merge writes its torch_dtype).
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ def model_card(name: str, metrics: dict, lineage: dict, config: dict) -> str:
 
 
 def run(cfg: ExportConfig, base_dir: Path, adapter_dir: Path | None, out_dir: Path, *, metrics: dict,
-        lineage: dict, config: dict) -> dict:
-    """Merge and save; return the parameter count."""
+        lineage: dict, config: dict, devices=None) -> dict:
+    """Merge and save; return the parameter count and the dtype written."""
     from stages.policy import load_policy
 
-    model, tokenizer = load_policy(base_dir, adapter_dir, merge=True)
+    model, tokenizer = load_policy(base_dir, adapter_dir, merge=True, devices=devices)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(model_card(cfg.model_name, metrics, lineage, config))
-    return {"num_parameters": sum(p.numel() for p in model.parameters())}
+    return {"num_parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}

@@ -401,20 +401,21 @@ def collate(rows: list[dict], pad_token_id: int) -> dict:
 # ---------------------------------------------------------------- one round
 
 
-def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None):
-    """(policy model with trainable params, frozen reference model or None for "disable the adapter")."""
+def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None, devices=None):
+    """(policy model with trainable params, frozen reference model or None for "disable the adapter"), placed
+    and cast by stages/devices.py: trained weights in fp32, the reference and a LoRA adapter's base in the
+    compute dtype (bf16 on a GPU)."""
     from transformers import AutoModelForCausalLM
 
+    from stages import devices as placement
+
     if cfg.adapter == "none":
-        model = AutoModelForCausalLM.from_pretrained(prev_dir or base_dir)
-        ref = None
-        if cfg.beta != 0.0:
-            ref = AutoModelForCausalLM.from_pretrained(base_dir).eval()
-            ref.requires_grad_(False)
+        model = placement.load_trainable(AutoModelForCausalLM, prev_dir or base_dir, devices)
+        ref = placement.load_frozen(AutoModelForCausalLM, base_dir, devices) if cfg.beta != 0.0 else None
         return model, ref
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    base = placement.checkpointed(placement.load_frozen(AutoModelForCausalLM, base_dir, devices), devices)
     if prev_dir is not None:
         return PeftModel.from_pretrained(base, prev_dir, is_trainable=True), None
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -448,10 +449,10 @@ def batch_logps(model, batch: dict, temperature: float):
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
           use_cache=True, logits_to_keep=1)
-    _copy_rows(cache, torch.tensor(index))
+    _copy_rows(cache, torch.tensor(index, device=prompt_ids.device))
     prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
     tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-    positions = torch.arange(prompt_length - 1, prompt_length + keep).expand(len(index), -1)
+    positions = torch.arange(prompt_length - 1, prompt_length + keep, device=prompt_ids.device).expand(len(index), -1)
     logits = model(input_ids=tail, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
                    past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=keep + 1).logits
     return _token_logps(logits, completion_ids, temperature)
@@ -514,7 +515,7 @@ def _load_optimizer_state(cfg: GRPOConfig, optimizer: torch.optim.Optimizer, pre
     path = prev_dir / "optimizer.pt" if prev_dir is not None else None
     if path is None or not path.exists():
         return "new"
-    saved = torch.load(path, weights_only=True)
+    saved = torch.load(path, weights_only=True, map_location="cpu")  # load_state_dict moves it to the weights
     # {"optim", "state_dict"}; before grpo.optim existed the file was AdamW's bare state dict
     saved_optim, state = (saved["optim"], saved["state_dict"]) if "optim" in saved else ("adamw", saved)
     if saved_optim != cfg.optim:
@@ -550,6 +551,7 @@ def run(
     on_metrics: Callable[[dict, int], None] | None = None,
     group=None,
     ce_coef: float = 0.0,
+    devices=None,
 ) -> dict:
     """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
     the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
@@ -563,10 +565,13 @@ def run(
     micro-batches rank, rank + world_size, ... of each step, and the gradients and step statistics are
     summed across ranks before the optimizer step, so each replica takes the one-process step (up to the
     order of float additions). Rank 0 alone saves. None: this process alone. `ce_coef` (rl: ebft): add that
-    times each micro-batch's `reference_cross_entropy`, divided like the loss by the step's micro-batches."""
+    times each micro-batch's `reference_cross_entropy`, divided like the loss by the step's micro-batches.
+    `devices` (stages/devices.py; None: auto): where the models run and in which precision -- fp32 weights
+    and optimizer state, forward and backward under autocast in bf16/fp16 (fp16 with a gradient scaler)."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
+    from stages import devices as placement
     from stages.policy import MODEL_LOADING
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -576,7 +581,7 @@ def run(
     # generators of their own (stages/engines/hf.py), loads and eval draw nothing (stages/policy.py).
     with MODEL_LOADING:
         torch.manual_seed(cfg.seed * 100_003 + round_index)
-        model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir)
+        model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir, devices)
     model.train()
     rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
     sharded = group is not None and group.strategy == "fsdp"
@@ -587,13 +592,20 @@ def run(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(cfg, params)
     optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir, sharded)
+    scaler = placement.grad_scaler(devices)  # fp16 only
+    # the shared prompt pass needs the KV cache, which gradient checkpointing turns off
+    plain_forward = sharded or not cfg.shared_prompt_pass or (devices is not None and devices.gradient_checkpointing)
 
     def forward_logps(module, batch: dict):
-        """(log-probs, entropies) of a collated batch: one plain forward when sharded (module docstring) or
-        when grpo.shared_prompt_pass is off."""
-        if sharded or not cfg.shared_prompt_pass:
-            return completion_logps(module, *_inputs(batch), temperature)
-        return batch_logps(module, batch, temperature)
+        """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
+        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off."""
+        with placement.autocast(devices):
+            if plain_forward:
+                return completion_logps(module, *_inputs(batch), temperature)
+            return batch_logps(module, batch, temperature)
+
+    def collated(micro_batch: list[dict]) -> dict:
+        return placement.to_device(collate(micro_batch, tokenizer.pad_token_id), devices)
 
     def rank_share(micro_batches: list[list[dict]]) -> tuple[list[list[dict]], int]:
         """(this rank's micro-batches of a step, how many passes it runs): with fsdp every rank runs as many
@@ -634,7 +646,8 @@ def run(
     runs = [step_runs(micro_batches) for micro_batches in steps]  # runs[s]: what step s computes
 
     def loss_mask(micro_batch: list[dict], completion_mask: torch.Tensor) -> torch.Tensor:
-        keep = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
+        keep = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32,
+                            device=completion_mask.device)
         return completion_mask.float() * keep.unsqueeze(1)
 
     def sampled_by_round_start(row: dict) -> bool:
@@ -663,9 +676,9 @@ def run(
                         chunk.append(row)
                 if not chunk:
                     if sharded:  # the filler forward the other ranks' passes need
-                        forward_logps(model, collate(run[0][:1], tokenizer.pad_token_id))
+                        forward_logps(model, collated(run[0][:1]))
                     continue
-                logps, _ = forward_logps(model, collate(chunk, tokenizer.pad_token_id))
+                logps, _ = forward_logps(model, collated(chunk))
                 for row, lp in zip(chunk, logps):
                     old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
     if group is not None:
@@ -702,7 +715,7 @@ def run(
             for slot in range(passes):
                 filler = slot >= len(mine)
                 rows_mb = live[0][:1] if filler else mine[slot]
-                batch = collate(rows_mb, tokenizer.pad_token_id)
+                batch = collated(rows_mb)
                 mask = loss_mask(rows_mb, batch["completion_mask"])
                 sampling_logps = batch["old_per_token_logps"]
                 logps, entropy = forward_logps(model, batch)
@@ -722,7 +735,7 @@ def run(
                 if pi_old_is_step:
                     old = logps.detach()
                 else:
-                    old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32)
+                    old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32).to(logps.device)
                 is_weights = keep_mask = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
@@ -731,7 +744,7 @@ def run(
                 if cfg.off_policy_mask_threshold is not None:
                     keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
                                                 cfg.off_policy_mask_threshold)
-                dropped = torch.zeros(len(rows_mb), dtype=torch.bool)
+                dropped = torch.zeros(len(rows_mb), dtype=torch.bool, device=mask.device)
                 if is_weights is not None:
                     dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
                 if keep_mask is not None:
@@ -746,10 +759,11 @@ def run(
                     off_policy_keep=keep_mask,
                 )
                 if ce_coef:
-                    ce = reference_cross_entropy(model, rows_mb, tokenizer.pad_token_id)
+                    with placement.autocast(devices):
+                        ce = reference_cross_entropy(model, rows_mb, tokenizer.pad_token_id)
                     step_stats["ce_loss"] = step_stats.get("ce_loss", 0.0) + float(ce.detach()) / len(micro_batches)
                     loss = loss + ce_coef * ce / len(micro_batches)
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
                 step_stats["loss"] += float(loss.detach())
                 for key in ("kl", "clip_ratio"):
                     step_stats[key] += stats[key] * stats["tokens"]
@@ -760,17 +774,23 @@ def run(
                 if not sharded:  # FSDP summed them in each backward (reduce-scatter)
                     group.sum_gradients(params)
                 step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction, bool(ce_coef))
+            if scaler:
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if sharded:
                 from stages.distributed import whole
 
                 grad_norm = whole(grad_norm)
-            if not torch.isfinite(grad_norm):
+            if not torch.isfinite(grad_norm) and not scaler:  # fp16: the scaler skips the step, lowers its scale
                 raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
             learning_rate = lr_at(position)
             for param_group in optimizer.param_groups:
                 param_group["lr"] = learning_rate
-            optimizer.step()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             history.append({**_step_metrics(step_stats, float(grad_norm)), "learning_rate": learning_rate})
             if on_metrics:
@@ -806,7 +826,8 @@ def run(
                    # trainable weights this rank holds: all of them, or its 1/world_size shard under fsdp
                    trainable_params_per_rank=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                                  for p in params),
-                   trained_rows=trained_rows / cfg.num_iterations)  # rows through forward/backward per pass
+                   trained_rows=trained_rows / cfg.num_iterations,  # rows through forward/backward per pass
+                   **placement.describe(devices))
     if replayed:
         metrics["replayed_rows"] = len(replayed)
     if cfg.mask_truncated_completions:
@@ -824,15 +845,16 @@ def reference_cross_entropy(model, rows: list[dict], pad_token_id: int) -> torch
         seen.add(r["prompt_id"])
         sequences.append(list(r["prompt_token_ids"]) + list(r["reference_token_ids"]))
         starts.append(len(r["prompt_token_ids"]))
+    device = next(model.parameters()).device
     if not sequences:
-        return torch.zeros(())
+        return torch.zeros((), device=device)
     width = max(len(s) for s in sequences)
-    ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences])
-    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    ids = torch.tensor([s + [pad_token_id] * (width - len(s)) for s in sequences], device=device)
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device)
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
     targets = ids[:, 1:]
-    positions = torch.arange(1, width).unsqueeze(0)
-    mask = (positions >= torch.tensor(starts).unsqueeze(1)) & attention[:, 1:].bool()
+    positions = torch.arange(1, width, device=device).unsqueeze(0)
+    mask = (positions >= torch.tensor(starts, device=device).unsqueeze(1)) & attention[:, 1:].bool()
     nll = -torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 

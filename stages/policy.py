@@ -12,19 +12,22 @@ rollout beside an optimize round -- can leave one model's tied lm_head unloaded 
 stage also seeds torch's global RNG and draws its LoRA init under it (stages/grpo.py)."""
 
 
-def load_policy(base_dir: Path, adapter_dir: Path | None = None, merge: bool = True):
-    """Return (model, tokenizer) in eval mode. With an adapter and `merge`, the LoRA
-    weights are folded in (faster generation; the files on disk are untouched).
+def load_policy(base_dir: Path, adapter_dir: Path | None = None, merge: bool = True, devices=None):
+    """Return (model, tokenizer) in eval mode, on the device and in the compute dtype of `devices` (a
+    stages.devices.DeviceConfig; None: auto). With an adapter and `merge`, the LoRA weights are folded in
+    (faster generation; the files on disk are untouched).
 
     Draws nothing from torch's global RNG: PEFT's `low_cpu_mem_usage` builds the adapter's layers empty
     instead of initializing them randomly (then overwritten by the saved weights), so a load beside an
     optimize round (async prefetch) or a sampling rollout leaves their random streams alone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from stages.devices import load_frozen
+
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     tokenizer.padding_side = "left"
     with MODEL_LOADING:
-        model = AutoModelForCausalLM.from_pretrained(base_dir)
+        model = load_frozen(AutoModelForCausalLM, base_dir, devices)
         if adapter_dir is not None:
             from peft import PeftModel
 

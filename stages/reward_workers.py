@@ -54,7 +54,28 @@ class SampleError(Exception):
 
 REWARD_MODEL_PREFIX = "reward_model:"
 """`reward_model:/path/to/folder`: a trained reward model (AutoModelForSequenceClassification) as a
-reward function. In a config, plain `reward_model` means this run's reward_model stage."""
+reward function. In a config, plain `reward_model` means this run's reward_model stage. The score stage hands
+the workers `reward_model:{"folder": ..., "devices": {...}}` (`reward_model_source`): where the scorer runs."""
+
+
+def reward_model_source(folder: Path | str, devices=None) -> str:
+    """What a worker resolves to the reward model in `folder`, placed by `devices` (stages/devices.py)."""
+    import json
+
+    if devices is None:
+        return f"{REWARD_MODEL_PREFIX}{folder}"
+    return REWARD_MODEL_PREFIX + json.dumps({"folder": str(folder), "devices": devices.model_dump()})
+
+
+def _reward_model_folder(source: str) -> tuple[Path, dict | None]:
+    """(folder, DeviceConfig fields or None) of a `reward_model:` source."""
+    import json
+
+    body = source[len(REWARD_MODEL_PREFIX):]
+    if body.startswith("{"):
+        spec = json.loads(body)
+        return Path(spec["folder"]), spec.get("devices")
+    return Path(body), None
 
 
 def split_reward_funcs(names) -> tuple[list[str], list[str]]:
@@ -80,14 +101,15 @@ def resolve_reward(name: str, load: bool = True) -> Callable | None:
                              "and used as remote:<name> in score.reward_funcs") from None
         return remote_verifier(cfg) if load else None
     if name.startswith(REWARD_MODEL_PREFIX):
-        folder = Path(name[len(REWARD_MODEL_PREFIX):])
+        folder, placement = _reward_model_folder(name)
         if not (folder / "config.json").exists():
-            raise ValueError(f"reward_funcs: {name!r}: no model folder (config.json) at {folder}")
+            raise ValueError(f"reward_funcs: {REWARD_MODEL_PREFIX}{folder}: no model folder (config.json) there")
         if not load:
             return None
+        from stages.devices import DeviceConfig
         from stages.reward_model import reward_model_function
 
-        return reward_model_function(folder)
+        return reward_model_function(folder, devices=DeviceConfig(**placement) if placement else None)
     from stages.rewards import BUILTIN_REWARDS
 
     return load_function(name, "reward_funcs", BUILTIN_REWARDS)

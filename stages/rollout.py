@@ -33,8 +33,9 @@ class VLLMOptions(BaseModel):
     """Longest prompt + completion; unset: the model's max_position_embeddings, on CPU at most 1024 (vLLM's
     CPU runner holds memory for 256 whole sequences of this length: SmolLM2's 8192 made a 10 GiB process).
     Set it when prompt + completion can be longer."""
-    dtype: str = "float32"
-    """Engine dtype. float32 makes sampling log-probs match the trainer's most closely."""
+    dtype: str = "auto"
+    """Engine dtype; auto: the run's train.precision (float32 on CPU, bfloat16 on a GPU), the dtype the
+    trainer computes in, so that sampling log-probs match the trainer's most closely."""
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = True
     """No CUDA graphs / compilation: slower steady state, much faster start."""
@@ -221,11 +222,16 @@ class RolloutConfig(BaseModel):
 SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_adapter_root")  # vllm_server's own
 
 
-def engine_options(cfg: RolloutConfig, max_lora_rank: int) -> dict:
-    """What `get_engine` needs for this config's engine."""
+def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict:
+    """What `get_engine` needs for this config's engine; `devices` (stages/devices.py): where the transformers
+    engine runs, and the dtype `vllm.dtype: auto` means."""
+    from stages.devices import DTYPES, DeviceConfig, precision
+
     if cfg.engine == "transformers":
-        return {"batch_size": cfg.generation_batch_size}
+        return {"batch_size": cfg.generation_batch_size, "devices": devices or DeviceConfig()}
     options = cfg.vllm.model_dump()
+    if options["dtype"] == "auto":
+        options["dtype"] = DTYPES[precision(devices)]
     if cfg.engine in ("vllm", "ray_vllm"):
         for key in SERVER_KEYS:
             options.pop(key)

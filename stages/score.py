@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.health import collapse_metrics
-from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
+from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source, shared_pool
 from stages.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 from stages.imports import LazyModule
 from stages.schemas import ROLLOUTS, SCORED, write_table
@@ -175,15 +175,19 @@ def _metric_name(name: str) -> str:
 
 
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
-        reward_model_dir: Path | None = None) -> dict:
+        reward_model_dir: Path | None = None, devices=None) -> dict:
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
-    folder the reward function named `reward_model` scores with (this run's reward_model stage)."""
+    folder the reward function named `reward_model` scores with (this run's reward_model stage).
+    `devices` (stages/devices.py): where the workers run reward models (None: the folder alone, auto)."""
     sources = {}
     if "reward_model" in cfg.reward_funcs:
         if reward_model_dir is None:
             raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
                              "(or name a folder: reward_model:/path/to/model)")
-        sources["reward_model"] = f"reward_model:{Path(reward_model_dir).resolve()}"
+        sources["reward_model"] = reward_model_source(Path(reward_model_dir).resolve(), devices)
+    for name in cfg.reward_funcs:  # a reward model named by its folder: placed the same way
+        if name.startswith(REWARD_MODEL_PREFIX) and devices is not None:
+            sources[name] = reward_model_source(name[len(REWARD_MODEL_PREFIX):], devices)
     for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
         if name.startswith(REMOTE_PREFIX):
             sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])

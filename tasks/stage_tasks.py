@@ -17,6 +17,7 @@ from stages import (
     atropos,
     base_model,
     demo_data,
+    devices,
     distributed,
     dpo,
     ebft,
@@ -57,6 +58,18 @@ class RunContext:
         self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
         self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
         self.dropped_rows: dict = {}  # bad prompt rows the transform left out, per split (on_bad_rows: drop)
+
+
+def placement(ctx: RunContext) -> devices.DeviceConfig:
+    """Where this run's models run and in which precision (the config's train.device, train.precision, ...)."""
+    return devices.of(ctx.config.train)
+
+
+def runs_model(ctx: RunContext, section: dict) -> dict:
+    """A section of a stage that runs a model, with the resolved precision when it is not fp32 (fp32 keys
+    stay those of before the precision could be chosen); device, attention kernel and checkpointing change
+    rounding only, as train.num_processes does, and are in no key."""
+    return {**section, **devices.key_fields(placement(ctx))}
 
 
 def artifact_key(store: ArtifactStore, stage: str, module, section: dict, inputs: dict[str, Artifact | None]) -> str:
@@ -231,10 +244,10 @@ def _trained_section(cfg) -> dict:
 def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     cfg = ctx.config.sft
     return materialize(
-        ctx, "sft", sft, _trained_section(cfg), {"model": model, "prompts": prompts},
+        ctx, "sft", sft, runs_model(ctx, _trained_section(cfg)), {"model": model, "prompts": prompts},
         lambda out, log, work: run_training(ctx, sft.run, "sft", log, cfg=cfg, model_dir=model.path,
                                             prompts_path=prompts.file(f"{cfg.split}.parquet"), out_dir=out,
-                                            work_dir=work),
+                                            work_dir=work, devices=placement(ctx)),
         resumable=True,
     )
 
@@ -253,18 +266,20 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
         bar = ctx.reporter.progress(f"eval {label}", "document")
         features = ctx.feature_model or model  # before the rounds: the policy they start from
         return materialize(
-            ctx, "eval", ebft_strided, {**section, "ebft": _strided_section(ctx)},
+            ctx, "eval", ebft_strided, runs_model(ctx, {**section, "ebft": _strided_section(ctx)}),
             {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
             lambda out, _: ebft_strided.evaluate(ctx.config.ebft, cfg.max_prompts, evaluated.model_dir,
                                                  evaluated.adapter_dir, features.path,
-                                                 prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar),
+                                                 prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
+                                                 devices=placement(ctx)),
             label=f"eval {label}",
         )
     bar = ctx.reporter.progress(f"eval {label}", "prompt")
     return materialize(
-        ctx, "eval", evaluate, section, {"model": model, "prompts": prompts, "adapter": adapter},
+        ctx, "eval", evaluate, runs_model(ctx, section), {"model": model, "prompts": prompts, "adapter": adapter},
         lambda out, _: evaluate.run(cfg, evaluated.model_dir, evaluated.adapter_dir,
-                                    prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar),
+                                    prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
+                                    devices=placement(ctx)),
         label=f"eval {label}",
     )
 
@@ -305,13 +320,13 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     cfg = ctx.config.rollout
     section = {k: v for k, v in cfg.model_dump(mode="json").items()
                if k not in ASYNC_KEYS and k not in ("source", "atropos")}  # source: prompts (atropos_batch_task)
-    handed = rollout.engine_options(cfg, 0)  # the vllm options this engine gets (none for transformers)
+    handed = rollout.engine_options(cfg, 0, placement(ctx))  # the vllm options this engine gets
     section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
-    vllm = {k: v for k, v in section.pop("vllm").items() if k in handed
+    vllm = {k: handed[k] for k in section.pop("vllm") if k in handed  # dtype auto: as resolved
             and k not in ("server_url", "server_urls", "server_timeout_s")}
     if vllm:
         section["vllm"] = vllm
-    section = _with_reads({**_round_section(section, round_index), "policy_version": policy_version},
+    section = _with_reads(runs_model(ctx, {**_round_section(section, round_index), "policy_version": policy_version}),
                           [cfg.rollout_func] if cfg.rollout_func else [])
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
         section["reroll_prompt_ids"] = list(reroll_prompt_ids)
@@ -324,11 +339,11 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
             ctx, "rollout", ebft_strided, {**options, "ebft": _strided_section(ctx)},
             {"policy": policy, "adapter": adapter, "prompts": prompts},
             lambda out, _: ebft_strided.rollout(ctx.config.ebft, cfg, sampler, prompts.file("train.parquet"),
-                                                round_index, out, on_progress=bar),
+                                                round_index, out, on_progress=bar, devices=placement(ctx)),
             label=f"rollout r{round_index}",
         )
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
-    options = rollout.engine_options(cfg, ctx.config.grpo.lora_r)
+    options = rollout.engine_options(cfg, ctx.config.grpo.lora_r, placement(ctx))
     run = shared_worker(cfg.worker_cpus, cfg.prefetch_torch_threads).run if cfg.worker_process else rollout.run
     return materialize(
         ctx, "rollout", rollout, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
@@ -381,21 +396,25 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
     if ctx.config.rl == "ebft":  # feature-matching rewards from the frozen starting policy (stages/ebft.py)
-        section = {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n, "scale_rewards": cfg.scale_rewards}
+        section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
+                                   "scale_rewards": cfg.scale_rewards})
         return materialize(
             ctx, "score", ebft, section, {"rollouts": rollouts, "feature_model": ctx.feature_model},
             lambda out, _: ebft.run(ctx.config.ebft, rollouts.file("rollouts.parquet"), ctx.feature_model.path, n,
-                                    cfg.scale_rewards, out),
+                                    cfg.scale_rewards, out, devices=placement(ctx)),
             label=f"score r{round_index}",
         )
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
     where = {"backend", "ray"}  # where the functions run: the same scores either way
-    section = _with_reads({**cfg.model_dump(mode="json", exclude=where), "num_generations": n}, functions,
-                          BUILTIN_REWARDS, folders)
+    section = {**cfg.model_dump(mode="json", exclude=where), "num_generations": n}
+    if rm or folders:  # a reward model runs: its precision changes the scores
+        section = runs_model(ctx, section)
+    section = _with_reads(section, functions, BUILTIN_REWARDS, folders)
     return materialize(
         ctx, "score", score, section, {"rollouts": rollouts, "reward_model": rm},
-        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None),
+        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None,
+                                 devices=placement(ctx) if rm or folders else None),
         label=f"score r{round_index}",
     )
 
@@ -423,8 +442,8 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
     temperature = ctx.config.rollout.temperature
     max_len = ctx.config.rollout.max_completion_length
     options = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ROUND_STATE_KEYS}
-    section = {**_round_section(options, round_index), "temperature": temperature,
-               "max_completion_length": max_len}
+    section = runs_model(ctx, {**_round_section(options, round_index), "temperature": temperature,
+                               "max_completion_length": max_len})
     ce_coef = ctx.config.ebft.ce_coef if ctx.config.rl == "ebft" else 0.0
     if ce_coef:  # only then: a key without it stays the GRPO one
         section["ce_coef"] = ce_coef
@@ -436,7 +455,7 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
                                       prev_adapter_dir=adapter.path if adapter else None,
                                       scored_path=scored.file("scored.parquet"), round_index=round_index,
                                       temperature=temperature, max_completion_length=max_len, out_dir=out,
-                                      **({"ce_coef": ce_coef} if ce_coef else {})),
+                                      devices=placement(ctx), **({"ce_coef": ce_coef} if ce_coef else {})),
         label=label,
     )
 
@@ -460,9 +479,10 @@ def preferences_task(ctx: RunContext) -> Artifact:
 def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artifact, label: str) -> Artifact:
     cfg = ctx.config.dpo
     return materialize(
-        ctx, "dpo", dpo, _trained_section(cfg), {"policy": policy, "preferences": prefs},
+        ctx, "dpo", dpo, runs_model(ctx, _trained_section(cfg)), {"policy": policy, "preferences": prefs},
         lambda out, log, work: run_training(ctx, dpo.run, label, log, cfg=cfg, model_dir=policy.path,
-                                            preferences_dir=prefs.path, out_dir=out, work_dir=work),
+                                            preferences_dir=prefs.path, out_dir=out, work_dir=work,
+                                            devices=placement(ctx)),
         label=label, resumable=True,
     )
 
@@ -471,10 +491,10 @@ def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artif
 def reward_model_task(ctx: RunContext, policy: Artifact, prefs: Artifact) -> Artifact:
     cfg = ctx.config.reward_model
     return materialize(
-        ctx, "reward_model", reward_model, _trained_section(cfg), {"policy": policy, "preferences": prefs},
+        ctx, "reward_model", reward_model, runs_model(ctx, _trained_section(cfg)), {"policy": policy, "preferences": prefs},
         lambda out, log, work: run_training(ctx, reward_model.run, "reward_model", log, cfg=cfg,
                                             model_dir=policy.path, preferences_dir=prefs.path, out_dir=out,
-                                            work_dir=work),
+                                            work_dir=work, devices=placement(ctx)),
         resumable=True,
     )
 
@@ -486,8 +506,8 @@ def export_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, lin
     config = ctx.config.model_dump(mode="json")
     final = policy_for(ctx, policy, adapter, version=-1)
     return materialize(
-        ctx, "export", export, cfg.model_dump(mode="json"), {"policy": policy, "adapter": adapter},
+        ctx, "export", export, runs_model(ctx, cfg.model_dump(mode="json")), {"policy": policy, "adapter": adapter},
         lambda out, _: export.run(cfg, final.model_dir, final.adapter_dir, out, metrics=train_metrics,
-                                  lineage=lineage_keys, config=config),
+                                  lineage=lineage_keys, config=config, devices=placement(ctx)),
     )
 

@@ -51,7 +51,7 @@ def shared_prompt_cache(model, enc, texts: list[str]):
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
           logits_to_keep=1)
-    cache.batch_select_indices(torch.tensor(index))
+    cache.batch_select_indices(torch.tensor(index, device=ids.device))
     return cache
 
 
@@ -92,7 +92,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, ba
     import torch
 
     if sampling.do_sample:
-        with own_generator(torch.Generator().manual_seed(sampling.seed)):
+        with own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
             return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
     return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
 
@@ -106,7 +106,7 @@ def _generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, b
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         with torch.no_grad():
             out = model.generate(
                 **enc,
@@ -151,14 +151,15 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, batch_size: int = 256):
+    def __init__(self, batch_size: int = 256, devices=None):
         self.batch_size = batch_size
+        self.devices = devices  # stages.devices.DeviceConfig (None: auto)
 
     def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
         from stages.policy import load_policy
 
-        model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir)
+        model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir, devices=self.devices)
         return generate(model, tokenizer, prompts, sampling, self.batch_size, on_progress)
 
     def close(self) -> None:
