@@ -223,6 +223,10 @@ class PipelineConfig(BaseModel):
             if importlib.util.find_spec("bitsandbytes") is None:
                 raise ValueError("grpo.optim: adamw_8bit needs the bitsandbytes package, not installed here "
                                  "(pip install bitsandbytes); or use grpo.optim: adamw")
+        if (self.rollout.engine == "vllm" and self.rollout.vllm.sleep_mode
+                and devices.device(self.train).type != "cuda"):
+            raise ValueError("rollout.vllm.sleep_mode frees a GPU's memory between rounds (vLLM's sleep mode, "
+                             "CUDA only); this run has no GPU (train.device): set it false")
         if (self.train.precision == "fp16" and self.train.num_processes > 1 and self.train.strategy == "fsdp"
                 and self.uses_rounds):
             raise ValueError("train.precision: fp16 with train.strategy: fsdp is not built for the optimize stage "

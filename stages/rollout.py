@@ -37,6 +37,11 @@ class VLLMOptions(BaseModel):
     """Engine dtype; auto: the run's train.precision (float32 on CPU, bfloat16 on a GPU), the dtype the
     trainer computes in, so that sampling log-probs match the trainer's most closely."""
     tensor_parallel_size: int = Field(1, ge=1)
+    sleep_mode: bool = False
+    """vllm, ray_vllm on a GPU (TRL's `vllm_enable_sleep_mode`): after each round's generation the engine
+    sleeps (vLLM level 1: weights moved to CPU memory, KV cache freed), so the optimize stage on the same GPU
+    gets its memory back; it wakes before the next generation. Costs a weight copy each way per round. vLLM's
+    sleep mode is CUDA-only: on a CPU it is refused at config time."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation: slower steady state, much faster start."""
     lora_sync: Literal["auto", "merged", "adapter"] = "auto"

@@ -323,7 +323,7 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     handed = rollout.engine_options(cfg, 0, placement(ctx))  # the vllm options this engine gets
     section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
     vllm = {k: handed[k] for k in section.pop("vllm") if k in handed  # dtype auto: as resolved
-            and k not in ("server_url", "server_urls", "server_timeout_s")}
+            and k not in ("server_url", "server_urls", "server_timeout_s", "sleep_mode")}  # sleep: same samples
     if vllm:
         section["vllm"] = vllm
     section = _with_reads(runs_model(ctx, {**_round_section(section, round_index), "policy_version": policy_version}),

@@ -229,3 +229,8 @@ def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
     assert {p.dtype for p in network.model.parameters()} == {torch.bfloat16}
     features = network.embed([[1, 2, 3], [4, 5]], [1, 1], "mean_pooling")
     assert features.dtype == torch.float32 and features.shape[0] == 2
+
+
+def test_vllm_sleep_mode_without_a_gpu_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match="rollout.vllm.sleep_mode .*CUDA only"):
+        load_config(tiny_config, ["rollout.engine=vllm", "rollout.vllm.sleep_mode=true"])

@@ -178,7 +178,7 @@ class VLLMEngine:
     def __init__(self, base_dir, gpu_memory_utilization: float = 0.05, kv_cache_space_gib: float = 1.0,
                  max_model_len: int | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
                  enforce_eager: bool = True, max_lora_rank: int = 16, in_process: bool = True,
-                 lora_sync: str = "auto"):
+                 lora_sync: str = "auto", sleep_mode: bool = False):
         self.base_dir = Path(base_dir)
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_space_gib = kv_cache_space_gib
@@ -191,6 +191,8 @@ class VLLMEngine:
         if lora_sync not in ("auto", "merged", "adapter"):
             raise ValueError(f"rollout.vllm.lora_sync: {lora_sync!r}; use auto, merged or adapter")
         self.lora_sync = lora_sync
+        self.sleep_mode = sleep_mode  # sleep between generations (rollout.vllm.sleep_mode)
+        self.asleep = False
         self.llm = None
         self.tokenizer = None
         self.loaded_weights: Path = self.base_dir.resolve()
@@ -211,7 +213,10 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        extra = {}
+        extra = {"enable_sleep_mode": True} if self.sleep_mode else {}
+        if self.sleep_mode and current_platform.is_cpu():
+            raise ValueError("rollout.vllm.sleep_mode: vLLM's sleep mode needs a CUDA GPU; this vLLM runs on the "
+                             "CPU (set it false)")
         if current_platform.is_cpu():
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 # What VLLM_CPU_KVCACHE_SPACE (whole GiB only) would set; a set variable still wins.
@@ -309,6 +314,9 @@ class VLLMEngine:
         `indices`: the prompts' positions in a larger call split across engines (their seeds); default 0..n-1."""
         if self.llm is None:
             self._start()
+        if self.asleep:  # weights back from CPU memory, a new KV cache; then the round's weights below
+            self.llm.wake_up()
+            self.asleep = False
         lora = None
         if policy.adapter_dir and self.merges_lora():
             previous = self._merged
@@ -326,6 +334,9 @@ class VLLMEngine:
             lora_request=lora,
             use_tqdm=progress_bar(on_progress) if on_progress else False,
         )
+        if self.sleep_mode:  # the GPU's memory is the trainer's until the next generation
+            self.llm.sleep(level=1)
+            self.asleep = True
         return [to_result(self.tokenizer, p, out.outputs[0], eos) for p, out in zip(ids, outputs)]
 
     def close(self) -> None:
