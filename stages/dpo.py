@@ -16,7 +16,9 @@ format; the export stage merges it) or, with `adapter: none`, a complete model f
 dpo, ipo and kto compare with a reference policy: with LoRA, the starting model is the adapter-
 disabled base (nothing extra in memory) unless `rl_adapter_ref_model` asks for a separate
 frozen copy; with `adapter: none`, always a frozen copy. orpo and simpo use no reference.
-Training runs in fp32 on CPU, like stages/sft.py.
+Device and precision: `devices` (stages/devices.py), like stages/sft.py: the trained model (and under
+LoRA its base) in fp32 with fp32 optimizer state, forward under the Trainer's bf16/fp16 autocast where
+the precision asks for it; a separate reference copy is frozen in the compute dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages import checkpoints
+from stages import devices as devices_module
+from stages.devices import DeviceConfig
 
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
@@ -146,11 +150,12 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
     return {"beta": cfg.rl_beta, "loss_type": "simpo", "simpo_gamma": cfg.simpo_gamma, "cpo_alpha": cfg.cpo_alpha}
 
 
-def cpu_training_args(cfg, output_dir: Path, section: str = "dpo") -> dict:
+def training_args(cfg, output_dir: Path, section: str = "dpo", devices: DeviceConfig | None = None) -> dict:
     """TRL/HF training arguments shared by our TRL-driven stages (dpo, reward_model): the config's
-    schedule, fp32 on CPU, checkpoints every `save_steps` (stages/checkpoints.py), no reporting (metrics go
-    to on_metrics instead). Under a process group (train.num_processes, stages/distributed.py) each rank
-    takes micro_batch_size / world_size rows, so the global batch is the config's."""
+    schedule, device and precision from `devices` (stages/devices.py trainer_arguments; None: auto),
+    checkpoints every `save_steps` (stages/checkpoints.py), no reporting (metrics go to on_metrics
+    instead). Under a process group (train.num_processes, stages/distributed.py) each rank takes
+    micro_batch_size / world_size rows, so the global batch is the config's."""
     from stages.distributed import per_device, world_size
 
     return dict(
@@ -165,19 +170,16 @@ def cpu_training_args(cfg, output_dir: Path, section: str = "dpo") -> dict:
         **checkpoints.training_args(cfg.save_steps),
         report_to=[],
         seed=cfg.seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
+        **devices_module.trainer_arguments(devices),
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
 
 
-def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path):
-    """The TRL config object for `cfg`: loss options plus fp32-on-CPU training settings."""
+def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path, devices: DeviceConfig | None = None):
+    """The TRL config object for `cfg`: loss options plus the training settings of `training_args`."""
     _, config_class = trl_classes(cfg.rl)
-    return config_class(**cpu_training_args(cfg, output_dir), **trl_options(cfg))
+    return config_class(**training_args(cfg, output_dir, devices=devices), **trl_options(cfg))
 
 
 def lora_config(cfg: PreferenceOptimizationConfig):
@@ -305,30 +307,29 @@ def preference_accuracy(model, tokenizer, rows: list[dict]) -> float:
 # ---------------------------------------------------------------- models and trainer
 
 
-def load_models(cfg: PreferenceOptimizationConfig, model_dir: Path):
+def load_models(cfg: PreferenceOptimizationConfig, model_dir: Path, devices: DeviceConfig | None = None):
     """(starting policy, frozen reference model or None). None means: TRL uses the adapter-disabled
-    base (LoRA) or needs no reference (orpo, simpo)."""
+    base (LoRA) or needs no reference (orpo, simpo). The policy is trainable (fp32 on the device), the
+    reference frozen in the compute dtype (stages/devices.py)."""
     from transformers import AutoModelForCausalLM
 
     from stages.policy import MODEL_LOADING
 
     separate_ref = cfg.rl in REFERENCE_RL and (cfg.adapter == "none" or cfg.rl_adapter_ref_model)
     with MODEL_LOADING:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-        ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32") if separate_ref else None
-    if ref_model is not None:
-        ref_model.eval().requires_grad_(False)
+        model = devices_module.load_trainable(AutoModelForCausalLM, model_dir, devices)
+        ref_model = devices_module.load_frozen(AutoModelForCausalLM, model_dir, devices) if separate_ref else None
     return model, ref_model
 
 
 def build_trainer(cfg: PreferenceOptimizationConfig, model, ref_model, tokenizer, train_rows: list[dict],
-                  output_dir: Path, callbacks: list | None = None):
+                  output_dir: Path, callbacks: list | None = None, devices: DeviceConfig | None = None):
     """The TRL trainer for `cfg.rl` on TRL-format rows (see `to_trl_rows`), not yet trained."""
     import datasets
     import torch
 
     trainer_class, _ = trl_classes(cfg.rl)
-    args = build_trl_config(cfg, output_dir)
+    args = build_trl_config(cfg, output_dir, devices)
     kwargs = dict(model=model, args=args, train_dataset=datasets.Dataset.from_list(train_rows),
                   processing_class=tokenizer, callbacks=callbacks, peft_config=lora_config(cfg))
     if cfg.rl in REFERENCE_RL:
@@ -384,6 +385,7 @@ def run(
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
     group=None,
+    devices: DeviceConfig | None = None,
 ) -> dict:
     """Train the policy in model_dir on preferences_dir/<split>.parquet; save to out_dir.
 
@@ -392,10 +394,11 @@ def run(
     receives each logging step's numeric train metrics, keys prefixed "preference/" (loss,
     rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, ...), and the step.
     Returns {rl, reference, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
-    eval_accuracy_before, eval_accuracy_after}; the eval entries are None without an eval split
-    of pairs. Checkpoints go to work_dir and training resumes from the newest complete one there
-    (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end. `group`: on ranks launched
-    by stages/distributed.py HF Trainer runs DDP; rank 0 alone writes out_dir.
+    eval_accuracy_before, eval_accuracy_after, device, precision (, gpu)}; the eval entries are None
+    without an eval split of pairs. Checkpoints go to work_dir and training resumes from the newest
+    complete one there (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
+    `group`: on ranks launched by stages/distributed.py HF Trainer runs DDP; rank 0 alone writes out_dir.
+    `devices` (stages/devices.py; None: DeviceConfig(), auto): device and precision of the models.
     """
     from transformers import AutoTokenizer
 
@@ -411,14 +414,15 @@ def run(
     if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
         eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
 
+    devices = devices or DeviceConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model, ref_model = load_models(cfg, model_dir)
+    model, ref_model = load_models(cfg, model_dir, devices)
     accuracy_before = preference_accuracy(model, tokenizer, eval_pairs) if eval_pairs else None
 
     logged: list[dict] = []
 
     trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir or out_dir / "_trainer",
-                            [metrics_callback(METRIC_PREFIX, on_metrics, logged)])
+                            [metrics_callback(METRIC_PREFIX, on_metrics, logged)], devices)
     result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None
@@ -441,4 +445,5 @@ def run(
         "eval_pairs": len(eval_pairs),
         "eval_accuracy_before": accuracy_before,
         "eval_accuracy_after": accuracy_after,
+        **devices_module.describe(devices),
     }

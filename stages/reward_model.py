@@ -22,8 +22,10 @@ PRMTrainer; this follows its `tokenize_row` (each step tokenized on its own, ste
 A step's score is P(good) at its last token; a sample's score is its weakest step's
 (`step_aggregation: min`) or its last step's.
 
-Training runs in fp32 on CPU like stages/dpo.py. out_dir gets a complete model folder (LoRA merged
-into the weights) with the tokenizer and its chat template, plus `reward_model.json` ({kind,
+Device and precision: `devices` (stages/devices.py), like stages/dpo.py: the trained model in fp32 with
+fp32 optimizer state, forward under the Trainer's bf16/fp16 autocast where the precision asks for it;
+the scorer loads a saved folder frozen in the compute dtype. out_dir gets a complete model folder (LoRA
+merged into the weights) with the tokenizer and its chat template, plus `reward_model.json` ({kind,
 step_separator, step_aggregation, max_length}). `RewardModelScorer` loads such a folder once and
 scores (prompt, completion) samples with TRL's reward-function signature, so a trained reward model
 can drive GRPO beside (or instead of) rule-based rewards.
@@ -40,6 +42,8 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages import checkpoints
+from stages import devices as devices_module
+from stages.devices import DeviceConfig
 
 METRIC_PREFIX = "reward_model/"
 KINDS = ("orm", "prm")
@@ -109,13 +113,13 @@ class RewardModelConfig(BaseModel):
 # ---------------------------------------------------------------- TRL config, model, data
 
 
-def build_trl_config(cfg: RewardModelConfig, output_dir: Path):
-    """TRL RewardConfig for `cfg`: fp32-on-CPU training settings as in stages/dpo.py."""
+def build_trl_config(cfg: RewardModelConfig, output_dir: Path, devices: DeviceConfig | None = None):
+    """TRL RewardConfig for `cfg`: the training settings of stages/dpo.py's `training_args`."""
     from trl import RewardConfig
 
-    from stages.dpo import cpu_training_args
+    from stages.dpo import training_args
 
-    return RewardConfig(**cpu_training_args(cfg, output_dir, "reward_model"))
+    return RewardConfig(**training_args(cfg, output_dir, "reward_model", devices))
 
 
 def lora_config(cfg: RewardModelConfig):
@@ -129,9 +133,10 @@ def lora_config(cfg: RewardModelConfig):
                       task_type="TOKEN_CLS" if cfg.kind == "prm" else "SEQ_CLS")
 
 
-def load_reward_model(model_dir: Path, tokenizer, seed: int = 0):
-    """AutoModelForSequenceClassification (num_labels=1, fp32) from a causal LM or reward model folder,
-    with config.pad_token_id set to the tokenizer's (the score is read at the last non-pad token)."""
+def load_reward_model(model_dir: Path, tokenizer, seed: int = 0, devices: DeviceConfig | None = None):
+    """AutoModelForSequenceClassification (num_labels=1) from a causal LM or reward model folder, trainable
+    (fp32 on the device of `devices`), with config.pad_token_id set to the tokenizer's (the score is read at
+    the last non-pad token)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -143,7 +148,7 @@ def load_reward_model(model_dir: Path, tokenizer, seed: int = 0):
         from contextlib import nullcontext as suppress_seqcls_warning
     torch.manual_seed(seed)  # the new head's initialization
     with MODEL_LOADING, suppress_seqcls_warning():
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype="float32")
+        model = devices_module.load_trainable(AutoModelForSequenceClassification, model_dir, devices, num_labels=1)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -203,9 +208,9 @@ def _new_token_head():
                 delattr(cls, name)
 
 
-def load_process_reward_model(model_dir: Path, tokenizer, seed: int = 0):
-    """AutoModelForTokenClassification (num_labels=2: 0 bad, 1 good; fp32) from a causal LM or PRM folder,
-    with config.pad_token_id set to the tokenizer's."""
+def load_process_reward_model(model_dir: Path, tokenizer, seed: int = 0, devices: DeviceConfig | None = None):
+    """AutoModelForTokenClassification (num_labels=2: 0 bad, 1 good) from a causal LM or PRM folder, trainable
+    (fp32 on the device of `devices`), with config.pad_token_id set to the tokenizer's."""
     import torch
     from transformers import AutoModelForTokenClassification
 
@@ -213,9 +218,9 @@ def load_process_reward_model(model_dir: Path, tokenizer, seed: int = 0):
 
     torch.manual_seed(seed)  # the new head's initialization
     with MODEL_LOADING, _new_token_head():
-        model = AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=2, id2label={0: "bad", 1: "good"}, label2id={"bad": 0, "good": 1},
-            dtype="float32")
+        model = devices_module.load_trainable(
+            AutoModelForTokenClassification, model_dir, devices, num_labels=2, id2label={0: "bad", 1: "good"},
+            label2id={"bad": 0, "good": 1})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -462,7 +467,8 @@ def read_metadata(model_dir: Path) -> dict:
 class RewardModelScorer:
     """A saved reward model as a TRL reward function: `scorer(prompts, completions, **kwargs) -> list[float]`.
 
-    Loads the folder once (fp32, eval mode): an ORM as AutoModelForSequenceClassification, a PRM as
+    Loads the folder once, frozen (`devices`, stages/devices.py: its device, weights in the compute
+    dtype, eval mode; None: auto): an ORM as AutoModelForSequenceClassification, a PRM as
     AutoModelForTokenClassification (the kind from its reward_model.json, see `read_metadata`). Prompts
     are chat message lists or strings (a string is a user message); completions are assistant message
     lists, as TRL passes them for conversational data, or strings (an assistant message). Each sample is
@@ -474,7 +480,7 @@ class RewardModelScorer:
 
     def __init__(self, model_dir: Path | str, batch_size: int = 32,
                  step_aggregation: Literal["min", "last"] | None = None, max_length: int | None = None,
-                 device: str | None = None, step_separator: str | None = None):
+                 devices: DeviceConfig | None = None, step_separator: str | None = None):
         from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
         from stages.policy import MODEL_LOADING
@@ -491,7 +497,7 @@ class RewardModelScorer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         auto_class = AutoModelForTokenClassification if self.kind == "prm" else AutoModelForSequenceClassification
         with MODEL_LOADING:
-            self.model = auto_class.from_pretrained(self.model_dir, dtype="float32")
+            self.model = devices_module.load_frozen(auto_class, self.model_dir, devices)
         expected = 2 if self.kind == "prm" else 1
         if self.model.config.num_labels != expected:
             raise ValueError(f"{self.model_dir}: num_labels={self.model.config.num_labels}; "
@@ -500,9 +506,6 @@ class RewardModelScorer:
             if self.tokenizer.pad_token is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        if device:
-            self.model.to(device)
-        self.model.eval().requires_grad_(False)
         self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
         self.__name__ = "reward_model"
 
@@ -527,10 +530,12 @@ class RewardModelScorer:
 
 
 def reward_model_function(model_dir: Path | str, batch_size: int = 32,
-                          step_aggregation: Literal["min", "last"] | None = None) -> Callable[..., list[float]]:
-    """A TRL reward function scoring with the reward model in model_dir (loaded now, once);
-    its `__name__` is "reward_model" (the name TRL and the reports give its column)."""
-    scorer = RewardModelScorer(model_dir, batch_size=batch_size, step_aggregation=step_aggregation)
+                          step_aggregation: Literal["min", "last"] | None = None,
+                          devices: DeviceConfig | None = None) -> Callable[..., list[float]]:
+    """A TRL reward function scoring with the reward model in model_dir (loaded now, once, placed by
+    `devices`: see RewardModelScorer); its `__name__` is "reward_model" (the name TRL and the reports give
+    its column)."""
+    scorer = RewardModelScorer(model_dir, batch_size=batch_size, step_aggregation=step_aggregation, devices=devices)
 
     def reward_model(prompts: list, completions: list, **kwargs) -> list[float]:
         return scorer(prompts, completions, **kwargs)
@@ -561,6 +566,7 @@ def run(
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
     group=None,
+    devices: DeviceConfig | None = None,
 ) -> dict:
     """Train a reward model from the causal LM in model_dir on preferences_dir/<split>.parquet.
 
@@ -569,9 +575,10 @@ def run(
     for `kind: prm` (see run_prm). `on_metrics` receives each logging step's numeric train metrics, keys
     prefixed "reward_model/" (orm: loss, accuracy, margin, min_reward, mean_reward, max_reward, ...),
     and the step. Returns {kind, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
-    eval_pairwise_accuracy_before, eval_pairwise_accuracy}; the eval entries are None without an
-    eval split of pairs. Checkpoints go to work_dir and training resumes from the newest complete one
-    there (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
+    eval_pairwise_accuracy_before, eval_pairwise_accuracy, device, precision (, gpu)}; the eval entries
+    are None without an eval split of pairs. Checkpoints go to work_dir and training resumes from the
+    newest complete one there (stages/checkpoints.py); None: a folder inside out_dir, deleted at the end.
+    `devices` (stages/devices.py; None: DeviceConfig(), auto): device and precision of the model.
     """
     import datasets
     from transformers import AutoTokenizer
@@ -581,7 +588,8 @@ def run(
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
-        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir, group)
+        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir, group, devices)
+    devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
     if not train_path.exists():
@@ -593,11 +601,12 @@ def run(
         eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_reward_model(model_dir, tokenizer, cfg.seed)
+    model = load_reward_model(model_dir, tokenizer, cfg.seed, devices)
     accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
 
     logged: list[dict] = []
-    trainer = quiet_trainer(RewardTrainer(model=model, args=build_trl_config(cfg, work_dir or out_dir / "_trainer"),
+    args = build_trl_config(cfg, work_dir or out_dir / "_trainer", devices)
+    trainer = quiet_trainer(RewardTrainer(model=model, args=args,
                                           train_dataset=datasets.Dataset.from_list(train_rows),
                                           processing_class=tokenizer, callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
                                           peft_config=lora_config(cfg)), cfg)
@@ -625,6 +634,7 @@ def run(
         "eval_pairs": len(eval_pairs),
         "eval_pairwise_accuracy_before": accuracy_before,
         "eval_pairwise_accuracy": accuracy_after,
+        **devices_module.describe(devices),
     }
 
 
@@ -689,25 +699,29 @@ def run_prm(
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
     group=None,
+    devices: DeviceConfig | None = None,
 ) -> dict:
     """`kind: prm`: train a process reward model on the `stepwise` rows of preferences_dir/<split>.parquet.
 
     Token classification (0 bad, 1 good) on the last token of each step, cross-entropy over
-    those tokens only (labels -100 elsewhere), with a plain transformers Trainer on the fp32-on-CPU
-    settings of stages/dpo.py; dropout off as TRL's `disable_dropout` (LoRA dropout as configured).
+    those tokens only (labels -100 elsewhere), with a plain transformers Trainer on the training settings
+    of stages/dpo.py's `training_args` (device and precision from `devices`; None: auto); dropout off as
+    TRL's `disable_dropout` (LoRA dropout as configured).
     `on_metrics` receives each logging step's loss, step_accuracy (train batches), grad_norm and
     learning_rate, and eval_step_accuracy on the held-out stepwise rows at step 0 and after the last
     step; keys prefixed "reward_model/". Returns {kind, rows, train_rows, steps, train_loss,
     final_metrics, eval_rows, eval_labelled_steps, eval_good_step_fraction, eval_step_accuracy_before,
-    eval_step_accuracy, eval_pairs, eval_pairwise_accuracy_before, eval_pairwise_accuracy}; the eval
+    eval_step_accuracy, eval_pairs, eval_pairwise_accuracy_before, eval_pairwise_accuracy, device,
+    precision (, gpu)}; the eval
     entries are None without held-out stepwise rows (the pairwise ones always: a PRM has no pairs).
     """
     import datasets
     import torch
     from transformers import AutoTokenizer, TrainingArguments
 
-    from stages.dpo import cpu_training_args, metrics_callback, quiet_trainer, read_rows
+    from stages.dpo import metrics_callback, quiet_trainer, read_rows, training_args
 
+    devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     train_path = preferences_dir / f"{cfg.split}.parquet"
     if not train_path.exists():
@@ -720,7 +734,7 @@ def run_prm(
         eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_process_reward_model(model_dir, tokenizer, cfg.seed)
+    model = load_process_reward_model(model_dir, tokenizer, cfg.seed, devices)
     for module in model.modules():  # TRL PRMConfig disable_dropout=True (the head's dropout is 0.1)
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -743,7 +757,8 @@ def run_prm(
         model = get_peft_model(model, peft_config)
 
     logged: list[dict] = []
-    args = {k: v for k, v in cpu_training_args(cfg, work_dir or out_dir / "_trainer", "reward_model").items() if k != "max_length"}
+    args = {k: v for k, v in training_args(cfg, work_dir or out_dir / "_trainer", "reward_model", devices).items()
+            if k != "max_length"}
     trainer = quiet_trainer(_step_trainer_class()(
         model=model, args=TrainingArguments(**args, remove_unused_columns=False),
         train_dataset=datasets.Dataset.from_list(features),
@@ -780,4 +795,5 @@ def run_prm(
         "eval_pairs": 0,
         "eval_pairwise_accuracy_before": None,
         "eval_pairwise_accuracy": None,
+        **devices_module.describe(devices),
     }

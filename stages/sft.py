@@ -2,7 +2,9 @@
 
 Loss on completion tokens only (TRL's default for prompt-completion data). Rows without a prompt (raw
 documents, transform.type: text) train as language modelling on the whole text (TRL's "text" rows). Full
-fine-tuning of the small base model; the result is the policy GRPO starts from.
+fine-tuning of the small base model; the result is the policy GRPO starts from. Device and precision:
+`devices` (stages/devices.py): fp32 weights and optimizer state, forward under the Trainer's bf16/fp16
+autocast where the precision asks for it; the saved model is fp32.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages import checkpoints
+from stages import devices as devices_module
+from stages.devices import DeviceConfig
 from stages.distributed import per_device
 
 
@@ -48,6 +52,7 @@ def run(
     on_metrics: Callable[[dict, int], None] | None = None,
     work_dir: Path | None = None,
     group=None,
+    devices: DeviceConfig | None = None,
 ) -> dict:
     """Fine-tune the model in model_dir on the split's prompt/completion pairs; save to out_dir.
 
@@ -57,7 +62,10 @@ def run(
     `group` (stages.distributed.Group, on ranks launched by stages.distributed.launch): HF Trainer runs
     DDP over the already-initialized process group; each rank takes micro_batch_size / world_size rows
     per micro-batch, so the global batch, the data order and (TRL averages tokens across devices) the
-    loss are one process's. Rank 0 alone writes out_dir."""
+    loss are one process's. Rank 0 alone writes out_dir.
+
+    `devices` (stages/devices.py; None: DeviceConfig(), auto): where the model trains and in which precision;
+    the summary names the resolved device and precision."""
     import datasets
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -79,8 +87,9 @@ def run(
              for r in rows])
     world_size = group.world_size if group is not None else 1
     per_device_batch_size = per_device(cfg.micro_batch_size, world_size, "sft.micro_batch_size")
+    devices = devices or DeviceConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = devices_module.load_trainable(AutoModelForCausalLM, model_dir, devices)
     prepared = checkpoints.load_prepared(work_dir)  # this key's tokenized rows, saved by an earlier start
 
     class ReportMetrics(TrainerCallback):
@@ -101,12 +110,10 @@ def run(
         **checkpoints.training_args(cfg.save_steps),
         report_to=[],
         seed=cfg.seed,
-        use_cpu=True,
-        # TRL's SFTConfig defaults to bf16 autocast. On a CPU without AVX512-BF16/AMX that is emulated
-        # (measured: ~25x slower per step) and its rounding differs between CPU models, so the warm start
-        # was a different policy on another machine. float32 is the same everywhere.
-        bf16=False,
-        fp16=False,
+        # use_cpu, bf16/fp16 autocast, gradient checkpointing: the devices policy, never TRL's defaults (its
+        # SFTConfig defaults to bf16, which a CPU without AVX512-BF16/AMX emulates ~25x slower, with rounding
+        # that differs between CPU models: hence fp32 stays the CPU default in devices.precision).
+        **devices_module.trainer_arguments(devices),
         dataloader_num_workers=0,
         disable_tqdm=False,
         dataset_kwargs={"skip_prepare_dataset": True} if prepared is not None else None,
@@ -128,4 +135,5 @@ def run(
 
         shutil.rmtree(args.output_dir, ignore_errors=True)
     return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows),
-            "resumed_from_step": resumed_from, "reused_tokenized_dataset": prepared is not None}
+            "resumed_from_step": resumed_from, "reused_tokenized_dataset": prepared is not None,
+            **devices_module.describe(devices)}

@@ -9,6 +9,7 @@ from peft import PeftModel
 
 from stages import dpo
 from stages.preferences import write_split
+from stages.devices import DeviceConfig
 from conftest import tiny_preference_model
 
 FAST = dict(micro_batch_size=8, logging_steps=1, lora_r=8, lora_alpha=16)
@@ -36,13 +37,13 @@ def test_trl_config_carries_options(tmp_path, rl, trainer_name, expected):
         kto_undesirable_weight=0.7, learning_rate=2e-4, max_steps=7, micro_batch_size=3,
         gradient_accumulation_steps=2, max_length=99, seed=5)
     trainer_class, config_class = dpo.trl_classes(rl)
-    args = dpo.build_trl_config(cfg, tmp_path)
+    args = dpo.build_trl_config(cfg, tmp_path, devices=DeviceConfig(device="cpu"))
     assert trainer_class.__name__ == trainer_name and type(args) is config_class
     for key, value in expected.items():
         assert getattr(args, key) == value, key
     assert (args.learning_rate, args.max_steps, args.per_device_train_batch_size, args.gradient_accumulation_steps,
             args.max_length, args.seed) == (2e-4, 7, 3, 2, 99, 5)
-    assert not args.bf16 and not args.fp16 and not args.gradient_checkpointing and args.use_cpu
+    assert not args.bf16 and not args.fp16 and not args.gradient_checkpointing and args.use_cpu  # fp32 on CPU
 
 
 def test_config_rejects_unknown_names():

@@ -11,6 +11,7 @@ import torch
 from stages import reward_model as rm
 from stages.dpo import read_rows
 from stages.preferences import write_split
+from stages.devices import DeviceConfig
 from conftest import tiny_preference_model
 
 FAST = dict(micro_batch_size=8, logging_steps=1, learning_rate=1e-3, lora_r=8, lora_alpha=16)
@@ -39,10 +40,10 @@ def test_config_and_trl_options(tmp_path):
         rm.RewardModelConfig(beta=0.1)  # extra="forbid"
     cfg = rm.RewardModelConfig(learning_rate=2e-4, max_steps=7, micro_batch_size=3, gradient_accumulation_steps=2,
                                max_length=99, seed=5)
-    args = rm.build_trl_config(cfg, tmp_path)
+    args = rm.build_trl_config(cfg, tmp_path, devices=DeviceConfig(device="cpu"))
     assert (args.learning_rate, args.max_steps, args.per_device_train_batch_size, args.gradient_accumulation_steps,
             args.max_length, args.seed) == (2e-4, 7, 3, 2, 99, 5)
-    assert not args.bf16 and not args.fp16 and not args.gradient_checkpointing and args.use_cpu
+    assert not args.bf16 and not args.fp16 and not args.gradient_checkpointing and args.use_cpu  # fp32 on CPU
     assert rm.lora_config(cfg) is None
     lora = rm.lora_config(rm.RewardModelConfig(adapter="lora"))
     assert "score" in lora.modules_to_save and lora.task_type == "SEQ_CLS"

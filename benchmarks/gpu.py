@@ -1,0 +1,899 @@
+"""The GPU benchmark (issue 26): optimize throughput and MFU, generation tokens/s, a GRPO round against TRL.
+
+  PYTHONPATH=. python benchmarks/gpu.py --out gpu.json [--device auto|cpu|cuda] [--precision bf16]
+                                        [--model PATH] [--skip-trl] [--skip-vllm] [--tiny] [--budget-s 420]
+
+Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
+pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
+stdout as it runs; the results go to --out as JSON, rewritten after every section (a run cut short keeps
+what it measured), and a short table is printed at the end. `--tiny`: a very small Qwen2 and a few rows,
+for the CPU test (tests/test_gpu.py); its numbers mean nothing.
+
+The model: a random-init Qwen2 with Qwen2.5-0.5B's dimensions (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936, tied embeddings, max_position_embeddings 4096; 494M parameters), saved in
+fp32 with a byte-level BPE tokenizer trained here (stages.base_model.train_tokenizer; a few hundred tokens:
+the model's vocabulary stays 151936, ids past the tokenizer's decode to nothing). `--model PATH`: a
+transformers folder or a .gguf (dequantized once by stages.base_model) instead. The SmolLM2 GGUF of
+configs/smollm2.yaml (artifacts/models/*.gguf) is not on a bare GPU machine: where it is, the JSON names it
+and says to pass it with --model.
+
+Sections, in this order (each is timed and guarded: an error or running past --budget-s is recorded, and
+the next section runs):
+1. environment: GPU name and memory, torch / CUDA / transformers / peft / trl / accelerate versions.
+2. peak: a bf16 matmul of 8192^3 (3 warm-ups, 10 timed, synchronized): TFLOP/s, the MFU denominator.
+3. optimize (`stages.grpo.run`, devices=DeviceConfig(device, precision)) on synthetic scored rows (64
+   prompts x 8 generations, prompts of 128 random token ids, completions of 384, nonzero advantages, one
+   optimizer step of micro-batches of 16), full fine-tuning (adapter none, beta 0, loss dapo) and LoRA
+   (r 16, all linear layers). A small warm-up round runs first; the timed round's window runs from its
+   first training forward to the end of its optimizer step (synchronized), i.e. forward + backward + clip +
+   AdamW step, leaving out model loading and saving (the round's whole wall time is reported beside it).
+   - tokens_per_s = (prompt + completion tokens of every row) / window.
+   - mfu = 6 * N * tokens / window / peak: N all parameters (the tied embedding counted once, as the
+     lm_head), tokens as above, peak measured in section 2. Attention's own FLOPs (QK^T, AV) are left out,
+     as in the usual 6ND count. This is the formula of the issue; it counts the work as a plain forward
+     over every row would. The stage does less: rows of a group share one prompt pass
+     (grpo.shared_prompt_pass) and logits are computed only where completion tokens are predicted.
+   - mfu_computed = (sum over forward calls of k * (N_body * body_tokens + N_head * logit_positions))
+     / window / peak, counted from the tensors the stage actually ran: k = 6 for a forward with gradients
+     (full fine-tuning), 4 for LoRA (the frozen weights get no weight gradient; the adapter is ignored), 2
+     for a no-grad pass; N_body = non-embedding parameters, N_head = the lm_head's. This is the hardware's
+     useful work; attention left out here too.
+   - peak GPU memory: torch.cuda.max_memory_allocated over the timed round (and max_memory_reserved).
+4. generation: the transformers engine (stages.engines.hf.TransformersEngine(batch_size, devices)) on 64
+   distinct prompts of ~128 tokens x 256 new tokens at temperature 1 (a random model never stops early): one
+   engine call (policy load included, as a round pays it) and `generate` on an already loaded policy;
+   generated tokens / s. vLLM (stages.engines.vllm_local, bf16) is measured only on CUDA and where `vllm`
+   is installed; otherwise recorded as not measured, with why.
+5. vs_trl: one GRPO round against TRL's GRPOTrainer on the same work: the same model folder and prompts (32
+   prompts x 8 generations, ~128-token prompts, exactly 128 new tokens -- a random model does not emit EOS --
+   temperature 1), the same reward (share of even token ids among the completion's: a function of the ids
+   both sides see, with spread inside every group so no row is skipped for a zero advantage), LoRA r 16 on
+   all linear layers, loss dapo, beta 0, micro-batch 16 x 16 accumulation = one optimizer step, AdamW, the
+   same DeviceConfig (TRL: devices.trainer_arguments, i.e. bf16 autocast on fp32 weights). TRL generates
+   with transformers (use_vllm=False: no vLLM on the benchmark machine; the issue's target compares against
+   TRL's vLLM colocate mode, which this does not measure). posttrain: TransformersEngine (policy loaded in
+   bf16, LoRA merged; rollout batch 128) + scoring in plain Python (group-normalized advantages, as TRL's
+   scale_rewards=group) written as scored Parquet + grpo.run (loads the policy, trains, saves the adapter
+   and optimizer state). TRL: the second optimizer step of trainer.train() with max_steps=2 (the first is the
+   warm-up), timed from on_step_begin to on_step_end (generation, reward, forward/backward, AdamW step; its
+   model stays in memory between steps, posttrain reloads from disk each round, as the pipeline does).
+   posttrain also runs a warm-up round first, on the other 32 prompts, as TRL's first step does.
+   ratio = posttrain round seconds / TRL step seconds (below 1: posttrain faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import inspect
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+QWEN25_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 4096}
+
+SIZES = {
+    "full": {
+        "model": QWEN25_05B, "tokenizer_vocab": 4096, "matmul_n": 8192,
+        # optimize
+        "opt_prompts": 64, "opt_generations": 8, "opt_prompt_tokens": 128, "opt_completion_tokens": 384,
+        "micro_batch": 16, "warmup_prompts": 2,
+        # generation
+        "gen_prompts": 64, "gen_prompt_tokens": 128, "gen_new_tokens": 256,
+        # vs TRL
+        "trl_prompts": 32, "trl_generations": 8, "trl_prompt_tokens": 128, "trl_new_tokens": 128,
+        "trl_micro_batch": 16, "rollout_batch": 128,
+    },
+    "tiny": {
+        "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1,
+                  "intermediate_size": 128, "vocab_size": None, "max_position_embeddings": 256},
+        "tokenizer_vocab": 300, "matmul_n": 256,
+        "opt_prompts": 4, "opt_generations": 4, "opt_prompt_tokens": 16, "opt_completion_tokens": 24,
+        "micro_batch": 8, "warmup_prompts": 2,
+        "gen_prompts": 8, "gen_prompt_tokens": 16, "gen_new_tokens": 16,
+        "trl_prompts": 4, "trl_generations": 4, "trl_prompt_tokens": 16, "trl_new_tokens": 16,
+        "trl_micro_batch": 8, "rollout_batch": 16,
+    },
+}
+
+STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:6.1f} s] {message}", flush=True)
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def reset_peak(on_cuda: bool) -> None:
+    import torch
+
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(on_cuda: bool) -> dict:
+    import torch
+
+    if not on_cuda:
+        return {"peak_gpu_mem_gib": None}
+    return {"peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+
+
+def takes_devices(fn) -> bool:
+    """Whether a stage function (or class) takes the `devices` keyword yet."""
+    return "devices" in inspect.signature(fn).parameters
+
+
+def with_devices(fn, *args, devices, on_cuda: bool, **kwargs):
+    """fn(*args, devices=devices, **kwargs); where fn does not take `devices` yet, fn(*args, **kwargs) on CPU
+    (its default), and on CUDA an error (the stage would run on the CPU: not the number this measures)."""
+    if takes_devices(fn):
+        return fn(*args, devices=devices, **kwargs)
+    if on_cuda:
+        raise RuntimeError(f"{fn.__module__}.{fn.__qualname__} does not take devices= yet: it would run on the CPU")
+    return fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def tokenizer_corpus(n: int = 3000) -> list[str]:
+    """Chat-formatted text of digits and words, so the template's markers get merged like real data."""
+    rng = random.Random(0)
+    words = ("the answer is which largest number of say repeat these digits list sum first last and then "
+             "please think step by step about because therefore result value").split()
+    texts = []
+    for i in range(n):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+        texts.append(f"<|im_start|>user\n{question} {rng.randint(0, 10**6)}<|im_end|>\n"
+                     f"<|im_start|>assistant\n{answer} {i * 7}<|im_end|>")
+    return texts
+
+
+def build_model(folder: Path, sizes: dict, device) -> None:
+    """A random-init Qwen2 of `sizes["model"]` (vocab_size None: the tokenizer's) in fp32, with a tokenizer
+    trained here, saved to `folder`. Initialized on `device` (fast on a GPU), saved from there."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from stages.base_model import train_tokenizer
+
+    tokenizer = train_tokenizer(tokenizer_corpus(), sizes["tokenizer_vocab"])
+    dims = dict(sizes["model"])
+    dims["vocab_size"] = max(dims["vocab_size"] or 0, len(tokenizer))
+    config = Qwen2Config(**dims, tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.float()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    free_memory()
+
+
+def model_folder(args, sizes: dict, work: Path, device) -> tuple[Path, str]:
+    """(the model folder every section uses, where it came from)."""
+    if args.model is None:
+        folder = work / "model"
+        build_model(folder, sizes, device)
+        return folder, "random-init Qwen2 built here" + (" (tiny)" if args.tiny else " (Qwen2.5-0.5B dimensions)")
+    path = Path(args.model)
+    if path.suffix == ".gguf":
+        from stages import base_model
+
+        folder = work / "model"
+        base_model.run(base_model.BaseModelConfig(path=str(path.resolve())), [], folder)
+        return folder, f"{path} (GGUF, dequantized to fp32)"
+    return path, str(path)
+
+
+def parameter_counts(folder: Path) -> dict:
+    """N (all parameters, a tied embedding once), N_head (the lm_head's), N_body (those of the transformer
+    blocks and norms: what every token runs through)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    body = total - embedding - (0 if tied else head)
+    return {"n_params": total, "n_head": head, "n_body": body, "tied_embeddings": tied,
+            "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers}
+
+
+def digit_prompts(tokenizer, count: int, target_tokens: int, seed: int) -> list[list[dict]]:
+    """`count` distinct chat prompts of about `target_tokens` tokens after the chat template: a short
+    instruction and random digits (each digit is one token of this tokenizer)."""
+    rng = random.Random(seed)
+
+    def length(content: str) -> int:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return len(ids)
+
+    head = "digits "
+    digits = max(1, target_tokens - length(head))
+    digits = max(1, digits + target_tokens - length(head + "7" * digits))  # how the head joins the digits
+    return [[{"role": "user", "content": head + "".join(rng.choice("0123456789") for _ in range(digits))}]
+            for _ in range(count)]
+
+
+# ---------------------------------------------------------------- 1-2: environment, peak
+
+
+def environment(devices) -> dict:
+    import torch
+
+    from stages import devices as placement
+
+    def version(name: str):
+        try:
+            return __import__(name).__version__
+        except Exception:  # noqa: BLE001  (not installed, or broken: either way, say so)
+            return "not installed"
+
+    target = placement.device(devices)
+    out = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+           **{name: version(name) for name in ("transformers", "peft", "trl", "accelerate", "datasets")},
+           "vllm": "installed" if importlib.util.find_spec("vllm") else "not installed",
+           "flash_attn": "installed" if importlib.util.find_spec("flash_attn") else "not installed",
+           **placement.describe(devices)}
+    if target.type == "cuda":
+        props = torch.cuda.get_device_properties(target)
+        out.update(gpu_memory_gib=round(props.total_memory / 2**30, 1), gpu_capability=f"{props.major}.{props.minor}",
+                   gpu_count=torch.cuda.device_count())
+    return out
+
+
+def matmul_peak(device, n: int, warmups: int = 3, repeats: int = 10) -> dict:
+    """TFLOP/s of an n x n x n bf16 matmul on `device` (2 n^3 FLOPs each)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(warmups):
+        a @ b
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    seconds = (time.perf_counter() - started) / repeats
+    del a, b
+    free_memory()
+    return {"n": n, "dtype": "bfloat16", "warmups": warmups, "repeats": repeats, "seconds_each": seconds,
+            "tflops": round(2 * n**3 / seconds / 1e12, 2)}
+
+
+# ---------------------------------------------------------------- 3: optimize
+
+
+def synthetic_scored(path: Path, prompts: int, generations: int, prompt_tokens: int, completion_tokens: int,
+                     token_limit: int, model_vocab: int, seed: int = 0, round_index: int = 0) -> list[dict]:
+    """Write a scored Parquet (stages.schemas.SCORED) of `prompts` x `generations` rows: random token ids in
+    [3, token_limit) (past the special tokens), every completion `completion_tokens` long (finish "length"),
+    sampling log-probs of a uniform policy, nonzero advantages of both signs in every group, sampled by the
+    transformers engine from the round's starting policy (so the stage may reuse them as pi_old)."""
+    import pyarrow as pa
+
+    from stages.schemas import SCORED, write_table
+
+    rng = random.Random(seed)
+    uniform = -math.log(model_vocab)
+    rows = []
+    for p in range(prompts):
+        prompt_ids = [rng.randrange(3, token_limit) for _ in range(prompt_tokens)]
+        for g in range(generations):
+            advantage = (1.0 if g % 2 == 0 else -1.0) * (0.5 + g / generations)
+            rows.append({
+                "rollout_id": f"r{round_index}-p{p}-g{g}", "prompt_id": f"p{p}", "group_index": g,
+                "prompt": [{"role": "user", "content": f"synthetic prompt {p}"}], "completion": "",
+                "prompt_token_ids": prompt_ids,
+                "completion_token_ids": [rng.randrange(3, token_limit) for _ in range(completion_tokens)],
+                "sampling_logprobs": [uniform] * completion_tokens,
+                "round_index": round_index, "policy_version": round_index, "engine": "transformers",
+                "finish_reason": "length", "rerolled": False,
+                "rewards": [("synthetic", advantage)], "reward": advantage, "advantage": advantage, "errors": []})
+    write_table(pa.Table.from_pylist(rows, schema=SCORED), path, SCORED)
+    return rows
+
+
+class ForwardMeter:
+    """Counts what stages.grpo runs through the model during one grpo.run, and times its training window.
+
+    Wraps grpo.batch_logps and grpo.completion_logps (looked up at call time by the stage): the first call
+    (synchronized) starts the window; `on_step` (called by the stage after each optimizer step,
+    synchronized) ends it. Each call adds its body tokens (positions through the transformer blocks: a
+    shared prompt pass counts each distinct prompt once) and logit positions (where the lm_head runs), with
+    or without gradients. The first call also records where the trained model's weights are and in which
+    dtype, and whether autocast is on."""
+
+    def __init__(self):
+        self.first = self.last = None
+        self.calls = []  # (grad enabled, body tokens, logit positions)
+        self.placement = None
+        self._inner = 0
+
+    def _start(self, model) -> None:
+        import torch
+
+        if self.first is None:
+            sync()
+            self.first = time.perf_counter()
+            params = list(model.parameters())
+            device_type = params[0].device.type
+            self.placement = {
+                "devices": sorted({str(p.device) for p in params}),
+                "trainable_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
+                "frozen_dtypes": sorted({str(p.dtype) for p in params if not p.requires_grad}),
+                "autocast": torch.is_autocast_enabled(device_type),
+                "autocast_dtype": str(torch.get_autocast_dtype(device_type)),
+            }
+
+    def on_step(self, done: int, total: int) -> None:
+        sync()
+        self.last = time.perf_counter()
+
+    def __enter__(self):
+        import torch
+
+        from stages import grpo
+        from stages.engines.hf import repeats
+
+        self._saved = (grpo.batch_logps, grpo.completion_logps)
+        original_batch, original_plain = self._saved
+
+        def batch_logps(model, batch, temperature):
+            self._start(model)
+            prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+            rows, prompt_length, completion_length = prompt_ids.size(0), prompt_ids.size(1), completion_ids.size(1)
+            distinct, _ = repeats([(tuple(i), tuple(m)) for i, m in zip(prompt_ids.tolist(),
+                                                                         batch["prompt_mask"].tolist())])
+            shared = len(distinct) < rows and prompt_length >= 2
+            if shared:  # as grpo.batch_logps: each distinct prompt less its last token once, then every row
+                self.calls.append((torch.is_grad_enabled(), len(distinct) * (prompt_length - 1)
+                                   + rows * (completion_length + 1), len(distinct) + rows * (completion_length + 1)))
+            self._inner += shared
+            try:
+                return original_batch(model, batch, temperature)
+            finally:
+                self._inner -= shared
+
+        def completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature):
+            self._start(model)
+            if not self._inner:
+                rows, length = input_ids.shape
+                self.calls.append((torch.is_grad_enabled(), rows * length, rows * (logits_to_keep + 1)))
+            return original_plain(model, input_ids, attention_mask, logits_to_keep, temperature)
+
+        grpo.batch_logps, grpo.completion_logps = batch_logps, completion_logps
+        return self
+
+    def __exit__(self, *exc):
+        from stages import grpo
+
+        grpo.batch_logps, grpo.completion_logps = self._saved
+
+    def flops(self, counts: dict, trained_multiplier: int) -> float:
+        return sum((trained_multiplier if grad else 2) * (counts["n_body"] * body + counts["n_head"] * logits)
+                   for grad, body, logits in self.calls)
+
+
+def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes: dict, completion_tokens: int,
+                   rows: int, devices, on_cuda: bool) -> tuple[dict, ForwardMeter, float]:
+    from stages import grpo
+
+    micro = min(sizes["micro_batch"], rows)
+    cfg = grpo.GRPOConfig(adapter=adapter, beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
+                          gradient_accumulation_steps=max(1, rows // micro),
+                          learning_rate=1e-6 if adapter == "none" else 2e-4)
+    out.mkdir(parents=True)
+    with ForwardMeter() as meter:
+        started = time.perf_counter()
+        metrics = with_devices(grpo.run, cfg, model_dir, None, scored, 0, 1.0, completion_tokens, out,
+                               on_step=meter.on_step, devices=devices, on_cuda=on_cuda)
+        sync()
+        wall = time.perf_counter() - started
+    return metrics, meter, wall
+
+
+def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dict, peak: dict | None, devices,
+             on_cuda: bool) -> dict:
+    """One warm-up round (a few prompts) and one timed round of grpo.run; see the module docstring."""
+    from transformers import AutoTokenizer
+
+    token_limit = len(AutoTokenizer.from_pretrained(model_dir))
+    P, G = sizes["opt_prompts"], sizes["opt_generations"]
+    Lp, Lc = sizes["opt_prompt_tokens"], sizes["opt_completion_tokens"]
+    folder = work / f"optimize-{adapter}"
+    folder.mkdir()
+    warm_rows = min(P, sizes["warmup_prompts"]) * G
+    synthetic_scored(folder / "warmup.parquet", warm_rows // G, G, Lp, Lc, token_limit, counts["vocab_size"], seed=1)
+    synthetic_scored(folder / "scored.parquet", P, G, Lp, Lc, token_limit, counts["vocab_size"], seed=2)
+    say(f"optimize {adapter}: warm-up round ({warm_rows} rows)")
+    optimize_round(adapter, model_dir, folder / "warmup.parquet", folder / "warmup", sizes, Lc, warm_rows, devices,
+                   on_cuda)
+    shutil.rmtree(folder / "warmup", ignore_errors=True)
+    free_memory()
+    reset_peak(on_cuda)
+    say(f"optimize {adapter}: timed round ({P * G} rows of {Lp}+{Lc} tokens)")
+    metrics, meter, wall = optimize_round(adapter, model_dir, folder / "scored.parquet", folder / "timed", sizes, Lc,
+                                          P * G, devices, on_cuda)
+    memory = peak_memory(on_cuda)
+    saved = saved_dtypes(folder / "timed")
+    shutil.rmtree(folder, ignore_errors=True)
+    free_memory()
+    if meter.first is None or meter.last is None:
+        raise RuntimeError("the timed round ran no training forward or took no optimizer step: nothing to time")
+    window = meter.last - meter.first
+    tokens = P * G * (Lp + Lc)
+    trained_multiplier = 6 if adapter == "none" else 4
+    computed = meter.flops(counts, trained_multiplier)
+    out = {"adapter": adapter, "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
+           "micro_batch_size": min(sizes["micro_batch"], P * G), "optimizer_steps": metrics.get("optimizer_steps"),
+           "trained_rows": metrics.get("trained_rows"), "pi_old_from_step": metrics.get("pi_old_from_step"),
+           "tokens": tokens, "window_s": round(window, 3), "round_wall_s": round(wall, 2),
+           "tokens_per_s": round(tokens / window, 1),
+           "forward_calls": len(meter.calls),
+           "body_tokens_computed": sum(c[1] for c in meter.calls),
+           "logit_positions_computed": sum(c[2] for c in meter.calls),
+           "model_tflops_6nt": round(6 * counts["n_params"] * tokens / window / 1e12, 2),
+           "model_tflops_computed": round(computed / window / 1e12, 2),
+           "placement": meter.placement, "saved_dtypes": saved, **memory,
+           "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")}
+    if peak:
+        out["mfu"] = round(6 * counts["n_params"] * tokens / window / (peak["tflops"] * 1e12), 4)
+        out["mfu_computed"] = round(computed / window / (peak["tflops"] * 1e12), 4)
+    return out
+
+
+def saved_dtypes(folder: Path) -> dict:
+    """dtypes of the tensors in each safetensors file of a saved round, and of its AdamW moments."""
+    import torch
+    from safetensors import safe_open
+
+    names = {"F32": "torch.float32", "BF16": "torch.bfloat16", "F16": "torch.float16", "F64": "torch.float64"}
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):  # from the headers: no tensor is read
+        with safe_open(str(path), framework="pt") as f:
+            out[path.name] = sorted({names.get(d, d) for d in (f.get_slice(name).get_dtype() for name in f.keys())})
+    optimizer = folder / "optimizer.pt"
+    if optimizer.exists():  # mmap: a full fine-tuning's 4 GB of AdamW moments are not read, only their dtypes
+        state = torch.load(optimizer, map_location="cpu", weights_only=True, mmap=True)["state_dict"]["state"]
+        out["optimizer.pt"] = sorted({str(t.dtype) for s in state.values() for t in s.values()
+                                      if torch.is_tensor(t) and t.dim() > 0})
+    return out
+
+
+# ---------------------------------------------------------------- 4: generation
+
+
+def transformers_engine(batch_size: int, devices, on_cuda: bool):
+    from stages.engines.hf import TransformersEngine
+
+    return with_devices(TransformersEngine, batch_size=batch_size, devices=devices, on_cuda=on_cuda)
+
+
+def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    from stages.engines import Policy, Sampling
+    from stages.engines.hf import generate
+    from stages.policy import load_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = digit_prompts(tokenizer, sizes["gen_prompts"], sizes["gen_prompt_tokens"], seed=3)
+    sampling = Sampling(max_new_tokens=sizes["gen_new_tokens"], temperature=1.0, seed=0)
+    batch = len(prompts)
+    out = {"prompts": len(prompts), "max_new_tokens": sampling.max_new_tokens, "batch_size": batch}
+    engine = transformers_engine(batch, devices, on_cuda)
+    say("generation: transformers engine warm-up")
+    engine.generate(Policy(model_dir), prompts, Sampling(max_new_tokens=8, seed=1))
+    free_memory()
+    reset_peak(on_cuda)
+    say(f"generation: transformers engine, {len(prompts)} prompts x {sampling.max_new_tokens} new tokens")
+    started = time.perf_counter()
+    rows = engine.generate(Policy(model_dir), prompts, sampling)
+    sync()
+    call_s = time.perf_counter() - started
+    generated = sum(len(r["completion_token_ids"]) for r in rows)
+    prompt_tokens = [len(r["prompt_token_ids"]) for r in rows]
+    out["transformers"] = {"engine_call_s": round(call_s, 2), "generated_tokens": generated,
+                           "engine_call_tokens_per_s": round(generated / call_s, 1),
+                           "prompt_tokens_mean": round(statistics.mean(prompt_tokens), 1), **peak_memory(on_cuda)}
+    engine.close()
+    del rows
+    free_memory()
+    model, tokenizer = with_devices(load_policy, model_dir, devices=devices, on_cuda=on_cuda)
+    params = list(model.parameters())
+    say("generation: generate() on the loaded policy")
+    sync()
+    started = time.perf_counter()
+    rows = generate(model, tokenizer, prompts, sampling, batch)
+    sync()
+    generate_s = time.perf_counter() - started
+    generated = sum(len(r["completion_token_ids"]) for r in rows)
+    out["transformers"].update(generate_s=round(generate_s, 2), generate_tokens_per_s=round(generated / generate_s, 1),
+                               policy_devices=sorted({str(p.device) for p in params}),
+                               policy_dtypes=sorted({str(p.dtype) for p in params}))
+    del model, params, rows
+    free_memory()
+    out["vllm"] = vllm_generation(model_dir, prompts, sampling, on_cuda, skip_vllm)
+    return out
+
+
+def vllm_generation(model_dir: Path, prompts: list, sampling, on_cuda: bool, skip_vllm: bool) -> dict:
+    """The in-process vLLM engine in bf16 on the same prompts, where it can run; else why not."""
+    if skip_vllm:
+        return {"measured": False, "why": "--skip-vllm"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"measured": False, "why": "vllm not installed"}
+    if not on_cuda:
+        return {"measured": False, "why": "not on a CUDA device (vLLM on CPU: benchmarks/rollout_engines.py)"}
+    from stages.engines import Policy, Sampling
+    from stages.engines.vllm_local import VLLMEngine
+
+    say("generation: vLLM engine (bf16)")
+    max_len = max(len(p[0]["content"]) for p in prompts) + sampling.max_new_tokens + 64
+    engine = VLLMEngine(model_dir, gpu_memory_utilization=0.4, dtype="bfloat16", enforce_eager=False,
+                        max_model_len=max_len)
+    try:
+        started = time.perf_counter()
+        engine.start()
+        engine.generate(Policy(model_dir), prompts[:4], Sampling(max_new_tokens=8, seed=1))
+        start_s = time.perf_counter() - started
+        started = time.perf_counter()
+        rows = engine.generate(Policy(model_dir), prompts, sampling)
+        call_s = time.perf_counter() - started
+    finally:
+        engine.close()
+        free_memory()
+    generated = sum(len(r["completion_token_ids"]) for r in rows)
+    return {"measured": True, "start_s": round(start_s, 1), "engine_call_s": round(call_s, 2),
+            "generated_tokens": generated, "engine_call_tokens_per_s": round(generated / call_s, 1)}
+
+
+# ---------------------------------------------------------------- 5: a GRPO round against TRL
+
+
+def even_token_share(completion_ids: list[int]) -> float:
+    """The reward both sides use: the share of even token ids in a completion."""
+    return sum(1 for t in completion_ids if t % 2 == 0) / max(len(completion_ids), 1)
+
+
+def group_advantages(rewards: list[float], generations: int) -> list[float]:
+    """(r - group mean) / (group std + 1e-4), unbiased std: TRL's scale_rewards="group"."""
+    out = []
+    for start in range(0, len(rewards), generations):
+        group = rewards[start : start + generations]
+        mean = statistics.mean(group)
+        std = statistics.stdev(group) if len(group) > 1 else 0.0
+        out += [(r - mean) / (std + 1e-4) for r in group]
+    return out
+
+
+def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, seed: int, devices,
+                    on_cuda: bool) -> dict:
+    """Rollout (transformers engine) + score (plain Python, written as scored Parquet) + grpo.run (LoRA)."""
+    import pyarrow as pa
+
+    from stages import grpo
+    from stages.engines import Policy, Sampling
+    from stages.schemas import SCORED, write_table
+
+    G, L = sizes["trl_generations"], sizes["trl_new_tokens"]
+    folder.mkdir(parents=True)
+    expanded = [p for p in prompts for _ in range(G)]  # a group's rows side by side, as stages.rollout does
+    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    sync()
+    started = time.perf_counter()
+    outputs = engine.generate(Policy(model_dir), expanded, Sampling(max_new_tokens=L, temperature=1.0, seed=seed))
+    sync()
+    rollout_s = time.perf_counter() - started
+    free_memory()
+    started = time.perf_counter()
+    rewards = [even_token_share(o["completion_token_ids"]) for o in outputs]
+    advantages = group_advantages(rewards, G)
+    rows = [{"rollout_id": f"s{seed}-{i}", "prompt_id": f"s{seed}-p{i // G}", "group_index": i % G,
+             "prompt": expanded[i], "round_index": 0, "policy_version": 0, "engine": "transformers", "rerolled": False,
+             **o, "rewards": [("even_token_share", r)], "reward": r, "advantage": a, "errors": []}
+            for i, (o, r, a) in enumerate(zip(outputs, rewards, advantages))]
+    write_table(pa.Table.from_pylist([{k: row[k] for k in SCORED.names} for row in rows], schema=SCORED),
+                folder / "scored.parquet", SCORED)
+    score_s = time.perf_counter() - started
+    micro = sizes["trl_micro_batch"]
+    cfg = grpo.GRPOConfig(adapter="lora", beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
+                          gradient_accumulation_steps=len(rows) // micro, learning_rate=2e-4, optim="adamw")
+    started = time.perf_counter()
+    metrics = with_devices(grpo.run, cfg, model_dir, None, folder / "scored.parquet", 0, 1.0, L, folder / "optimize",
+                           devices=devices, on_cuda=on_cuda)
+    sync()
+    optimize_s = time.perf_counter() - started
+    lengths = [len(o["completion_token_ids"]) for o in outputs]
+    shutil.rmtree(folder, ignore_errors=True)
+    free_memory()
+    return {"rollout_s": round(rollout_s, 2), "score_s": round(score_s, 3), "optimize_s": round(optimize_s, 2),
+            "round_s": round(rollout_s + score_s + optimize_s, 2), "sequences": len(rows),
+            "completion_tokens_mean": round(statistics.mean(lengths), 1), "trained_rows": metrics.get("trained_rows"),
+            "optimizer_steps": metrics.get("optimizer_steps"), "reward_mean": round(statistics.mean(rewards), 4)}
+
+
+def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path, devices) -> dict:
+    """TRL's GRPOTrainer, two optimizer steps (one generation batch each: the first warms up), timed per step."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from stages import devices as placement
+    from stages.grpo import GRPOConfig as PosttrainGRPO
+
+    G, L, micro = sizes["trl_generations"], sizes["trl_new_tokens"], sizes["trl_micro_batch"]
+    P = len(prompt_sets[0])
+    ours = PosttrainGRPO()  # the LoRA shape posttrain's side trains
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.seconds = None, []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            self.seconds.append(time.perf_counter() - self.begin)
+
+    def reward(completions, completion_ids=None, **kwargs):
+        return [even_token_share(ids) for ids in completion_ids]
+
+    args = GRPOConfig(
+        output_dir=str(work / "trl"), **placement.trainer_arguments(devices), seed=0, data_seed=0,
+        shuffle_dataset=False, remove_unused_columns=False, dataloader_num_workers=0,
+        num_generations=G, generation_batch_size=P * G, max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=P * G // micro, max_steps=2, num_iterations=1,
+        learning_rate=2e-4, lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.0,
+        loss_type="dapo", beta=0.0, epsilon=0.2, scale_rewards="group", use_vllm=False,
+        save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True, log_completions=False,
+    )
+    set_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=ours.lora_r, lora_alpha=ours.lora_alpha, lora_dropout=ours.lora_dropout,
+                      target_modules=ours.lora_target_modules, task_type="CAUSAL_LM")
+    timer = StepTimer()
+    dataset = Dataset.from_list([{"prompt": p} for prompts in prompt_sets for p in prompts])
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=lora, callbacks=[timer])
+    sync()
+    started = time.perf_counter()
+    trainer.train()
+    sync()
+    train_s = time.perf_counter() - started
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    params = list(trainer.model.parameters())
+    out = {"train_s": round(train_s, 2), "step_s": [round(s, 2) for s in timer.seconds],
+           "optimizer_steps": trainer.state.global_step, "sequences_per_step": P * G,
+           "completion_tokens_mean": [h.get("completions/mean_length") for h in logs],
+           "reward_mean": [h.get("reward") for h in logs],
+           "generation": "transformers (use_vllm=False" + ("" if importlib.util.find_spec("vllm")
+                                                             else "; vllm is not installed here") + ")",
+           "devices": sorted({str(p.device) for p in params}),
+           "trainable_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
+           "frozen_dtypes": sorted({str(p.dtype) for p in params if not p.requires_grad}),
+           "bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing}
+    del trainer, model, params
+    free_memory()
+    return out
+
+
+def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    P = sizes["trl_prompts"]
+    both = digit_prompts(tokenizer, 2 * P, sizes["trl_prompt_tokens"], seed=4)
+    prompt_sets = [both[:P], both[P:]]  # warm-up, timed: the same on both sides
+    say(f"vs TRL: posttrain warm-up round ({P} prompts x {sizes['trl_generations']})")
+    posttrain_round(model_dir, prompt_sets[0], sizes, work / "posttrain-warmup", 10, devices, on_cuda)
+    reset_peak(on_cuda)
+    say("vs TRL: posttrain timed round")
+    ours = posttrain_round(model_dir, prompt_sets[1], sizes, work / "posttrain-timed", 11, devices, on_cuda)
+    ours.update(peak_memory(on_cuda))
+    say("vs TRL: TRL GRPOTrainer, 2 steps (the first warms up)")
+    reset_peak(on_cuda)
+    theirs = trl_round(model_dir, prompt_sets, sizes, work, devices)
+    theirs.update(peak_memory(on_cuda))
+    out = {"prompts": P, "generations": sizes["trl_generations"], "max_new_tokens": sizes["trl_new_tokens"],
+           "micro_batch_size": sizes["trl_micro_batch"], "rollout_batch": sizes["rollout_batch"],
+           "reward": "even_token_share", "adapter": "lora", "posttrain": ours, "trl": theirs}
+    if len(theirs["step_s"]) >= 2:
+        out["ratio"] = round(ours["round_s"] / theirs["step_s"][-1], 3)
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def smollm2_note(args) -> dict:
+    found = sorted((ROOT / "artifacts" / "models").glob("*.gguf"))
+    if args.model is not None:
+        return {"present": bool(found), "note": f"--model {args.model} measured instead of the random Qwen2"}
+    if not found:
+        return {"present": False, "note": "artifacts/models/*.gguf not on this machine: SmolLM2 not measured"}
+    return {"present": True, "path": str(found[0]),
+            "note": f"not measured in this run; pass --model {found[0]} to measure it instead of the random Qwen2"}
+
+
+def table(results: dict) -> str:
+    lines = []
+    env = results.get("environment", {})
+    lines.append(f"device: {env.get('gpu') or env.get('device')}  torch {env.get('torch')} (CUDA {env.get('cuda')})  "
+                 f"transformers {env.get('transformers')}  peft {env.get('peft')}  trl {env.get('trl')}")
+    model = results.get("model", {})
+    if "n_params" in model:
+        lines.append(f"model: {model['source']}, {model['n_params'] / 1e6:.1f}M parameters, precision "
+                     f"{results.get('precision')}")
+    peak = results.get("peak")
+    if isinstance(peak, dict) and "tflops" in peak:
+        lines.append(f"bf16 matmul peak ({peak['n']}^3): {peak['tflops']:.1f} TFLOP/s")
+    for key in ("optimize_full", "optimize_lora"):
+        r = results.get(key, {})
+        if "tokens_per_s" in r:
+            mfu = (f"MFU {100 * r['mfu']:.1f}% (computed {100 * r['mfu_computed']:.1f}%)" if "mfu" in r else "")
+            memory = f"peak {r['peak_gpu_mem_gib']} GiB" if r.get("peak_gpu_mem_gib") is not None else ""
+            lines.append(f"optimize {r['adapter']:>4}: {r['tokens_per_s']:>10.0f} tok/s  {mfu}  {memory}  "
+                         f"(step {r['window_s']:.2f} s, round {r['round_wall_s']:.1f} s, {r['rows']} rows)")
+        elif r:
+            lines.append(f"{key}: {r.get('error') or r.get('skipped')}")
+    gen = results.get("generation", {})
+    if "transformers" in gen:
+        t = gen["transformers"]
+        lines.append(f"generation transformers: {t['generate_tokens_per_s']:.0f} tok/s generate, "
+                     f"{t['engine_call_tokens_per_s']:.0f} tok/s per engine call ({gen['prompts']} x "
+                     f"{gen['max_new_tokens']})")
+        v = gen.get("vllm", {})
+        lines.append("generation vLLM: " + (f"{v['engine_call_tokens_per_s']:.0f} tok/s" if v.get("measured")
+                                            else f"not measured ({v.get('why') or v.get('error')})"))
+    elif gen:
+        lines.append(f"generation: {gen.get('error') or gen.get('skipped')}")
+    trl = results.get("vs_trl", {})
+    if "posttrain" in trl:
+        ours, theirs = trl["posttrain"], trl["trl"]
+        lines.append(f"GRPO round ({trl['prompts']} x {trl['generations']}, {trl['max_new_tokens']} new tokens): "
+                     f"posttrain {ours['round_s']:.1f} s (rollout {ours['rollout_s']:.1f}, optimize "
+                     f"{ours['optimize_s']:.1f}), TRL step {theirs['step_s'][-1]:.1f} s, "
+                     f"ratio {trl.get('ratio')}")
+    elif trl:
+        lines.append(f"vs TRL: {trl.get('error') or trl.get('skipped')}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON results go")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--model", default=None, help="a transformers folder or .gguf instead of the random Qwen2")
+    parser.add_argument("--tiny", action="store_true", help="a very small model and few rows (the CPU test)")
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="optimize sections (default 16)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="sections not started by then are skipped (recorded as such)")
+    args = parser.parse_args()
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from stages import devices as placement
+    from stages.devices import DeviceConfig
+
+    hf_logging.disable_progress_bar()  # transformers' per-load bars: the progress lines here are enough
+    sizes = dict(SIZES["tiny" if args.tiny else "full"])
+    if args.micro_batch_size:
+        sizes["micro_batch"] = args.micro_batch_size
+    devices = DeviceConfig(device=args.device, precision=args.precision)
+    placement.check_machine(devices)
+    target = placement.device(devices)
+    on_cuda = target.type == "cuda"
+    results = {"command": " ".join(sys.argv), "tiny": args.tiny, "precision": placement.precision(devices),
+               "sizes": sizes, "smollm2": smollm2_note(args)}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        results["elapsed_s"] = round(time.perf_counter() - STARTED, 1)
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+
+    def section(name: str, fn, *a):
+        if time.perf_counter() - STARTED > args.budget_s:
+            results[name] = {"skipped": f"past --budget-s {args.budget_s:.0f} s"}
+            say(f"{name}: skipped (past the budget)")
+        else:
+            started = time.perf_counter()
+            try:
+                results[name] = fn(*a)
+            except Exception as e:  # noqa: BLE001  (recorded; the other sections still run)
+                traceback.print_exc()
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                free_memory()
+            if isinstance(results[name], dict):
+                results[name]["section_s"] = round(time.perf_counter() - started, 1)
+            say(f"{name}: done in {time.perf_counter() - started:.1f} s")
+        save()
+        return results[name]
+
+    say(f"device {target}, precision {results['precision']}, torch {torch.__version__}")
+    section("environment", environment, devices)
+    peak = section("peak", matmul_peak, target, sizes["matmul_n"])
+    peak = peak if isinstance(peak, dict) and "tflops" in peak else None
+    work = Path(tempfile.mkdtemp(prefix="posttrain-gpu-"))
+    try:
+        say("building the model")
+        folder, source = model_folder(args, sizes, work, target)
+        results["model"] = {"source": source, "folder": str(folder), **parameter_counts(folder)}
+        say(f"model: {results['model']['n_params'] / 1e6:.1f}M parameters")
+        save()
+        counts = results["model"]
+        section("optimize_full", optimize, "none", folder, work, sizes, counts, peak, devices, on_cuda)
+        section("optimize_lora", optimize, "lora", folder, work, sizes, counts, peak, devices, on_cuda)
+        section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)
+        if args.skip_trl:
+            results["vs_trl"] = {"skipped": "--skip-trl"}
+        else:
+            section("vs_trl", vs_trl, folder, sizes, work, devices, on_cuda)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        save()
+    print(table(results), flush=True)
+    say(f"results in {args.out}")
+
+
+if __name__ == "__main__":  # vLLM may spawn worker processes that re-import this module
+    main()
