@@ -392,8 +392,10 @@ class ForwardMeter:
             self._start(model)
             prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
             rows, prompt_length, completion_length = prompt_ids.size(0), prompt_ids.size(1), completion_ids.size(1)
-            distinct, _ = repeats([(tuple(i), tuple(m)) for i, m in zip(prompt_ids.tolist(),
-                                                                         batch["prompt_mask"].tolist())])
+            if "prompt_distinct" in batch:  # collate's, no read back from the GPU inside the timed window
+                distinct = batch["prompt_distinct"]
+            else:
+                distinct, _ = repeats([tuple(i) for i in prompt_ids.tolist()])
             shared = len(distinct) < rows and prompt_length >= 2
             if shared:  # as grpo.batch_logps: each distinct prompt less its last token once, then every row
                 self.calls.append((torch.is_grad_enabled(), len(distinct) * (prompt_length - 1)
@@ -490,6 +492,37 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
         out["mfu"] = round(6 * counts["n_params"] * tokens / window / (peak["tflops"] * 1e12), 4)
         out["mfu_computed"] = round(computed / window / (peak["tflops"] * 1e12), 4)
     return out
+
+
+def profile_optimize(model_dir: Path, work: Path, sizes: dict, counts: dict, devices, on_cuda: bool) -> dict:
+    """One full-fine-tuning round of 4 micro-batches under torch.profiler: the ops that take the GPU's time
+    (self CUDA time), the host's, and how busy the GPU was (kernel time / the round's window). Where the
+    optimize stage's time goes, for the next change; the profiler's overhead makes its times a little long."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoTokenizer
+
+    token_limit = len(AutoTokenizer.from_pretrained(model_dir))
+    G, Lp, Lc = sizes["opt_generations"], sizes["opt_prompt_tokens"], sizes["opt_completion_tokens"]
+    rows = min(4 * sizes["micro_batch"], sizes["opt_prompts"] * G)
+    folder = work / "profile"
+    folder.mkdir()
+    synthetic_scored(folder / "scored.parquet", max(1, rows // G), G, Lp, Lc, token_limit, counts["vocab_size"], seed=3)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        metrics, meter, wall = optimize_round("none", model_dir, folder / "scored.parquet", folder / "out", sizes, Lc,
+                                              rows, devices, on_cuda)
+    shutil.rmtree(folder, ignore_errors=True)
+    averages = prof.key_averages()
+    key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    top = sorted(averages, key=lambda e: getattr(e, key, 0.0), reverse=True)[:20]
+    window = (meter.last - meter.first) if meter.first and meter.last else wall
+    kernel_s = sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e6 if on_cuda else None
+    return {"rows": rows, "window_s": round(window, 3), "round_wall_s": round(wall, 2),
+            "gpu_kernel_s": round(kernel_s, 3) if kernel_s is not None else None,
+            "gpu_busy_in_round": round(kernel_s / wall, 3) if kernel_s is not None else None,
+            "top_ops": [{"name": e.key[:80], "self_s": round(getattr(e, key, 0.0) / 1e6, 4), "calls": e.count,
+                         "cpu_total_s": round(e.cpu_time_total / 1e6, 4)} for e in top]}
 
 
 def saved_dtypes(folder: Path) -> dict:
@@ -783,12 +816,13 @@ def table(results: dict) -> str:
     peak = results.get("peak")
     if isinstance(peak, dict) and "tflops" in peak:
         lines.append(f"bf16 matmul peak ({peak['n']}^3): {peak['tflops']:.1f} TFLOP/s")
-    for key in ("optimize_full", "optimize_lora"):
+    for key in [k for k in results if k.startswith("optimize_")]:
         r = results.get(key, {})
         if "tokens_per_s" in r:
             mfu = (f"MFU {100 * r['mfu']:.1f}% (computed {100 * r['mfu_computed']:.1f}%)" if "mfu" in r else "")
             memory = f"peak {r['peak_gpu_mem_gib']} GiB" if r.get("peak_gpu_mem_gib") is not None else ""
-            lines.append(f"optimize {r['adapter']:>4}: {r['tokens_per_s']:>10.0f} tok/s  {mfu}  {memory}  "
+            lines.append(f"optimize {r['adapter']:>4} mb{r['micro_batch_size']:<3}: {r['tokens_per_s']:>10.0f} tok/s  {mfu}  "
+                         f"{memory}  "
                          f"(step {r['window_s']:.2f} s, round {r['round_wall_s']:.1f} s, {r['rows']} rows)")
         elif r:
             lines.append(f"{key}: {r.get('error') or r.get('skipped')}")
@@ -825,6 +859,10 @@ def main() -> None:
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="optimize sections (default 16)")
+    parser.add_argument("--also-micro-batch", type=int, default=None,
+                        help="also time full fine-tuning with this micro-batch size")
+    parser.add_argument("--profile", action="store_true",
+                        help="a short full-fine-tuning round under torch.profiler: where the time goes")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="sections not started by then are skipped (recorded as such)")
     args = parser.parse_args()
@@ -882,7 +920,13 @@ def main() -> None:
         save()
         counts = results["model"]
         section("optimize_full", optimize, "none", folder, work, sizes, counts, peak, devices, on_cuda)
+        if args.also_micro_batch:  # the same round with larger micro-batches (fewer, bigger kernels)
+            wider = {**sizes, "micro_batch": args.also_micro_batch}
+            section(f"optimize_full_mb{args.also_micro_batch}", optimize, "none", folder, work, wider, counts, peak,
+                    devices, on_cuda)
         section("optimize_lora", optimize, "lora", folder, work, sizes, counts, peak, devices, on_cuda)
+        if args.profile:
+            section("profile", profile_optimize, folder, work, sizes, counts, devices, on_cuda)
         section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)
         if args.skip_trl:
             results["vs_trl"] = {"skipped": "--skip-trl"}

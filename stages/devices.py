@@ -118,8 +118,11 @@ def _load(auto_class, path: Path | str, devices: DeviceConfig | None, dtype, **k
     devices = devices or DeviceConfig()
     if devices.attn_implementation is not None:
         kwargs["attn_implementation"] = devices.attn_implementation
+    target = device(devices)
+    if target.type == "cuda":  # straight onto the GPU, in its dtype (no full copy in CPU memory first)
+        kwargs.setdefault("device_map", {"": target.index or 0})
     model = auto_class.from_pretrained(path, dtype=dtype, **kwargs)
-    return model.to(device(devices))
+    return model.to(target)
 
 
 def load_trainable(auto_class, path: Path | str, devices: DeviceConfig | None = None, **kwargs):
@@ -171,9 +174,14 @@ def trainer_arguments(devices: DeviceConfig | None = None) -> dict:
 
 
 def to_device(batch: dict, devices: DeviceConfig | None = None) -> dict:
-    """The batch's tensors moved to the models' device (other values as they are)."""
+    """The batch's tensors moved to the models' device (other values as they are). To a GPU through pinned
+    memory without waiting (`non_blocking`): the host queues the copy behind the running kernels and goes on,
+    instead of waiting for the GPU to drain, as a copy from pageable memory does."""
     target = device(devices)
-    return {k: v.to(target) if hasattr(v, "to") else v for k, v in batch.items()}
+    if target.type == "cpu":
+        return dict(batch)
+    return {k: v.pin_memory().to(target, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
 
 
 def describe(devices: DeviceConfig | None = None) -> dict:

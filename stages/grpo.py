@@ -253,6 +253,7 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     is_weights: torch.Tensor | None = None,
     off_policy_keep: torch.Tensor | None = None,
+    stats_as_tensors: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one micro-batch, scaled for accumulation exactly as TRL scales it.
 
@@ -306,11 +307,13 @@ def grpo_loss(
         clipped = ((coef_1 < 1 - epsilon) & (advantages < 0)) | ((coef_1 > 1 + epsilon_high) & (advantages > 0))
         clipped = clipped.expand_as(mask)
         stats = {
-            "clip_ratio": float((clipped.to(mask.dtype) * mask).sum() / tokens),
-            "kl": float((per_token_kl * mask).sum() / tokens) if per_token_kl is not None else 0.0,
-            "tokens": float(mask.sum()),
+            "clip_ratio": (clipped.to(mask.dtype) * mask).sum() / tokens,
+            "kl": (per_token_kl * mask).sum() / tokens if per_token_kl is not None else torch.zeros((), device=mask.device),
+            "tokens": mask.sum(),
         }
-    return loss, stats
+    if stats_as_tensors:  # 0-dim tensors on the loss's device: read them once per step (one host sync)
+        return loss, stats
+    return loss, {k: float(v) for k, v in stats.items()}
 
 
 def sampling_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -385,10 +388,17 @@ def pad(rows: list[list], value, side: str, dtype) -> torch.Tensor:
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict:
-    """TRL's layout: prompts left-padded, completions right-padded, masks alongside."""
+    """TRL's layout: prompts left-padded, completions right-padded, masks alongside; `prompt_distinct` /
+    `prompt_index` (which rows share a prompt, for `batch_logps`) are worked out here, on the host, so that a
+    batch on a GPU needs no read back."""
+    from stages.engines.hf import repeats
+
     prompts = [r["prompt_token_ids"] for r in rows]
     completions = [r["completion_token_ids"] for r in rows]
+    distinct, index = repeats([tuple(p) for p in prompts])  # left-padded alike: same ids, same mask
     return {
+        "prompt_distinct": torch.tensor(distinct, dtype=torch.long),
+        "prompt_index": torch.tensor(index, dtype=torch.long),
         "prompt_ids": pad(prompts, pad_token_id, "left", torch.long),
         "prompt_mask": pad([[1] * len(p) for p in prompts], 0, "left", torch.long),
         "completion_ids": pad(completions, pad_token_id, "right", torch.long),
@@ -443,13 +453,17 @@ def batch_logps(model, batch: dict, temperature: float):
 
     prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-    distinct, index = repeats([(tuple(i), tuple(m)) for i, m in zip(prompt_ids.tolist(), prompt_mask.tolist())])
+    if "prompt_index" in batch:  # collate's, worked out on the host
+        distinct, index = batch["prompt_distinct"], batch["prompt_index"]
+    else:
+        found = repeats([tuple(i) for i in prompt_ids.tolist()])
+        distinct, index = (torch.tensor(v, device=prompt_ids.device) for v in found)
     if len(distinct) == len(index) or prompt_ids.size(1) < 2:
         return completion_logps(model, *_inputs(batch), temperature)
     cache = DynamicCache(config=model.config)
     model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
           use_cache=True, logits_to_keep=1)
-    _copy_rows(cache, torch.tensor(index, device=prompt_ids.device))
+    _copy_rows(cache, index)
     prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
     tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
     positions = torch.arange(prompt_length - 1, prompt_length + keep, device=prompt_ids.device).expand(len(index), -1)
@@ -604,8 +618,14 @@ def run(
                 return completion_logps(module, *_inputs(batch), temperature)
             return batch_logps(module, batch, temperature)
 
-    def collated(micro_batch: list[dict]) -> dict:
-        return placement.to_device(collate(micro_batch, tokenizer.pad_token_id), devices)
+    def collated(micro_batch: list[dict], old: dict | None = None) -> dict:
+        """The micro-batch's tensors on the models' device, with its loss mask's per-row `keep` and, given
+        `old` (rollout id -> log-probs), pi_old's log-probs `old_logps`: built on the host, copied once."""
+        batch = collate(micro_batch, tokenizer.pad_token_id)
+        batch["keep"] = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
+        if old is not None:
+            batch["old_logps"] = pad([old[r["rollout_id"]] for r in micro_batch], 0.0, "right", torch.float32)
+        return placement.to_device(batch, devices)
 
     def rank_share(micro_batches: list[list[dict]]) -> tuple[list[list[dict]], int]:
         """(this rank's micro-batches of a step, how many passes it runs): with fsdp every rank runs as many
@@ -645,10 +665,6 @@ def run(
 
     runs = [step_runs(micro_batches) for micro_batches in steps]  # runs[s]: what step s computes
 
-    def loss_mask(micro_batch: list[dict], completion_mask: torch.Tensor) -> torch.Tensor:
-        keep = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32,
-                            device=completion_mask.device)
-        return completion_mask.float() * keep.unsqueeze(1)
 
     def sampled_by_round_start(row: dict) -> bool:
         """The row's sampling log-probs are pi_old's own (grpo.reuse_sampling_logps)."""
@@ -679,7 +695,7 @@ def run(
                         forward_logps(model, collated(run[0][:1]))
                     continue
                 logps, _ = forward_logps(model, collated(chunk))
-                for row, lp in zip(chunk, logps):
+                for row, lp in zip(chunk, logps.cpu()):  # one read back per pass
                     old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
     if group is not None:
         reused = int(group.all_reduce([reused])[0])
@@ -711,12 +727,17 @@ def run(
                 continue
             num_items = dapo_normalizer(steps, step_index, masked_out)
             step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
+            stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
+
+            def add(key: str, value: torch.Tensor) -> None:
+                stats_sum[key] = stats_sum[key] + value.double() if key in stats_sum else value.double()
+
             mine, passes = rank_share(live)
             for slot in range(passes):
                 filler = slot >= len(mine)
                 rows_mb = live[0][:1] if filler else mine[slot]
-                batch = collated(rows_mb)
-                mask = loss_mask(rows_mb, batch["completion_mask"])
+                batch = collated(rows_mb, None if pi_old_is_step or filler else old_logps)
+                mask = batch["completion_mask"].float() * batch["keep"].unsqueeze(1)
                 sampling_logps = batch["old_per_token_logps"]
                 logps, entropy = forward_logps(model, batch)
                 with torch.no_grad():
@@ -732,15 +753,12 @@ def run(
                 if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
                     (logps.sum() * 0.0).backward()
                     continue
-                if pi_old_is_step:
-                    old = logps.detach()
-                else:
-                    old = pad([old_logps[r["rollout_id"]] for r in rows_mb], 0.0, "right", torch.float32).to(logps.device)
+                old = logps.detach() if pi_old_is_step else batch["old_logps"]
                 is_weights = keep_mask = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
                                                      cfg.vllm_importance_sampling_cap)
-                    _track_is(step_stats, is_weights, mask)
+                    _track_is(stats_sum, is_weights, mask)
                 if cfg.off_policy_mask_threshold is not None:
                     keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
                                                 cfg.off_policy_mask_threshold)
@@ -749,27 +767,28 @@ def run(
                     dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
                 if keep_mask is not None:
                     dropped |= keep_mask.squeeze(-1) == 0
-                step_stats["dropped"] = step_stats.get("dropped", 0.0) + float(dropped.sum())
+                add("dropped", dropped.sum())
                 loss, stats = grpo_loss(
                     logps, old, ref_logps, batch["advantages"], mask,
                     loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
                     max_completion_length=max_completion_length, num_items_in_batch=num_items,
                     gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
                     importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
-                    off_policy_keep=keep_mask,
+                    off_policy_keep=keep_mask, stats_as_tensors=True,
                 )
                 if ce_coef:
                     with placement.autocast(devices):
                         ce = reference_cross_entropy(model, rows_mb, tokenizer.pad_token_id)
-                    step_stats["ce_loss"] = step_stats.get("ce_loss", 0.0) + float(ce.detach()) / len(micro_batches)
+                    add("ce_loss", ce.detach() / len(micro_batches))
                     loss = loss + ce_coef * ce / len(micro_batches)
                 (scaler.scale(loss) if scaler else loss).backward()
-                step_stats["loss"] += float(loss.detach())
+                add("loss", loss.detach())
                 for key in ("kl", "clip_ratio"):
-                    step_stats[key] += stats[key] * stats["tokens"]
-                step_stats["entropy"] += float((entropy * mask).sum())
-                step_stats["tokens"] += stats["tokens"]
+                    add(key, stats[key].double() * stats["tokens"].double())
+                add("entropy", (entropy * mask).sum())
+                add("tokens", stats["tokens"])
                 step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
+            step_stats.update(read_back(stats_sum))  # the step's one read back from the device
             if group is not None:
                 if not sharded:  # FSDP summed them in each backward (reduce-scatter)
                     group.sum_gradients(params)
@@ -859,11 +878,20 @@ def reference_cross_entropy(model, rows: list[dict], pad_token_id: int) -> torch
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _track_is(step_stats: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
-    """Accumulate the correction ratio's sum over tokens and its max."""
+def _track_is(stats_sum: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
+    """Accumulate the correction ratio's sum over tokens and its max (float64 tensors on the device)."""
     per_token = weights.expand_as(mask)
-    step_stats["is_sum"] = step_stats.get("is_sum", 0.0) + float((per_token * mask).sum())
-    step_stats["is_max"] = max(step_stats.get("is_max", 0.0), float((per_token * mask).max()))
+    total, top = (per_token * mask).sum().double(), (per_token * mask).max().double()
+    stats_sum["is_sum"] = stats_sum["is_sum"] + total if "is_sum" in stats_sum else total
+    stats_sum["is_max"] = torch.maximum(stats_sum["is_max"], top) if "is_max" in stats_sum else top.clamp(min=0.0)
+
+
+def read_back(stats_sum: dict) -> dict[str, float]:
+    """A step's device-side sums as Python floats, in one transfer (one host sync per step, not per pass)."""
+    if not stats_sum:
+        return {}
+    values = torch.stack(list(stats_sum.values())).tolist()
+    return dict(zip(stats_sum, values))
 
 
 _SUMMED_STATS = ("loss", "kl", "clip_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")
