@@ -476,7 +476,7 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
     tokens = P * G * (Lp + Lc)
     trained_multiplier = 6 if adapter == "none" else 4
     computed = meter.flops(counts, trained_multiplier)
-    out = {"adapter": adapter, "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
+    out = {"adapter": adapter, "compile": devices.compile, "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
            "micro_batch_size": min(sizes["micro_batch"], P * G), "optimizer_steps": metrics.get("optimizer_steps"),
            "trained_rows": metrics.get("trained_rows"), "pi_old_from_step": metrics.get("pi_old_from_step"),
            "tokens": tokens, "window_s": round(window, 3), "round_wall_s": round(wall, 2),
@@ -821,7 +821,9 @@ def table(results: dict) -> str:
         if "tokens_per_s" in r:
             mfu = (f"MFU {100 * r['mfu']:.1f}% (computed {100 * r['mfu_computed']:.1f}%)" if "mfu" in r else "")
             memory = f"peak {r['peak_gpu_mem_gib']} GiB" if r.get("peak_gpu_mem_gib") is not None else ""
-            lines.append(f"optimize {r['adapter']:>4} mb{r['micro_batch_size']:<3}: {r['tokens_per_s']:>10.0f} tok/s  {mfu}  "
+            fused = " compiled" if r.get("compile") else ""
+            lines.append(f"optimize {r['adapter']:>4} mb{r['micro_batch_size']:<3}{fused}: {r['tokens_per_s']:>10.0f} "
+                         f"tok/s  {mfu}  "
                          f"{memory}  "
                          f"(step {r['window_s']:.2f} s, round {r['round_wall_s']:.1f} s, {r['rows']} rows)")
         elif r:
@@ -861,6 +863,10 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="optimize sections (default 16)")
     parser.add_argument("--also-micro-batch", type=int, default=None,
                         help="also time full fine-tuning with this micro-batch size")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the optimize rounds with train.compile (each block torch.compiled)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated section name prefixes to run (e.g. optimize_compiled,peak)")
     parser.add_argument("--profile", action="store_true",
                         help="a short full-fine-tuning round under torch.profiler: where the time goes")
     parser.add_argument("--budget-s", type=float, default=420.0,
@@ -890,6 +896,8 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2, default=str))
 
     def section(name: str, fn, *a):
+        if args.only and not any(name.startswith(prefix) for prefix in args.only.split(",")):
+            return None
         if time.perf_counter() - STARTED > args.budget_s:
             results[name] = {"skipped": f"past --budget-s {args.budget_s:.0f} s"}
             say(f"{name}: skipped (past the budget)")
@@ -925,6 +933,10 @@ def main() -> None:
             section(f"optimize_full_mb{args.also_micro_batch}", optimize, "none", folder, work, wider, counts, peak,
                     devices, on_cuda)
         section("optimize_lora", optimize, "lora", folder, work, sizes, counts, peak, devices, on_cuda)
+        if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles)
+            fused = devices.model_copy(update={"compile": True})
+            section("optimize_compiled_full", optimize, "none", folder, work, sizes, counts, peak, fused, on_cuda)
+            section("optimize_compiled_lora", optimize, "lora", folder, work, sizes, counts, peak, fused, on_cuda)
         if args.profile:
             section("profile", profile_optimize, folder, work, sizes, counts, devices, on_cuda)
         section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)

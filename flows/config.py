@@ -42,7 +42,7 @@ AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transf
                 "revision_of_model": ("model", "revision")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
 AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
-                       "gradient_checkpointing", "flash_attention": "attn_implementation",
+                       "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
 """axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`axolotl_devices`)."""
 PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
@@ -357,7 +357,8 @@ def axolotl_devices(keys: dict) -> dict[str, tuple]:
     """{train field: (value, the axolotl key that set it)} for axolotl's precision and kernel keys.
     bf16: true | auto (auto: bf16 where the GPU has it -- posttrain's precision auto), fp16: true; both false:
     fp32. flash_attention / sdp_attention / eager_attention: true picks that kernel. tf32 (matmul mode on
-    Ampere+) is accepted only as false or auto, which posttrain does (PyTorch's default)."""
+    Ampere+) is accepted only as false or auto, which posttrain does (PyTorch's default). gradient_checkpointing
+    and torch_compile: train.gradient_checkpointing and train.compile."""
     out: dict[str, tuple] = {}
     bf16, fp16 = keys.get("bf16"), keys.get("fp16")
     if bf16 not in (None, True, False, "auto") or fp16 not in (None, True, False):
@@ -374,11 +375,11 @@ def axolotl_devices(keys: dict) -> dict[str, tuple]:
     if keys.get("tf32") not in (None, False, "auto"):
         raise ValueError(f"tf32: {keys['tf32']!r} is not built: posttrain leaves PyTorch's matmul precision at its "
                          "default (full fp32 for fp32 matmuls); remove tf32 or set it to false")
-    if "gradient_checkpointing" in keys:
-        value = keys["gradient_checkpointing"]
-        if not isinstance(value, bool):
-            raise ValueError(f"gradient_checkpointing: {value!r}; use true or false")
-        out["gradient_checkpointing"] = (value, "gradient_checkpointing")
+    for key, field in (("gradient_checkpointing", "gradient_checkpointing"), ("torch_compile", "compile")):
+        if key in keys:
+            if not isinstance(keys[key], bool):
+                raise ValueError(f"{key}: {keys[key]!r}; use true or false")
+            out[field] = (keys[key], key)
     kernels = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
     chosen = [k for k in kernels if keys.get(k) is True]
     if len(chosen) > 1:

@@ -56,6 +56,12 @@ class DeviceConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them: less memory, ~30% more compute
     (axolotl's `gradient_checkpointing`). Same gradients, so in no key."""
+    compile: bool = False
+    """torch.compile each transformer block of the models being trained (optimize, sft, the dpo family, reward
+    models), as torchtune does: elementwise ops fused into fewer kernels, so a GPU waits less on the host's
+    kernel launches (BENCHMARKS.md, issue 26). The first step of a process compiles (tens of seconds);
+    later rounds in the same process reuse it. Same math up to rounding, so in no key (axolotl's
+    `torch_compile`)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
     """transformers' attention kernel for every model loaded; unset: transformers' default (sdpa where the
     architecture has it). flash_attention_2 needs the flash-attn package and a CUDA GPU (axolotl's
@@ -128,7 +134,24 @@ def _load(auto_class, path: Path | str, devices: DeviceConfig | None, dtype, **k
 def load_trainable(auto_class, path: Path | str, devices: DeviceConfig | None = None, **kwargs):
     """`auto_class.from_pretrained(path)` in float32 on the device, gradient checkpointing on if asked.
     `auto_class`: AutoModelForCausalLM, AutoModelForSequenceClassification, ..."""
-    return checkpointed(_load(auto_class, path, devices, torch.float32, **kwargs), devices)
+    return compiled(checkpointed(_load(auto_class, path, devices, torch.float32, **kwargs), devices), devices)
+
+
+def compiled(model, devices: DeviceConfig | None = None):
+    """`model` with each transformer block compiled (`torch.compile`, per block) when `devices.compile` asks
+    for it; the whole model where no list of blocks is found. The blocks are found by name (`layers`, `h`,
+    `blocks` under the decoder), so a PEFT adapter added later is compiled with its block."""
+    if devices is None or not devices.compile:
+        return model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    blocks = next((getattr(decoder, name) for name in ("layers", "h", "blocks")
+                   if decoder is not None and isinstance(getattr(decoder, name, None), torch.nn.ModuleList)), None)
+    if blocks is None:
+        model.compile()
+    else:
+        for block in blocks:
+            block.compile()
+    return model
 
 
 def checkpointed(model, devices: DeviceConfig | None = None):

@@ -425,7 +425,8 @@ def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None, devi
         return model, ref
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base = placement.checkpointed(placement.load_frozen(AutoModelForCausalLM, base_dir, devices), devices)
+    base = placement.load_frozen(AutoModelForCausalLM, base_dir, devices)
+    base = placement.compiled(placement.checkpointed(base, devices), devices)
     if prev_dir is not None:
         return PeftModel.from_pretrained(base, prev_dir, is_trainable=True), None
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,

@@ -106,10 +106,11 @@ def test_config_asking_for_a_gpu_fails_at_load(tiny_config, override, message):
 
 def test_axolotl_precision_keys_set_train(tmp_path, tiny_config_text):
     path = tmp_path / "axolotl.yaml"
-    path.write_text(tiny_config_text + "bf16: true\ngradient_checkpointing: true\nsdp_attention: true\n")
+    path.write_text(tiny_config_text + "bf16: true\ngradient_checkpointing: true\nsdp_attention: true\n"
+                    "torch_compile: true\n")
     cfg = load_config(path)
-    assert (cfg.train.precision, cfg.train.gradient_checkpointing, cfg.train.attn_implementation) == \
-        ("bf16", True, "sdpa")
+    assert (cfg.train.precision, cfg.train.gradient_checkpointing, cfg.train.attn_implementation,
+            cfg.train.compile) == ("bf16", True, "sdpa", True)
     path.write_text(tiny_config_text + "bf16: false\nfp16: false\n")
     assert load_config(path).train.precision == "fp32"
     path.write_text(tiny_config_text + "bf16: true\ntrain:\n  precision: fp32\n")
@@ -234,3 +235,15 @@ def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
 def test_vllm_sleep_mode_without_a_gpu_is_refused(tiny_config):
     with pytest.raises(ConfigError, match="rollout.vllm.sleep_mode .*CUDA only"):
         load_config(tiny_config, ["rollout.engine=vllm", "rollout.vllm.sleep_mode=true"])
+
+
+def test_compiled_blocks_train_the_same_round(tiny):
+    root, scored = tiny
+    plain, _ = _optimize(root, scored, "not_compiled", FP32, adapter="none")
+    fast, _ = _optimize(root, scored, "compiled", DeviceConfig(device="cpu", compile=True), adapter="none")
+    assert fast["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    assert fast["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    model, _ = grpo._load_trainable(grpo.GRPOConfig(adapter="lora"), root / "model", None,
+                                    DeviceConfig(device="cpu", compile=True))
+    blocks = model.get_decoder().layers
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
