@@ -148,9 +148,14 @@ def compiled(model, devices: DeviceConfig | None = None):
                    if decoder is not None and isinstance(getattr(decoder, name, None), torch.nn.ModuleList)), None)
     if blocks is None:
         model.compile()
-    else:
-        for block in blocks:
-            block.compile()
+        return model
+    # Each block is specialized on its own layer index (its KV-cache slot), so dynamo compiles once per block
+    # (twice with the shared prompt pass's cache); its default limit of 8 would leave the other blocks eager.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 4 * len(blocks)))
+    for block in blocks:
+        block.compile()
     return model
 
 
