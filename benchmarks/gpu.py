@@ -498,7 +498,6 @@ def profile_optimize(model_dir: Path, work: Path, sizes: dict, counts: dict, dev
     """One full-fine-tuning round of 4 micro-batches under torch.profiler: the ops that take the GPU's time
     (self CUDA time), the host's, and how busy the GPU was (kernel time / the round's window). Where the
     optimize stage's time goes, for the next change; the profiler's overhead makes its times a little long."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
 

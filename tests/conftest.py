@@ -96,6 +96,35 @@ def tiny_say_policy(root, num_prompts: int):
     return root
 
 
+def tiny_round(root, num_prompts: int, prompts_per_round: int) -> list[dict]:
+    """tiny_say_policy under root and one round of its rollouts (4 generations of 6 tokens per prompt) in
+    root/rollouts/rollouts.parquet; returns the rows."""
+    import pyarrow.parquet as pq
+
+    from stages import rollout
+    from stages.engines import Policy
+
+    tiny_say_policy(root, num_prompts)
+    (root / "rollouts").mkdir()
+    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=prompts_per_round, max_completion_length=6),
+                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
+    return pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
+
+
+def write_scored(path, rows: list[dict], advantages: list[float]) -> None:
+    """Rollout rows written as a scored parquet whose reward and advantage are `advantages` (one toy reward)."""
+    import pyarrow as pa
+
+    from stages.schemas import ROLLOUTS, SCORED, write_table
+
+    table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
+             .append_column("rewards", pa.array([[("toy", a)] for a in advantages], type=SCORED.field("rewards").type))
+             .append_column("reward", pa.array(advantages, type=pa.float64()))
+             .append_column("advantage", pa.array(advantages, type=pa.float64()))
+             .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
+    write_table(table, path, SCORED)
+
+
 def tiny_preference_model(root, num_train: int, num_eval: int):
     """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
     under root/prefs (shared by the DPO and reward-model tests)."""

@@ -12,20 +12,18 @@ import ast
 import json
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import tiny_say_policy
+from conftest import tiny_round, write_scored
 from safetensors import safe_open
 
 from flows.config import ConfigError, load_config
-from stages import devices, ebft, evaluate, export, grpo, rollout
+from stages import devices, ebft, evaluate, export, grpo
 from stages.devices import DeviceConfig
 from stages.engines import Policy, Sampling
 from stages.engines.hf import TransformersEngine
 from stages.policy import load_policy
-from stages.schemas import ROLLOUTS, SCORED, write_table
 
 BF16 = DeviceConfig(device="cpu", precision="bf16")
 FP32 = DeviceConfig(device="cpu", precision="fp32")
@@ -37,18 +35,9 @@ LOADS_WITHOUT_PLACING = {"model_source.py": "dequantizes a GGUF file into an fp3
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(root, scored parquet): a tiny policy and one round of its rollouts with nonzero advantages."""
-    root = tiny_say_policy(tmp_path_factory.mktemp("devices"), num_prompts=8)
-    (root / "rollouts").mkdir()
-    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=4, max_completion_length=6),
-                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
-    rows = pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
-    values = [(1.0, -0.5, 0.8, -1.3)[r["group_index"]] for r in rows]
-    table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
-             .append_column("rewards", pa.array([[("toy", a)] for a in values], type=SCORED.field("rewards").type))
-             .append_column("reward", pa.array(values, type=pa.float64()))
-             .append_column("advantage", pa.array(values, type=pa.float64()))
-             .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
-    write_table(table, root / "scored.parquet", SCORED)
+    root = tmp_path_factory.mktemp("devices")
+    rows = tiny_round(root, num_prompts=8, prompts_per_round=4)
+    write_scored(root / "scored.parquet", rows, [(1.0, -0.5, 0.8, -1.3)[r["group_index"]] for r in rows])
     return root, root / "scored.parquet"
 
 

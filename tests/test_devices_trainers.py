@@ -129,35 +129,27 @@ def test_dpo_trains_in_bf16_autocast(tiny, tmp_path, adapter):
     assert (tmp_path / "out" / ("adapter_model.safetensors" if adapter == "lora" else "model.safetensors")).exists()
 
 
-def test_orm_trains_in_bf16_autocast_and_scores_in_bf16(tiny, tmp_path):
-    cfg = rm.RewardModelConfig(kind="orm", adapter="none", max_steps=STEPS, save_steps=STEPS, micro_batch_size=4,
+@pytest.mark.parametrize("kind, data, metric", [("orm", "prefs", "eval_pairwise_accuracy"),
+                                                ("prm", "steps", "eval_step_accuracy")])
+def test_reward_models_train_in_bf16_autocast_and_score_in_bf16(tiny, tmp_path, kind, data, metric):
+    cfg = rm.RewardModelConfig(kind=kind, adapter="none", max_steps=STEPS, save_steps=STEPS, micro_batch_size=4,
                                logging_steps=1)
     with training_forwards() as seen:
-        summary = rm.run(cfg, tiny / "model", tiny / "prefs", tmp_path / "out", work_dir=tmp_path / "work",
+        summary = rm.run(cfg, tiny / "model", tiny / data, tmp_path / "out", work_dir=tmp_path / "work",
                          devices=BF16)
     assert_trained_in_bf16(seen, summary, tmp_path / "out", tmp_path / "work")
-    assert summary["eval_pairwise_accuracy"] is not None
+    assert summary[metric] is not None
 
+    bf16 = rm.reward_model_function(tmp_path / "out", devices=BF16)
+    assert bf16.scorer.kind == kind and {p.dtype for p in bf16.scorer.model.parameters()} == {torch.bfloat16}
+    assert not bf16.scorer.model.training
+    if kind == "prm":
+        (score,) = bf16([[{"role": "user", "content": "Which is the largest of 3, 8, 5?"}]],
+                        ["Compare 3 and 8: keep 8\n<answer>8</answer>"])
+        assert 0.0 <= score <= 1.0
+        return
     prompts = [[{"role": "user", "content": "Which is the largest of 3, 8?"}]] * 2
     completions = ["<answer>8</answer>", "<answer>3</answer>"]
     fp32 = rm.RewardModelScorer(tmp_path / "out", devices=DeviceConfig(device="cpu", precision="fp32"))
-    bf16 = rm.reward_model_function(tmp_path / "out", devices=BF16)
     assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
-    assert {p.dtype for p in bf16.scorer.model.parameters()} == {torch.bfloat16}
-    assert not bf16.scorer.model.training
     assert bf16(prompts, completions) == pytest.approx(fp32(prompts, completions), abs=0.1)
-
-
-def test_prm_trains_in_bf16_autocast(tiny, tmp_path):
-    cfg = rm.RewardModelConfig(kind="prm", adapter="none", max_steps=STEPS, save_steps=STEPS, micro_batch_size=4,
-                               logging_steps=1)
-    with training_forwards() as seen:
-        summary = rm.run(cfg, tiny / "model", tiny / "steps", tmp_path / "out", work_dir=tmp_path / "work",
-                         devices=BF16)
-    assert_trained_in_bf16(seen, summary, tmp_path / "out", tmp_path / "work")
-    assert summary["eval_step_accuracy"] is not None
-    scorer = rm.RewardModelScorer(tmp_path / "out", devices=BF16)
-    assert scorer.kind == "prm" and {p.dtype for p in scorer.model.parameters()} == {torch.bfloat16}
-    (score,) = scorer([[{"role": "user", "content": "Which is the largest of 3, 8, 5?"}]],
-                      ["Compare 3 and 8: keep 8\n<answer>8</answer>"])
-    assert 0.0 <= score <= 1.0

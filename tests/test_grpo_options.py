@@ -13,12 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import tiny_say_policy
+from conftest import tiny_round, write_scored
 from pydantic import ValidationError
 
-from stages import grpo, rollout
-from stages.engines import Policy
-from stages.schemas import REPLAYED, ROLLOUTS, SCORED, write_table
+from stages import grpo
+from stages.schemas import REPLAYED, write_table
 
 ROWS = 32  # 8 prompts x 4 generations
 ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
@@ -27,11 +26,8 @@ ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(root, rollout rows): a tiny policy and one round of its rollouts, unscored."""
-    root = tiny_say_policy(tmp_path_factory.mktemp("grpo_options"), num_prompts=16)
-    (root / "rollouts").mkdir()
-    rollout.run(rollout.RolloutConfig(num_generations=4, prompts_per_round=8, max_completion_length=6),
-                Policy(root / "model"), root / "prompts" / "train.parquet", 0, root / "rollouts")
-    rows = pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
+    root = tmp_path_factory.mktemp("grpo_options")
+    rows = tiny_round(root, num_prompts=16, prompts_per_round=8)
     assert len(rows) == ROWS
     return root, rows
 
@@ -39,14 +35,8 @@ def tiny(tmp_path_factory):
 def _scored(root, name, rows, advantage=None, finish_reason=None):
     """Write rows as a scored parquet; advantage(row) / finish_reason(row) set those columns."""
     rows = [{**row, "finish_reason": finish_reason(row) if finish_reason else row["finish_reason"]} for row in rows]
-    values = [advantage(row) if advantage else ADVANTAGES[row["group_index"]] for row in rows]
-    table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
-             .append_column("rewards", pa.array([[("toy", a)] for a in values], type=SCORED.field("rewards").type))
-             .append_column("reward", pa.array(values, type=pa.float64()))
-             .append_column("advantage", pa.array(values, type=pa.float64()))
-             .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
     path = root / f"{name}.parquet"
-    write_table(table, path, SCORED)
+    write_scored(path, rows, [advantage(row) if advantage else ADVANTAGES[row["group_index"]] for row in rows])
     return path
 
 
