@@ -86,7 +86,7 @@ class RayRewardPool(RewardWorkerPool):
 
         return ray.get([w.proc.where.remote() for w in self.workers])
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self, index: int = 0) -> _Worker:  # Ray gives each actor its own GPUs (CUDA_VISIBLE_DEVICES)
         actor = self._actor_class.remote(self._files, self.sources)
         return _Worker(actor, actor.ready.remote(), deadline=time.monotonic() + STARTUP_TIMEOUT_S)
 

@@ -148,8 +148,13 @@ def answer(funcs: dict[str, Callable], name: str, batch: dict) -> tuple:
         return ("bad", f"{reprlib.repr(values)} ({type(values).__name__})", None)
 
 
-def _worker_main(conn, sources: dict[str, str]) -> None:
-    """Import every reward function once, say "ready", then answer (name, batch) messages until None."""
+def _worker_main(conn, sources: dict[str, str], index: int = 0) -> None:
+    """Import every reward function once, say "ready", then answer (name, batch) messages until None.
+    Worker `index` is this process's LOCAL_RANK: a reward model on CUDA goes to GPU index % GPUs
+    (stages/devices.py), so the workers of a multi-GPU machine share them out."""
+    import os
+
+    os.environ["LOCAL_RANK"] = str(index)
     funcs, load_error = load_rewards(sources)
     if load_error:
         conn.send(load_error)
@@ -199,17 +204,18 @@ class RewardWorkerPool:
         self.names = list(names)
         self.timeout_s = timeout_s
         self.ctx = mp.get_context("spawn")
-        self.workers = [self._spawn() for _ in range(num_workers)]
+        self.workers = [self._spawn(i) for i in range(num_workers)]
         self.broken = False
         self._lock = threading.Lock()
 
     # How the pool reaches its workers: spawned processes and pipes here; RayRewardPool
     # (stages/ray_rewards.py) overrides these five with Ray actors and ObjectRefs.
 
-    def _spawn(self) -> _Worker:
-        """A new worker, loading the reward functions; its first reply is "ready" or "load_error"."""
+    def _spawn(self, index: int = 0) -> _Worker:
+        """Worker `index` (its slot in the pool), new, loading the reward functions; its first reply is "ready"
+        or "load_error"."""
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker_main, args=(child, self.sources), daemon=True)
+        proc = self.ctx.Process(target=_worker_main, args=(child, self.sources, index), daemon=True)
         proc.start()
         child.close()
         return _Worker(proc, parent, deadline=time.monotonic() + STARTUP_TIMEOUT_S)
@@ -295,7 +301,7 @@ class RewardWorkerPool:
         for i, w in enumerate(self.workers):  # died while idle since the last call
             if w.ready and not self._alive(w):
                 self._kill(w)
-                self.workers[i] = self._spawn()
+                self.workers[i] = self._spawn(i)
 
         def failed(task: tuple[int, int, int], error: str, details: str = "") -> None:
             j, lo, hi = task
@@ -317,7 +323,7 @@ class RewardWorkerPool:
                     if not self._send(w, (name, {k: v[lo:hi] for k, v in batch.items()})):
                         pending.appendleft(task)  # died while idle: not this task's fault
                         self._kill(w)
-                        self.workers[i] = self._spawn()
+                        self.workers[i] = self._spawn(i)
                         continue
                     w.task, w.sent = task, time.monotonic()
                     w.deadline = w.sent + self.timeout_s
@@ -333,7 +339,7 @@ class RewardWorkerPool:
                         if not w.ready:
                             self._fail(f"a reward worker died ({reason}) while importing reward_funcs {self.names}")
                         self._kill(w)
-                        self.workers[i] = self._spawn()
+                        self.workers[i] = self._spawn(i)
                         failed(w.task, f"worker process died ({reason})")
                         continue
                     status, payload, details = replies[w]
@@ -360,7 +366,7 @@ class RewardWorkerPool:
                         self._fail(f"reward workers did not finish importing reward_funcs {self.names} "
                                    f"within {STARTUP_TIMEOUT_S:g} s{self._startup_hint()}")
                     self._kill(w)
-                    self.workers[i] = self._spawn()
+                    self.workers[i] = self._spawn(i)
                     failed(w.task, f"TimeoutError after {self.timeout_s:g} s")
         return list(zip(values, errors))
 

@@ -236,3 +236,19 @@ def test_compiled_blocks_train_the_same_round(tiny):
                                     DeviceConfig(device="cpu", compile=True))
     blocks = model.get_decoder().layers
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
+
+
+def test_each_reward_worker_is_its_own_local_rank():
+    """A reward model in worker i goes to GPU i % GPUs: workers know their slot as LOCAL_RANK."""
+    import sys
+
+    from stages.reward_workers import RewardWorkerPool
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    pool = RewardWorkerPool(["toy_rewards.local_rank"], num_workers=2, timeout_s=30)
+    try:
+        jobs = [("toy_rewards.local_rank", {"prompts": [[]], "completions": ["x"]}, [f"s{i}"]) for i in range(4)]
+        ranks = {values[0] for values, _ in pool.score(jobs)}
+    finally:
+        pool.close()
+    assert ranks == {0.0, 1.0}

@@ -15,3 +15,12 @@ def by_prompt(completions=None, completion_ids=None, prompt_id=None, **kwargs):
         kind = int(pid.rsplit("-", 1)[1]) % 3
         out.append(0.0 if kind == 0 else 1.0 if kind == 1 else float(sum(ids) % 2))
     return out
+
+
+def local_rank(completions=None, **kwargs):
+    """The LOCAL_RANK of the worker process that scores (which GPU a reward model there would take)."""
+    import os
+    import time
+
+    time.sleep(0.2)  # long enough that both workers of a pool take a job
+    return [float(os.environ.get("LOCAL_RANK", "-1"))] * len(completions)
