@@ -1,7 +1,7 @@
 """Where models run and in which precision: the one policy every stage loads, places and casts its models by.
 
-`DeviceConfig` holds the four settings (the config's `train.device`, `train.precision`,
-`train.gradient_checkpointing`, `train.attn_implementation`; TrainConfig extends it). A stage takes one
+`DeviceConfig` holds the five settings (the config's `train.device`, `train.precision`,
+`train.gradient_checkpointing`, `train.compile`, `train.attn_implementation`; TrainConfig extends it). A stage takes one
 (default: `DeviceConfig()`, i.e. CUDA with bf16 where torch sees a GPU, else CPU with fp32) and calls:
 
 - `load_trainable(auto_class, path, devices)` for weights it trains, `load_frozen(...)` for weights it only
@@ -18,7 +18,8 @@ the memory. So a LoRA adapter trains in fp32 on a bf16 base; full fine-tuning ke
 models (sft, optimize, the dpo family, reward models) are written in the dtype they were trained in (fp32);
 export merges on the device in the compute dtype and writes that (bf16 on a GPU, as axolotl's merge).
 
-No other stage module calls `.cuda()`, sets `use_cpu`, or passes a dtype to `from_pretrained`
+No other stage module loads a model with `from_pretrained` (tokenizers, configs and PEFT adapters on a placed
+model aside; stages/model_source.py's GGUF conversion runs nothing), calls `.cuda()` or sets `use_cpu`
 (tests/test_devices.py reads them all to hold that).
 """
 
