@@ -122,16 +122,21 @@ def _generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, b
                 output_logits=True,
             )
         new_tokens = out.sequences[:, enc["input_ids"].shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float()  # (B, T, V), raw
-        logps = torch.log_softmax(logits / sampling.temperature, dim=-1)
-        logps = logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        # step by step: the raw logits of one step at a time in fp32, never a (B, T, V) copy (with a 150k
+        # vocabulary, 128 rows x 128 steps is 10 GB each time)
+        logps = torch.stack([torch.log_softmax(step.float() / sampling.temperature, dim=-1)
+                             .gather(-1, new_tokens[:, t : t + 1]).squeeze(-1) for t, step in enumerate(out.logits)],
+                            dim=1)
+        del out
+        new_tokens, logps = new_tokens.cpu(), logps.cpu()  # one read back each, not one per row
+        input_ids, attention_mask = enc["input_ids"].cpu(), enc["attention_mask"].cpu()
         for i in range(len(chunk)):
             ids = new_tokens[i].tolist()
             finish = "length"
             if eos in ids:
                 ids = ids[: ids.index(eos) + 1]
                 finish = "stop"
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+            prompt_ids = input_ids[i][attention_mask[i].bool()].tolist()
             results.append(
                 {
                     "prompt_token_ids": prompt_ids,
