@@ -45,6 +45,8 @@ AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "
                        "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
 """axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`axolotl_devices`)."""
+SCORE_WHERE_KEYS = ("reward_num_workers", "backend", "ray", "reward_timeout_s", "reward_batch_size")
+"""score keys that say where and how reward functions run, not what they score."""
 PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
 """The prompts splits transform.datasets makes."""
 
@@ -205,6 +207,40 @@ class PipelineConfig(BaseModel):
             train[field] = value
         data["train"] = train
         return data
+
+    @model_validator(mode="after")
+    def _no_option_ignored(self):
+        """Options the chosen method never reads are errors, never dropped in silence (issue 28): under
+        rollout.source atropos the environments sample and score (only score.scale_rewards is read: it makes
+        the advantages); rl: ebft scores by feature matching (score.scale_rewards likewise). score's `where`
+        keys (SCORE_WHERE_KEYS: how many workers, where, timeouts) change no score and are let through."""
+        atropos, ebft = self.rollout.source == "atropos", self.rl == "ebft"
+        if atropos and self.rl in ("ebft", "gdpo"):
+            what = ("feature-matching rewards (the ebft section)" if ebft
+                    else "normalize_then_sum over several reward functions")
+            raise ValueError(f"rl: {self.rl} with rollout.source: atropos: the environments' scores are the rewards, "
+                             f"so {what} would be ignored; use rl: grpo with Atropos, or rollout.source: prompts")
+        ignored = []
+        if atropos or ebft:
+            ignored += [f"score.{k}" for k in sorted(self.score.model_fields_set)
+                        if k != "scale_rewards" and k not in SCORE_WHERE_KEYS]
+        if atropos:
+            ignored += [f"grpo.{k}" for k in ("replay_buffer_size", "reroll_start_fraction", "reroll_max_groups")
+                        if k in self.grpo.model_fields_set]
+            ignored += ["rollout.top_p"] if "top_p" in self.rollout.model_fields_set else []
+        if ignored:
+            source = "rollout.source: atropos (the environments sample and score)" if atropos else \
+                "rl: ebft (rewards from feature matching, stages/ebft.py)"
+            raise ValueError(f"{', '.join(ignored)}: not read under {source}; remove "
+                             f"{'them' if len(ignored) > 1 else 'it'}")
+        rollout = self.rollout
+        if "prefetch_depth" in rollout.model_fields_set and (
+                not rollout.async_prefetch or rollout.prefetch_depth > rollout.max_staleness):
+            why = ("needs rollout.async_prefetch: true" if not rollout.async_prefetch else
+                   f"is {rollout.prefetch_depth}, but rollout.max_staleness {rollout.max_staleness} caps the lag "
+                   f"at {rollout.max_staleness}; raise max_staleness or lower prefetch_depth")
+            raise ValueError(f"rollout.prefetch_depth {why}")
+        return self
 
     @model_validator(mode="after")
     def _machine_has_what_train_asks(self):

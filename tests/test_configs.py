@@ -8,6 +8,7 @@ from flows.cli import main
 from flows.config import ConfigError, PipelineConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+QUICKSTART = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -47,7 +48,7 @@ def test_wrong_type_names_path_value_and_expected(tmp_path):
 
 
 def test_dotted_overrides_parse_values():
-    cfg = load_config(CONFIGS[0], ["grpo.rounds=2", "rollout.temperature=0.8", "score.reward_funcs=[accuracy]",
+    cfg = load_config(QUICKSTART, ["grpo.rounds=2", "rollout.temperature=0.8", "score.reward_funcs=[accuracy]",
                                       "score.reward_weights=[1.0]"])
     assert cfg.grpo.rounds == 2
     assert cfg.rollout.temperature == 0.8
@@ -165,3 +166,26 @@ def test_train_section_typos_and_batch_split(tmp_path):
     assert (sharded.train.strategy, sharded.train.backend, sharded.train.ray.placement) == ("fsdp", "ray", "spread")
     cfg = load_config(CONFIGS[0], ["train.num_processes=2"])
     assert cfg.train.num_processes == 2 and cfg.train.strategy == "ddp" and cfg.train.master_port is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.source=atropos", "rl=ebft"], "rl: ebft with rollout.source: atropos"),
+    (["rollout.source=atropos", "rl=gdpo"], "rl: gdpo with rollout.source: atropos"),
+    (["rollout.source=atropos", "score.reward_funcs=[reward_model]"], "score.reward_funcs: not read under rollout.source"),
+    (["rollout.source=atropos", "score.multi_objective_aggregation=normalize_then_sum", "grpo.replay_buffer_size=4",
+      "rollout.top_p=0.9"], "score.multi_objective_aggregation, grpo.replay_buffer_size, rollout.top_p: not read"),
+    (["rollout.source=atropos", "grpo.reroll_start_fraction=0.5"], "grpo.reroll_start_fraction: not read"),
+    (["rl=ebft", "score.reward_weights=[1.0, 2.0]"], "score.reward_weights: not read under rl: ebft"),
+    (["rollout.prefetch_depth=2"], "rollout.prefetch_depth needs rollout.async_prefetch"),
+    (["rollout.async_prefetch=true", "rollout.prefetch_depth=3", "rollout.max_staleness=2"],
+     "max_staleness 2 caps the lag at 2"),
+])
+def test_options_the_method_never_reads_are_refused(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(tiny_config, overrides)
+
+
+def test_options_the_method_reads_still_load(tiny_config):
+    load_config(tiny_config, ["rollout.source=atropos", "score.scale_rewards=batch"])  # makes the advantages
+    load_config(tiny_config, ["rl=ebft", "score.scale_rewards=none"])
+    load_config(tiny_config, ["rollout.async_prefetch=true", "rollout.prefetch_depth=2", "rollout.max_staleness=2"])
