@@ -213,7 +213,8 @@ class PipelineConfig(BaseModel):
         """Options the chosen method never reads are errors, never dropped in silence (issue 28): under
         rollout.source atropos the environments sample and score (only score.scale_rewards is read: it makes
         the advantages); rl: ebft scores by feature matching (score.scale_rewards likewise). score's `where`
-        keys (SCORE_WHERE_KEYS: how many workers, where, timeouts) change no score and are let through."""
+        keys (SCORE_WHERE_KEYS: how many workers, where, timeouts) change no score and are let through. An
+        option counts when its value is not its default (a run's saved config.yaml lists every field)."""
         atropos, ebft = self.rollout.source == "atropos", self.rl == "ebft"
         if atropos and self.rl in ("ebft", "gdpo"):
             what = ("feature-matching rewards (the ebft section)" if ebft
@@ -222,19 +223,19 @@ class PipelineConfig(BaseModel):
                              f"so {what} would be ignored; use rl: grpo with Atropos, or rollout.source: prompts")
         ignored = []
         if atropos or ebft:
-            ignored += [f"score.{k}" for k in sorted(self.score.model_fields_set)
+            ignored += [f"score.{k}" for k in not_default(self.score, self.score.model_fields)
                         if k != "scale_rewards" and k not in SCORE_WHERE_KEYS]
         if atropos:
-            ignored += [f"grpo.{k}" for k in ("replay_buffer_size", "reroll_start_fraction", "reroll_max_groups")
-                        if k in self.grpo.model_fields_set]
-            ignored += ["rollout.top_p"] if "top_p" in self.rollout.model_fields_set else []
+            ignored += [f"grpo.{k}" for k in not_default(self.grpo, ("replay_buffer_size", "reroll_start_fraction",
+                                                                      "reroll_max_groups"))]
+            ignored += [f"rollout.{k}" for k in not_default(self.rollout, ("top_p",))]
         if ignored:
             source = "rollout.source: atropos (the environments sample and score)" if atropos else \
                 "rl: ebft (rewards from feature matching, stages/ebft.py)"
             raise ValueError(f"{', '.join(ignored)}: not read under {source}; remove "
                              f"{'them' if len(ignored) > 1 else 'it'}")
         rollout = self.rollout
-        if "prefetch_depth" in rollout.model_fields_set and (
+        if not_default(rollout, ("prefetch_depth",)) and (
                 not rollout.async_prefetch or rollout.prefetch_depth > rollout.max_staleness):
             why = ("needs rollout.async_prefetch: true" if not rollout.async_prefetch else
                    f"is {rollout.prefetch_depth}, but rollout.max_staleness {rollout.max_staleness} caps the lag "
@@ -387,6 +388,12 @@ class PipelineConfig(BaseModel):
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def not_default(section: BaseModel, names) -> list[str]:
+    """Those of `names` whose value in `section` differs from the field's default (sorted)."""
+    fields = type(section).model_fields
+    return sorted(name for name in names if getattr(section, name) != fields[name].get_default(call_default_factory=True))
 
 
 def axolotl_devices(keys: dict) -> dict[str, tuple]:

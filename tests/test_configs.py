@@ -189,3 +189,14 @@ def test_options_the_method_reads_still_load(tiny_config):
     load_config(tiny_config, ["rollout.source=atropos", "score.scale_rewards=batch"])  # makes the advantages
     load_config(tiny_config, ["rl=ebft", "score.scale_rewards=none"])
     load_config(tiny_config, ["rollout.async_prefetch=true", "rollout.prefetch_depth=2", "rollout.max_staleness=2"])
+
+
+def test_a_saved_config_of_an_atropos_run_loads_back(tmp_path):
+    """A run's saved config.yaml lists every field at its value: defaults are not 'options set'."""
+    import yaml
+
+    cfg = load_config(CONFIGS[0])  # configs/atropos.yaml
+    assert cfg.rollout.source == "atropos"
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert load_config(saved).model_dump() == cfg.model_dump()
