@@ -371,15 +371,13 @@ def serve_vllm(cfg, args) -> int:
 
     from flows.pipeline import prepare_policy_flow
     from stages.engines.vllm_server import serve_command
-    from stages.rollout import engine_options
+    from stages.devices import of
+    from stages.rollout import engine_options, vllm_options
 
     model_dir = prepare_policy_flow(args.config, args.overrides, quiet=args.quiet)
     port = args.port or urlparse(cfg.rollout.vllm.server_url).port or 8000
-    from stages.devices import DTYPES, of, precision
-
-    options = {**cfg.rollout.vllm.model_dump(), **engine_options(cfg.rollout, cfg.grpo.lora_r)}
-    if options["dtype"] == "auto":  # the dtype the run's trainer computes in (rollout.vllm.dtype)
-        options["dtype"] = DTYPES[precision(of(cfg.train))]
+    devices = of(cfg.train)  # vllm.dtype auto: the dtype the run's trainer computes in
+    options = {**vllm_options(cfg.rollout, devices), **engine_options(cfg.rollout, cfg.grpo.lora_r, devices)}
     argv, env = serve_command(model_dir, port, cfg.grpo.lora_r, options)
     print(" ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items()), shlex.join(argv), flush=True)
     if args.print_only:

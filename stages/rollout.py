@@ -230,13 +230,11 @@ SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_adapter_
 def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict:
     """What `get_engine` needs for this config's engine; `devices` (stages/devices.py): where the transformers
     engine runs, and the dtype `vllm.dtype: auto` means."""
-    from stages.devices import DTYPES, DeviceConfig, precision
+    from stages.devices import DeviceConfig
 
     if cfg.engine == "transformers":
         return {"batch_size": cfg.generation_batch_size, "devices": devices or DeviceConfig()}
-    options = cfg.vllm.model_dump()
-    if options["dtype"] == "auto":
-        options["dtype"] = DTYPES[precision(devices)]
+    options = vllm_options(cfg, devices)
     if cfg.engine in ("vllm", "ray_vllm"):
         for key in SERVER_KEYS:
             options.pop(key)
@@ -245,6 +243,16 @@ def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict
     if cfg.engine == "ray_vllm":
         options.update(cfg.ray_vllm.model_dump())
     return {**options, "max_lora_rank": max_lora_rank}
+
+
+def vllm_options(cfg: RolloutConfig, devices=None) -> dict:
+    """rollout.vllm's settings with `dtype: auto` resolved to the dtype the trainer computes in (`devices`)."""
+    from stages.devices import DTYPES, precision
+
+    options = cfg.vllm.model_dump()
+    if options["dtype"] == "auto":
+        options["dtype"] = DTYPES[precision(devices)]
+    return options
 
 
 def select_prompts(rows: list[dict], round_index: int, per_round: int, seed: int) -> list[dict]:
