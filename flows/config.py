@@ -223,7 +223,7 @@ class PipelineConfig(BaseModel):
                              f"so {what} would be ignored; use rl: grpo with Atropos, or rollout.source: prompts")
         ignored = []
         if atropos or ebft:
-            ignored += [f"score.{k}" for k in not_default(self.score, self.score.model_fields)
+            ignored += [f"score.{k}" for k in not_default(self.score, type(self.score).model_fields)
                         if k != "scale_rewards" and k not in SCORE_WHERE_KEYS]
         if atropos:
             ignored += [f"grpo.{k}" for k in not_default(self.grpo, ("replay_buffer_size", "reroll_start_fraction",

@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
 
 def resume_command(args) -> int:
     """Find the run, check the config, run the pipeline flow again on it."""
-    from flows.cli import embedded_defaults, start_temporary_prefect_server
+    from flows.launch import embedded_defaults, start_temporary_prefect_server
 
     root = Path(args.artifacts).resolve()
     if not (root / "mlflow.db").exists() and not __import__("os").environ.get("MLFLOW_TRACKING_URI"):
@@ -65,7 +65,7 @@ def resume_command(args) -> int:
     _enter_original_folder(Path(run.data.tags.get("artifact_root", root)), Path(cfg.artifacts_dir))
     embedded_defaults(cfg.artifacts_dir)
     server_ready = start_temporary_prefect_server()
-    from flows.cli import report_errors
+    from flows.launch import report_errors
     from flows.pipeline import posttrain_pipeline
     from stages.engines import import_eagerly
 

@@ -25,7 +25,8 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
-from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, shared_pool
+from stages.reward_pools import shared_pool
+from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
 from stages.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
 
 log = logging.getLogger(__name__)
@@ -144,9 +145,9 @@ def create_app(score_cfg):
         task = asyncio.create_task(scorer.run())
         yield
         task.cancel()
-        from stages.reward_workers import _close_pools
+        from stages.reward_pools import close_pools
 
-        _close_pools()
+        close_pools()
 
     app = FastAPI(title="posttrain reward functions", lifespan=lifespan)
 

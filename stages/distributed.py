@@ -20,8 +20,9 @@ filler passes so every rank makes as many forward/backward calls as the others; 
 whole (`full_state_dict`, `full_optimizer_state`), the same as a one-process run's, so either can resume
 the other.
 
-Across machines: `train.backend: ray` runs the ranks as Ray Train workers (stages/ray_training.py)
-instead of torchrun's processes on this machine.
+Across machines: `train.backend: ray` runs the ranks as Ray Train workers (stages/ray_training.py
+`launch_on_ray`, same arguments) instead of torchrun's processes on this machine; the caller picks one of the
+two launchers by `train.backend` (tasks/stage_tasks.py `LAUNCHERS`).
 """
 
 from __future__ import annotations
@@ -288,12 +289,11 @@ def launch(target: str, kwargs: dict, train: TrainConfig, label: str,
     """Run `target` ("module:function") on train.num_processes ranks with torchrun and return rank 0's
     return value. `kwargs` are pickled to the ranks (configs, paths); each rank gets them plus
     `group`, and rank 0 also those of `on_metrics` / `on_step` given here, whose calls reach them.
-    Raises DistributedError, naming `label`, if any rank fails. With `train.backend: ray` the ranks are
-    Ray Train workers on a cluster's nodes (stages/ray_training.py), with the same contract."""
-    if train.backend == "ray":
-        from stages.ray_training import launch_on_ray
-
-        return launch_on_ray(target, kwargs, train, label, on_metrics, on_step, poll_s)
+    Raises DistributedError, naming `label`, if any rank fails. `train.backend: ray` runs the ranks as Ray Train
+    workers on a cluster's nodes instead (stages/ray_training.py `launch_on_ray`, the same contract)."""
+    if train.backend != "torchrun":
+        raise ValueError(f"train.backend {train.backend!r}: this launcher runs torchrun ranks; "
+                         "tasks/stage_tasks.py LAUNCHERS has the one for each backend")
     n = train.num_processes
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-ranks-"))
     spec, events, result, log_path = (scratch / "spec.pkl", scratch / "events.jsonl", scratch / "result.json",

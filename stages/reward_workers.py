@@ -16,7 +16,6 @@ number (or None).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import inspect
 import logging
 import multiprocessing as mp
@@ -32,7 +31,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable
 
-from stages.imports import load_function, user_code
+from stages.imports import load_function
+from stages.rewards.common import SampleError  # noqa: F401  (reward functions import it from here too)
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ MAX_ERROR_CHARS = 300
 
 class RewardFunctionError(RuntimeError):
     """A reward function is broken (not merely failing on a sample); the message says which and how."""
-
-
-class SampleError(Exception):
-    """What a reward function returns in place of a value for a sample it could not score: that sample
-    gets `reward_on_error` and this message in its `errors` entry; the batch's other samples keep theirs."""
 
 
 REWARD_MODEL_PREFIX = "reward_model:"
@@ -385,44 +380,3 @@ class RewardWorkerPool:
             if v is not None and not isinstance(v, (numbers.Real, BaseException)):
                 self._fail(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for sample "
                            f"{sample_id}; expected a float or None")
-
-
-_POOLS: dict[tuple, RewardWorkerPool] = {}
-_POOL_CODE: dict[tuple, list] = {}  # per pool: the user_code digests of its functions when its workers imported them
-
-
-_POOLS_LOCK = threading.Lock()
-
-
-def shared_pool(names: list[str], num_workers: int, timeout_s: float,
-                sources: dict[str, str] | None = None, ray: dict | None = None) -> RewardWorkerPool:
-    """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken, or
-    if the source of a `module.fn` it runs changed since its workers imported it. `ray`: the keyword
-    arguments of a RayRewardPool (address, num_cpus) to score on Ray actors instead of local processes."""
-    from stages.rewards import BUILTIN_REWARDS
-
-    key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
-    if ray is not None:
-        key += (("ray", tuple(sorted(ray.items()))),)
-    resolved = [(sources or {}).get(name, name) for name in names]
-    code = user_code(split_reward_funcs(resolved)[0], BUILTIN_REWARDS)
-    with _POOLS_LOCK:  # score tasks of two rounds may ask at once (async prefetch)
-        pool = _POOLS.get(key)
-        if pool is None or not pool.alive() or _POOL_CODE.get(key) != code:
-            if pool is not None:
-                pool.close()
-            if ray is not None:
-                from stages.ray_rewards import RayRewardPool
-
-                pool = _POOLS[key] = RayRewardPool(names, num_workers, timeout_s, sources, **ray)
-            else:
-                pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
-            _POOL_CODE[key] = code
-        return pool
-
-
-@atexit.register
-def _close_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()

@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.health import collapse_metrics
-from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source, shared_pool
+from stages.reward_pools import shared_pool
+from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source
 from stages.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 from stages.imports import LazyModule
 from stages.schemas import ROLLOUTS, SCORED, write_table

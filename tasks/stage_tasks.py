@@ -27,6 +27,7 @@ from stages import (
     grpo,
     model_source,
     preferences,
+    ray_training,
     replay,
     reward_model,
     rollout,
@@ -217,6 +218,10 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     return materialize(ctx, "base_model", base_model, section, {"prompts": prompts}, produce)
 
 
+LAUNCHERS = {"torchrun": distributed.launch, "ray": ray_training.launch_on_ray}
+"""`train.backend` -> the function that runs a stage on train.num_processes ranks (same arguments)."""
+
+
 def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_metrics, on_step=None,
                  **kwargs) -> dict:
     """A training stage's `function(**kwargs)`: in this process (train.num_processes 1), or data-parallel on
@@ -229,8 +234,9 @@ def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_
     if processes == 1:
         summary = function(**kwargs, on_metrics=on_metrics, **({"on_step": on_step} if on_step else {}))
     else:
-        summary = distributed.launch(f"{function.__module__}:{function.__name__}", kwargs, ctx.config.train, label,
-                                     on_metrics=on_metrics, on_step=on_step)
+        launch = LAUNCHERS[ctx.config.train.backend]
+        summary = launch(f"{function.__module__}:{function.__name__}", kwargs, ctx.config.train, label,
+                         on_metrics=on_metrics, on_step=on_step)
     return {**summary, "num_processes": processes}
 
 

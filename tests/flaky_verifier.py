@@ -43,7 +43,7 @@ def hangs_on_hang(completions, prompt_id, **kwargs):
 
 def refuses_long(completions, **kwargs):
     """Fails single samples without raising: a SampleError for completions over 10 characters, else 1.0."""
-    from stages.reward_workers import SampleError
+    from stages.rewards.common import SampleError
     from stages.rewards import completion_text
 
     return [SampleError(f"{len(completion_text(c))} characters is too long") if len(completion_text(c)) > 10

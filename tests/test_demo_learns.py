@@ -37,9 +37,9 @@ def test_trained_policy_beats_the_constant_answer(prefect_harness, tmp_path, mon
         if extra:
             import ray
 
-            from stages import reward_workers
+            from stages import reward_pools
 
-            reward_workers._close_pools()
+            reward_pools.close_pools()
             ray.shutdown()
     baseline = results["constant_baseline"]
     assert baseline <= 0.25, "balanced demo answers: no constant answer scores above ~1/5"

@@ -19,7 +19,7 @@ import torch
 import cluster
 from conftest import tiny_say_policy
 
-from stages import distributed, grpo, rollout
+from stages import distributed, grpo, ray_training, rollout
 from stages.engines import Policy
 from stages.schemas import ROLLOUTS, SCORED, write_table
 
@@ -203,11 +203,11 @@ def test_grpo_on_ray_train_workers_on_two_nodes_equals_one_process(tiny, one_pro
     first, one = one_process
     events, progress = [], []
     train = distributed.TrainConfig(num_processes=2, strategy="fsdp", backend="ray", ray={"address": two_nodes})
-    two = distributed.launch("test_distributed:run_grpo_cases",
-                             dict(root=str(root), scored=str(scored), out=str(tmp_path / "two"),
-                                  cases=["dapo_skip", "full_kl"]),
-                             train, "optimize (ray)", on_metrics=lambda m, step: events.append((step, m)),
-                             on_step=lambda done, total: progress.append((done, total)))
+    two = ray_training.launch_on_ray("test_distributed:run_grpo_cases",
+                                     dict(root=str(root), scored=str(scored), out=str(tmp_path / "two"),
+                                          cases=["dapo_skip", "full_kl"]),
+                                     train, "optimize (ray)", on_metrics=lambda m, step: events.append((step, m)),
+                                     on_step=lambda done, total: progress.append((done, total)))
     assert two.pop("train_nodes") == 2
     assert_equal_runs(first, one, tmp_path / "two", two, "fsdp")
     assert len(events) == sum(len(r["steps"]) for name in two for r in one[name])
@@ -217,12 +217,12 @@ def test_grpo_on_ray_train_workers_on_two_nodes_equals_one_process(tiny, one_pro
 def test_ray_train_failures_are_clear(two_nodes):
     train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
     with pytest.raises(distributed.DistributedError) as e:
-        distributed.launch("test_distributed:raise_on_rank_0", {}, train, "sft")
+        ray_training.launch_on_ray("test_distributed:raise_on_rank_0", {}, train, "sft")
     message = str(e.value)
     assert message.startswith("sft: training on 2 Ray Train workers") and "grpo.loss_type: a bad value" in message
     too_many = train.model_copy(update={"num_processes": 3})
     with pytest.raises(distributed.DistributedError, match=r"3 ranks .* cannot fit .*CPU.*3 asked, 2 in the cluster"):
-        distributed.launch("test_distributed:raise_on_rank_0", {}, too_many, "optimize r0")
+        ray_training.launch_on_ray("test_distributed:raise_on_rank_0", {}, too_many, "optimize r0")
 
 
 def test_dead_rank_fails_the_stage_and_publishes_nothing(tmp_path):
@@ -333,9 +333,9 @@ def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
         (tmp_path / name).mkdir()
     one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
     train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
-    two = distributed.launch("test_distributed:sft_on_ranks",
-                             {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")},
-                             train, "sft")
+    two = ray_training.launch_on_ray("test_distributed:sft_on_ranks",
+                                     {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")},
+                                     train, "sft")
     assert two["train_nodes"] == 2 and two["steps"] == one["steps"] == 30
     assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")

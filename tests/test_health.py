@@ -221,7 +221,7 @@ def test_score_summary_carries_the_collapse_metrics(tmp_path, out_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages import reward_workers, score
+    from stages import reward_pools, score
     from stages.schemas import ROLLOUTS
 
     rows = [{"rollout_id": f"r0-p{p}-g{g}", "prompt_id": f"p{p}", "group_index": g,
@@ -236,7 +236,7 @@ def test_score_summary_carries_the_collapse_metrics(tmp_path, out_dir):
     try:
         metrics = score.run(score.ScoreConfig(reward_funcs=["format"], reward_num_workers=1), path, 2, out_dir)
     finally:
-        reward_workers._close_pools()
+        reward_pools.close_pools()
     assert metrics["rollout/top_answer_frac"] == 1.0 and metrics["top_answer"] == "9"
     assert metrics["rollout/gold_top_answer_frac"] == pytest.approx(2 / 3)
     assert metrics["rollout/frac_identical_groups"] == 1.0 and metrics["rollout/distinct_answers"] == 1

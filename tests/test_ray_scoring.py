@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from stages import reward_workers, score  # noqa: E402
+from stages import reward_pools, score  # noqa: E402
 from stages.reward_workers import RewardFunctionError  # noqa: E402
 from stages.score import ScoreConfig  # noqa: E402
 from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
@@ -30,14 +30,14 @@ def ray_cluster(ray_home):
         try:
             yield address
         finally:
-            reward_workers._close_pools()
+            reward_pools.close_pools()
 
 
 @pytest.fixture(autouse=True)
 def close_pools():
     """Each test's actors leave the cluster's two CPUs to the next test's."""
     yield
-    reward_workers._close_pools()
+    reward_pools.close_pools()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 from cluster import free_port
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from stages import reward_workers, score
+from stages import reward_pools, score
 from stages.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
 from stages.schemas import ROLLOUTS
 from stages.score import ScoreConfig
@@ -33,7 +33,7 @@ NUM_GENERATIONS = 4
 @pytest.fixture(autouse=True)
 def close_pools():
     yield
-    reward_workers._close_pools()
+    reward_pools.close_pools()
     assert mp.active_children() == []
 
 

@@ -17,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from stages import reward_workers, score
-from stages.reward_workers import RewardFunctionError, shared_pool
+from stages import reward_pools, score
+from stages.reward_pools import shared_pool
+from stages.reward_workers import RewardFunctionError
 from stages.schemas import ROLLOUTS, SCORED
 from stages.score import ScoreConfig, gdpo_advantages, group_advantages
 
@@ -40,7 +41,7 @@ IDS = [f"r0-{pid}-g{i % 2}" for i, (pid, _) in enumerate(COMPLETIONS)]
 def close_pools():
     """No test leaves reward workers behind: cached pools are closed after each test."""
     yield
-    reward_workers._close_pools()
+    reward_pools.close_pools()
     assert mp.active_children() == []
 
 
@@ -474,7 +475,7 @@ def test_wrong_number_of_values_names_function(rollouts_path, out_dir, user_rewa
         info.value)
     assert not (out_dir / "scored.parquet").exists()
     assert mp.active_children() == []  # a failed pool kills its workers
-    broken = reward_workers._POOLS[((name,), 1, ScoreConfig().reward_timeout_s, ())]
+    broken = reward_pools._POOLS[((name,), 1, ScoreConfig().reward_timeout_s, ())]
     assert not broken.alive()
     fresh = shared_pool([name], 1, ScoreConfig().reward_timeout_s)
     assert fresh is not broken and fresh.alive()
@@ -585,7 +586,7 @@ def test_two_threads_share_one_pool():
     """Async prefetch scores two rounds from two threads on the process-wide pool: calls take turns."""
     import threading
 
-    from stages.reward_workers import shared_pool
+    from stages.reward_pools import shared_pool
 
     pool = shared_pool(["format"], 2, 30.0)
     jobs = [("format", {"prompts": [[{"role": "user", "content": "?"}]] * 4,

@@ -127,7 +127,7 @@ sys.path.insert(0, {str(ROOT)!r})
 for name in ("PREFECT_API_URL", "PREFECT_HOME", "HF_HUB_OFFLINE", "PREFECT_SERVER_ANALYTICS_ENABLED",
              "PREFECT_CLIENT_MAX_RETRIES", "PREFECT_MEMO_STORE_PATH"):
     os.environ.pop(name, None)
-from flows.cli import embedded_defaults, start_temporary_prefect_server
+from flows.launch import embedded_defaults, start_temporary_prefect_server
 embedded_defaults({str(tmp_path / 'artifacts')!r})
 print(json.dumps({{k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "PREFECT_SERVER_ANALYTICS_ENABLED",
                                                   "PREFECT_CLIENT_MAX_RETRIES", "PREFECT_MEMO_STORE_PATH")}}), flush=True)

@@ -310,7 +310,7 @@ def test_server_down_is_a_clear_error(tiny):
     with pytest.raises(VLLMServerError, match="none of rollout.vllm.server_urls answers.*"
                                               f"no vLLM server answers at {urls[1]}"):
         several.generate(Policy(tiny["base"]), PROMPTS, sampling())
-    from flows.cli import input_errors
+    from flows.launch import input_errors
 
     assert issubclass(VLLMServerError, input_errors())  # `posttrain run` prints it without a traceback
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from stages.reward_workers import SampleError
+from stages.rewards.common import SampleError
 
 REMOTE_PREFIX = "remote:"
 """`remote:<name>` in score.reward_funcs names the verifier `<name>` of score.remote_verifiers."""
