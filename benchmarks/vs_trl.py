@@ -72,11 +72,11 @@ Not equal, by construction (so accuracies differ by sampling noise, not only by 
 - lr schedules other than constant: posttrain's horizon is grpo.lr_schedule_rounds, TRL's is max_steps.
 Options with no TRL counterpart (engine, replay, re-roll, prefetch, ...) apply to posttrain only.
 
-Threads: both sides run with OMP_WAIT_POLICY=PASSIVE (set here unless already set; the posttrain process
-inherits it). On a 2-core machine shared with other torch processes, libgomp's default spin-waiting made
-torch passes slow at random, and far beyond the machine's share: a forward + backward of 64 rows of the
-quickstart policy took 2.5-7 s instead of 0.4 s, and one round of stages.grpo.run 77-93 s instead of ~8 s,
-enough to swamp the comparison; with PASSIVE the same pass took 0.35-0.7 s beside the same load. The
+Threads: both sides run with GOMP_SPINCOUNT=1000, the CLI's default (set here unless already set; the posttrain
+process inherits it; an OMP_WAIT_POLICY set in the environment wins over it). On a 2-core machine shared with
+other torch processes, libgomp's default spin-waiting made torch passes slow at random, and far beyond the
+machine's share (one round of stages.grpo.run 77-93 s instead of ~8 s); sleeping at once (PASSIVE, used
+here until 2026-11-26) made small ops slow on a quiet machine (benchmarks/omp_wait.py). The
 table also shows the machine's load while each side ran: times taken at a load above the core count
 (other work running) are not comparable.
 """
@@ -99,7 +99,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp; see the docstring
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")  # the CLI's default, for both sides; before torch loads libgomp
 
 from quickstart import pinned_seeds, run_once  # noqa: E402  (benchmarks/ is this script's folder)
 
@@ -398,7 +398,7 @@ def main() -> None:
     print(table(results))
     print(f"load: mean 1-minute load average while each side's GRPO ran, on {os.cpu_count()} cores; above the core "
           f"count, other work shared the machine and the times are not comparable. "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     if args.artifacts is None:
         shutil.rmtree(artifacts, ignore_errors=True)
 

@@ -1,0 +1,90 @@
+"""How OpenMP's wait policy changes the optimize stage's time, alone and with a second busy process.
+
+    .venv/bin/python benchmarks/omp_wait.py ARTIFACTS RUN_NAME [--rounds 3 4 5 6 7 8]
+        [--settings OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000 GOMP_SPINCOUNT=10000 default]
+
+Reruns `stages.grpo.run` on the given rounds of a finished run (their manifests: config and inputs) in a
+child process per setting, with 2 torch threads: once alone, then as two identical processes at once (what a
+second run, a rollout worker process or CI does to the cores). Prints the seconds each process spent on the
+rounds. libgomp (torch's OpenMP on Linux) spins GOMP_SPINCOUNT iterations between parallel regions before it
+sleeps (300,000 by default; 1,000, its own "throttled" value, when it sees more threads than CPUs;
+OMP_WAIT_POLICY=PASSIVE: 0), so the setting decides both how fast small ops run alone and how badly spinning
+threads of one process hold the cores another process needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rounds_seconds(artifacts: Path, run: str, rounds: list[int]) -> list[float]:
+    """Seconds of `stages.grpo.run` for each given round of `run` (after one warm-up call), 2 threads."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from stages import grpo
+
+    torch.set_num_threads(2)
+    summary = json.loads((artifacts / "runs" / run / "summary.json").read_text())
+    folders = [Path(s["path"]) for s in summary["stages"] if s["kind"] == "optimize"]
+
+    def once(folder: Path) -> float:
+        manifest = json.loads((folder / "_manifest.json").read_text())
+        config = dict(manifest["config"])
+        round_index, temperature = config.pop("round"), config.pop("temperature")
+        max_completion_length = config.pop("max_completion_length")
+        cfg = grpo.GRPOConfig(**{k: v for k, v in config.items() if k in grpo.GRPOConfig.model_fields})
+        inputs = manifest["inputs"]
+        prev = artifacts / inputs["adapter"] if inputs.get("adapter") else None
+        scored = next((artifacts / inputs["scored"]).glob("*.parquet"))
+        with tempfile.TemporaryDirectory() as out:
+            started = time.perf_counter()
+            grpo.run(cfg, artifacts / inputs["policy"], prev, scored, round_index, temperature,
+                     max_completion_length, Path(out))
+            return time.perf_counter() - started
+
+    once(folders[rounds[0]])
+    return [once(folders[r]) for r in rounds]
+
+
+def child(setting: str, args) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if setting != "default":
+        name, value = setting.split("=")
+        env[name] = value
+    command = [sys.executable, __file__, str(args.artifacts), args.run, "--rounds", *map(str, args.rounds), "--child"]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifacts", type=Path)
+    parser.add_argument("run", help="a finished GRPO run's name (artifacts/runs/<name>)")
+    parser.add_argument("--rounds", type=int, nargs="+", default=[3, 4, 5, 6, 7, 8])
+    parser.add_argument("--settings", nargs="+",
+                        default=["OMP_WAIT_POLICY=PASSIVE", "GOMP_SPINCOUNT=1000", "GOMP_SPINCOUNT=10000", "default"])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(rounds_seconds(args.artifacts, args.run, args.rounds)))
+        return
+    print(f"| setting | alone: s for rounds {args.rounds} | two processes at once: s each |")
+    print("| --- | --- | --- |")
+    for setting in args.settings:
+        alone = sum(json.loads(child(setting, args).communicate()[0]))
+        pair = [child(setting, args) for _ in range(2)]
+        both = [sum(json.loads(p.communicate()[0])) for p in pair]
+        print(f"| {setting} | {alone:.2f} | {both[0]:.2f} / {both[1]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
