@@ -201,17 +201,28 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
     signals = RoundSignals.from_config(cfg.grpo, cfg.grpo.rounds)
 
     def submit(r: int, adapter, version: int) -> None:
+        """Prefetch: round r's rollout and score start on Prefect's thread pool, beside the optimizer."""
         reroll = signals.prompts_to_reroll(r) if signals else []
         rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version, reroll)
         in_flight[r] = (rollouts, score_task.submit(ctx, rollouts, r))
 
-    for r in range(min(lag + 1, cfg.grpo.rounds)):
+    def sampled_and_scored(r: int, adapter) -> tuple:
+        """Round r's rollout and score: prefetched, or (no prefetch) run here, on the flow's thread. Every
+        torch call of a synchronous run stays on one thread: a second thread gets its own OpenMP team, and
+        with more OpenMP threads than cores libgomp barely spins, which made the quickstart's optimize stage
+        ~1.7x slower (BENCHMARKS.md, issue 25)."""
+        if r in in_flight:
+            rollouts_future, scored_future = in_flight.pop(r)
+            return rollouts_future.result(), scored_future.result()
+        rollouts = rollout_task(ctx, policy, adapter, prompts, r, r, signals.prompts_to_reroll(r) if signals else [])
+        return rollouts, score_task(ctx, rollouts, r)
+
+    for r in range(min(lag + 1, cfg.grpo.rounds) if lag else 0):
         submit(r, None, 0)
     adapter, lineage_keys, metrics = None, {}, {}
     for r in range(cfg.grpo.rounds):
         waited = time.perf_counter()
-        rollouts_future, scored_future = in_flight.pop(r)
-        rollouts, scored = rollouts_future.result(), scored_future.result()
+        rollouts, scored = sampled_and_scored(r, adapter)
         waited = time.perf_counter() - waited
         started = time.perf_counter()
         train_on, replaced = scored, []
@@ -221,7 +232,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
                 train_on = replay_task(ctx, scored, replaced, r)
         adapter = optimize_task(ctx, policy, adapter, train_on, r)
         optimize_s = time.perf_counter() - started
-        if r + lag + 1 < cfg.grpo.rounds:
+        if lag and r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
         eval_round(ctx, policy, prompts, adapter, r)
         metrics, summaries = round_metrics(rollouts, scored, adapter)

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages import model_source
+from stages.keys import not_in_key
 from stages.model_source import ModelSource
 
 # ChatML, as Qwen2 uses. `{% generation %}` marks let TRL compute assistant-only masks.
@@ -42,7 +43,7 @@ class BaseModelConfig(BaseModel):
     from the hub cache when HF_HUB_OFFLINE is set or the hub cannot be reached), a local transformers folder
     (config.json, weights, tokenizer) or a .gguf file (dequantized to fp32 once). Unset: build one here
     (the fields below)."""
-    revision: str = "main"
+    revision: str = not_in_key("main")
     """A hub id's branch, tag or commit. The key holds the commit it resolves to: a new commit on the branch,
     a new base model. Hub ids only."""
     vocab_size: int = Field(512, ge=64)

@@ -25,6 +25,7 @@ from typing import Callable, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.keys import key_when_set
 from stages.schemas import write_table
 
 RAW = pa.schema([("question", pa.string()), ("answer", pa.string()), ("teacher_completion", pa.string())])
@@ -59,7 +60,7 @@ class DemoDataConfig(BaseModel):
     """true: each digit that can lead the largest number (5..9 for five numbers) does so for an equal
     share of every split's rows, so the best constant answer is right on only ~1/5 of the prompts. false: numbers
     drawn uniformly, so 9 is the answer of ~56% of the questions and "always 9" looks like skill."""
-    records_per_document: int | None = Field(None, ge=1)
+    records_per_document: int | None = key_when_set(None, ge=1)
     """Set: each row is a raw document (column `text`, for transform.type: text and ebft.mode: strided) of this
     many questions written out as prose, "The largest of 3, 8, 1, 5, 2 is 8." one per line; num_* then count
     documents. The sft split states the teacher's answers (teacher_accuracy), train and eval the true ones.

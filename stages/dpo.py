@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages import checkpoints
 from stages import devices as devices_module
 from stages.devices import DeviceConfig
+from stages.keys import not_in_key
 
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
@@ -83,7 +84,7 @@ class PreferenceOptimizationConfig(BaseModel):
     """Prompt + completion tokens kept per sequence, truncated at the end (TRL `max_length`)."""
     logging_steps: int = Field(10, ge=1)
     """Optimizer steps between metric reports to `on_metrics` (TRL `logging_steps`)."""
-    save_steps: int | None = Field(100, ge=1)
+    save_steps: int | None = not_in_key(100, ge=1)
     """Optimizer steps between checkpoints a rerun resumes from (TRL `save_steps`; stages/checkpoints.py);
     null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
     adapter: Literal["lora", "none"] = "lora"

@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from stages.keys import not_in_key
+
 CONSTANT_POLICY_FRAC = 0.95
 """A policy that gives one answer to at least this share of the prompts is a constant answer."""
 
@@ -34,7 +36,7 @@ class EvalConfig(BaseModel):
     """Evaluate on the first N prompts only; unset: all."""
     max_completion_length: int = Field(16, ge=1)
     batch_size: int = Field(256, ge=1)
-    every_rounds: int | None = Field(None, ge=1)
+    every_rounds: int | None = not_in_key(None, ge=1)
     """GRPO: also evaluate the policy after every N optimize rounds (as TRL's `eval_steps`, in rounds),
     logged as eval/* at step = rounds done; unset: only the base (step 0) and the final model. Lower:
     a finer eval/accuracy curve, one more greedy pass over the eval prompts each time. When to

@@ -47,6 +47,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.imports import LazyModule
+from stages.keys import not_in_key
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
@@ -61,7 +62,7 @@ class GRPOConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rounds: int = Field(12, ge=1)
+    rounds: int = not_in_key(12, ge=1)
     """rollout -> score -> optimize cycles."""
     adapter: Literal["lora", "none"] = "lora"
     """lora: train a PEFT LoRA adapter (reference = adapter disabled). none: full fine-tuning
@@ -134,7 +135,7 @@ class GRPOConfig(BaseModel):
     default: such micro-batches cost a forward and backward for no signal. False: step on them (TRL).
     With loss_type dapo and beta 0 the skipping goes down to rows: only rows with signal run, regrouped so
     a group shares its prompt pass (the step's gradient is the same sum; `trained_rows` counts them)."""
-    replay_buffer_size: int = Field(0, ge=0)
+    replay_buffer_size: int = not_in_key(0, ge=0)
     """Cache up to this many groups with signal (nonzero advantages) and swap them, in later rounds, for the
     round's zero-signal groups (axolotl `replay_buffer_size`; stages/replay.py says how groups are kept and
     drawn). The swapped-in rows are marked `replayed` in the round's replay artifact. Higher: fewer rounds
@@ -144,11 +145,11 @@ class GRPOConfig(BaseModel):
     `replay_recompute_logps`): the stale sample is treated as on-policy, its importance-sampling weight is 1
     and off-policy masking never drops it. False: keep the log-probs of the policy that sampled it, so the
     correction (vllm_importance_sampling_*) and off_policy_mask_threshold weigh it by how stale it is."""
-    reroll_start_fraction: float = Field(1.0, gt=0, le=1)
+    reroll_start_fraction: float = not_in_key(1.0, gt=0, le=1)
     """Re-roll prompts where every completion failed (all rewards 0) in later rounds, from round
     max(1, int(rounds * this)) on (axolotl `reroll_start_fraction`): the model may solve them after some
     training. Rolled-out rows are marked `rerolled`. 1.0 (default): off."""
-    reroll_max_groups: int = Field(1, ge=1)
+    reroll_max_groups: int = not_in_key(1, ge=1)
     """Prompts re-rolled per round at most, taken first-failed first; they replace the last prompts of the
     round's slice (axolotl `reroll_max_groups`). At most rollout.prompts_per_round."""
     mask_truncated_completions: bool = False

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages import checkpoints
 from stages import devices as devices_module
 from stages.devices import DeviceConfig
+from stages.keys import not_in_key
 
 METRIC_PREFIX = "reward_model/"
 KINDS = ("orm", "prm")
@@ -77,7 +78,7 @@ class RewardModelConfig(BaseModel):
     does so for pairs; prm does the same for step sequences); the scorer keeps the last `max_length` tokens."""
     logging_steps: int = Field(10, ge=1)
     """Optimizer steps between metric reports to `on_metrics` (TRL `logging_steps`)."""
-    save_steps: int | None = Field(100, ge=1)
+    save_steps: int | None = not_in_key(100, ge=1)
     """Optimizer steps between checkpoints a rerun resumes from (TRL `save_steps`; stages/checkpoints.py);
     null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
     adapter: Literal["lora", "none"] = "none"

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.engines import Policy, Sampling, engine_lock, get_engine
+from stages.keys import not_in_key
 from stages.schemas import ROLLOUTS, write_table
 
 
@@ -37,7 +38,7 @@ class VLLMOptions(BaseModel):
     """Engine dtype; auto: the run's train.precision (float32 on CPU, bfloat16 on a GPU), the dtype the
     trainer computes in, so that sampling log-probs match the trainer's most closely."""
     tensor_parallel_size: int = Field(1, ge=1)
-    sleep_mode: bool = False
+    sleep_mode: bool = not_in_key(False)
     """vllm, ray_vllm on a GPU (TRL's `vllm_enable_sleep_mode`): after each round's generation the engine
     sleeps (vLLM level 1: weights moved to CPU memory, KV cache freed), so the optimize stage on the same GPU
     gets its memory back; it wakes before the next generation. Costs a weight copy each way per round. vLLM's
@@ -54,14 +55,14 @@ class VLLMOptions(BaseModel):
     """vllm: run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     On a 2-core CPU this is ~1.8x faster than vLLM's default of separate processes, which poll
     each other; set false to get that default (e.g. tensor_parallel_size > 1 on GPUs)."""
-    server_url: str = "http://127.0.0.1:8000"
+    server_url: str = not_in_key("http://127.0.0.1:8000")
     """vllm_server: base URL of `vllm serve` (started by you or by `posttrain serve-vllm`)."""
-    server_urls: list[str] | None = None
+    server_urls: list[str] | None = not_in_key(None)
     """vllm_server: several servers to generate on, data parallel (replaces server_url): each round's
     prompts are shared out among them, the round's adapter is loaded on each, and a server that stops
     answering is dropped with a warning, its prompts re-sent to the others. Per-prompt seeds: the same
     completions whichever server samples a prompt."""
-    server_timeout_s: float = Field(300.0, gt=0)
+    server_timeout_s: float = not_in_key(300.0, gt=0)
     """vllm_server: per-request timeout."""
     server_adapter_root: str | None = None
     """vllm_server: the artifacts folder as the server sees it, when it runs on another host
@@ -93,21 +94,21 @@ class AtroposOptions(BaseModel):
     api_url: str = "http://127.0.0.1:8000"
     """Atropos' API server (`run-api`). Atropos' default port; part of the round's batch key (another API
     is another stream of batches)."""
-    start_api: bool = True
+    start_api: bool = not_in_key(True)
     """Start `run-api` (from `api_command`) when api_url is on this host and nothing answers there; posttrain
     stops it at the end of the run, but a killed run leaves it running, so the resumed run finds it with the
     environments still attached. false: fail with a message saying what to start."""
-    api_command: str = "run-api"
+    api_command: str = not_in_key("run-api")
     """The `run-api` executable: a name on PATH or beside this Python, or a path."""
-    api_start_timeout_s: float = Field(60.0, gt=0)
+    api_start_timeout_s: float = not_in_key(60.0, gt=0)
     """How long `run-api` may take to answer after it is started."""
-    policy_url: str = "http://127.0.0.1:9100"
+    policy_url: str = not_in_key("http://127.0.0.1:9100")
     """Where posttrain serves the current policy to the environments (OpenAI-compatible, model name
     `policy`): point each environment's `--openai.base_url` at this URL + /v1."""
     max_token_len: int = Field(512, ge=8)
     """Longest prompt + completion in tokens (registered; environments drop longer sequences).
     Higher: longer reasoning fits, more memory per sequence."""
-    batch_timeout_s: float = Field(900.0, gt=0)
+    batch_timeout_s: float = not_in_key(900.0, gt=0)
     """How long one round may wait for the API to have a full batch before the run fails (the error
     names the API and says to start an environment)."""
     wandb_project: str = "posttrain"
@@ -128,17 +129,17 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: Literal["prompts", "atropos"] = "prompts"
+    source: Literal["prompts", "atropos"] = not_in_key("prompts")
     """prompts: each round samples the train split's prompts here. atropos: each round pulls one scored
     batch from Atropos environments (rollout.atropos; stages/atropos.py), which sample the policy posttrain
     serves with `engine`; a batch is prompts_per_round groups of num_generations sequences."""
-    atropos: AtroposOptions = Field(default_factory=AtroposOptions)
+    atropos: AtroposOptions = not_in_key(default_factory=AtroposOptions)
     engine: Literal["transformers", "vllm", "vllm_server", "ray_vllm"] = "transformers"
     """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
     across rounds. vllm_server: external `vllm serve --enable-lora` servers. ray_vllm: vLLM engines
     in Ray actors, kept across rounds (rollout.ray_vllm)."""
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)
-    ray_vllm: RayVLLMOptions = Field(default_factory=RayVLLMOptions)
+    ray_vllm: RayVLLMOptions = not_in_key(default_factory=RayVLLMOptions)
     rollout_func: str | None = None
     """`module.fn`: your own rollout, fn(prompts, engine, policy, sampling, tokenizer) -> one dict per
     prompt with completion_token_ids, sampling_logprobs (and optionally completion, finish_reason)."""
@@ -153,23 +154,23 @@ class RolloutConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     generation_batch_size: int = Field(256, ge=1)
     """transformers engine: sequences per generate call. Higher: faster, more memory."""
-    async_prefetch: bool = False
+    async_prefetch: bool = not_in_key(False)
     """Generate round r+1 (from the newest finished policy) while round r optimizes."""
-    prefetch_depth: int = Field(1, ge=1)
+    prefetch_depth: int = not_in_key(1, ge=1)
     """How many rounds ahead rollouts may be generated."""
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = not_in_key(1, ge=0)
     """Most optimize rounds a rollout's policy may lag its round; 0 = synchronous."""
-    prefetch_torch_threads: int | None = Field(None, ge=1)
+    prefetch_torch_threads: int | None = not_in_key(None, ge=1)
     """While prefetching, torch's intra-op threads for each side (the rollout thread and the
     optimizer thread); unset: torch's default (all cores each). On 2 cores, 1 each measured
     slower than the default (BENCHMARKS.md)."""
-    worker_process: bool = False
+    worker_process: bool = not_in_key(False)
     """Generate in a separate long-lived process (stages/rollout_worker.py) with its own GIL and
     torch threads, so a prefetched rollout runs truly beside the optimizer; the engine is kept
     there across rounds. Off: rollouts run in the flow's process."""
-    worker_cpus: list[int] | None = None
+    worker_cpus: list[int] | None = not_in_key(None)
     """CPU cores the rollout worker is pinned to (needs worker_process); unset: all cores."""
-    trainer_cpus: list[int] | None = None
+    trainer_cpus: list[int] | None = not_in_key(None)
     """CPU cores the flow's process (optimizer, and reward workers it spawns) is pinned to while
     the rounds run; unset: all. With worker_cpus it splits the machine between engine and trainer."""
     seed: int = 0

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.health import collapse_metrics
+from stages.keys import not_in_key
 from stages.reward_pools import shared_pool
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source
 from stages.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
@@ -70,10 +71,10 @@ class ScoreConfig(BaseModel):
     """One weight per reward function; unset: all 1.0."""
     reward_num_workers: int = Field(2, ge=1)
     """Workers scoring in parallel: subprocesses, or Ray actors with `backend: ray`."""
-    backend: Literal["local", "ray"] = "local"
+    backend: Literal["local", "ray"] = not_in_key("local")
     """local: worker subprocesses of this run. ray: actors on a Ray cluster (`ray`), same contract
     (timeouts, dead workers replaced, reward_on_error); not part of the stage key (same scores)."""
-    ray: RayScoringConfig = Field(default_factory=RayScoringConfig)
+    ray: RayScoringConfig = not_in_key(default_factory=RayScoringConfig)
     reward_timeout_s: float = Field(60.0, gt=0)
     """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
     sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer

@@ -19,6 +19,7 @@ from stages import checkpoints
 from stages import devices as devices_module
 from stages.devices import DeviceConfig
 from stages.distributed import per_device
+from stages.keys import not_in_key
 
 
 class SFTConfig(BaseModel):
@@ -39,7 +40,7 @@ class SFTConfig(BaseModel):
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = 0.0
     seed: int = 0
-    save_steps: int | None = Field(100, ge=1)
+    save_steps: int | None = not_in_key(100, ge=1)
     """Optimizer steps between checkpoints a rerun resumes from (TRL/HF `save_steps`; stages/checkpoints.py);
     null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
 

@@ -38,6 +38,7 @@ from stages import (
 )
 from stages.engines import Policy, import_eagerly
 from stages.imports import user_code
+from stages.keys import key_fields
 from stages.reward_workers import split_reward_funcs
 from stages.rewards import BUILTIN_REWARDS
 from stages.rollout_worker import shared_worker
@@ -162,8 +163,7 @@ def _with_reads(section: dict, code: list[str] = (), builtins: dict | None = Non
 @task(name="demo_data", cache_policy=NO_CACHE)
 def demo_data_task(ctx: RunContext) -> Artifact:
     cfg = ctx.config.demo_data
-    section = cfg.model_dump(mode="json", exclude={"records_per_document"} if cfg.records_per_document is None else None)
-    return materialize(ctx, "demo_data", demo_data, section, {},
+    return materialize(ctx, "demo_data", demo_data, key_fields(cfg), {},
                        lambda out, _: demo_data.run(cfg, out))
 
 
@@ -191,7 +191,7 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     completion_field = ctx.config.sft.completion_field
     # before the key: a hub id's commit (downloaded into the hub cache if it is not there), a path's kind
     source = model_source.resolve(cfg.path, cfg.revision) if cfg.path else None
-    options = cfg.model_dump(mode="json", exclude={"revision"})  # a hub id's revision: as the commit it names
+    options = key_fields(cfg)  # a hub id's revision: as the commit it names (below)
     if source:  # the fields that build a model here (sizes, seed) make nothing of a model read from a path
         options = {"path": cfg.path}
     if source and source.commit:  # a hub id: the commit it resolved to, not the id alone
@@ -240,17 +240,11 @@ def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_
     return {**summary, "num_processes": processes}
 
 
-def _trained_section(cfg) -> dict:
-    """A training stage's section for its key: without `save_steps`, which says when checkpoints are
-    written, not what is trained (a resumed run ends with the same weights)."""
-    return cfg.model_dump(mode="json", exclude={"save_steps"})
-
-
 @task(name="sft", cache_policy=NO_CACHE)
 def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     cfg = ctx.config.sft
     return materialize(
-        ctx, "sft", sft, runs_model(ctx, _trained_section(cfg)), {"model": model, "prompts": prompts},
+        ctx, "sft", sft, runs_model(ctx, key_fields(cfg)), {"model": model, "prompts": prompts},
         lambda out, log, work: run_training(ctx, sft.run, "sft", log, cfg=cfg, model_dir=model.path,
                                             prompts_path=prompts.file(f"{cfg.split}.parquet"), out_dir=out,
                                             work_dir=work, devices=placement(ctx)),
@@ -258,15 +252,12 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
     )
 
 
-EVAL_SCHEDULE_KEYS = ("every_rounds",)  # when to evaluate, not what: not part of an eval's key
-
-
 @task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
 def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
               adapter: Artifact | None = None, version: int = -1) -> Artifact:
     """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round."""
     cfg = ctx.config.eval
-    section = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in EVAL_SCHEDULE_KEYS}
+    section = key_fields(cfg)
     evaluated = policy_for(ctx, model, adapter, version)
     if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/ebft_strided.py)
         bar = ctx.reporter.progress(f"eval {label}", "document")
@@ -301,15 +292,6 @@ def _strided_section(ctx: RunContext) -> dict:
             if k in ("stride", "context_length", "generate_max_len", "feature_layers", "embed_method")}
 
 
-def _round_section(section: dict, round_index: int) -> dict:
-    """A round's key depends on its index, never on how many rounds the run has."""
-    return {**{k: v for k, v in section.items() if k != "rounds"}, "round": round_index}
-
-
-ASYNC_KEYS = ("async_prefetch", "prefetch_depth", "max_staleness", "prefetch_torch_threads", "worker_process",
-              "worker_cpus", "trainer_cpus")  # when and where, not what: not part of a rollout's key
-
-
 def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
     """The sampling policy after `version` optimize rounds (adapter: that round's output)."""
     if adapter is None:
@@ -324,15 +306,13 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     cfg = ctx.config.rollout
-    section = {k: v for k, v in cfg.model_dump(mode="json").items()
-               if k not in ASYNC_KEYS and k not in ("source", "atropos")}  # source: prompts (atropos_batch_task)
+    section = key_fields(cfg)
     handed = rollout.engine_options(cfg, 0, placement(ctx))  # the vllm options this engine gets
-    section.pop("ray_vllm")  # where ray_vllm's engines run, not what they sample
-    vllm = {k: handed[k] for k in section.pop("vllm") if k in handed  # dtype auto: as resolved
-            and k not in ("server_url", "server_urls", "server_timeout_s", "sleep_mode")}  # sleep: same samples
+    vllm = {k: handed[k] for k in key_fields(cfg.vllm) if k in handed}  # dtype auto: as resolved
+    section.pop("vllm")
     if vllm:
         section["vllm"] = vllm
-    section = _with_reads(runs_model(ctx, {**_round_section(section, round_index), "policy_version": policy_version}),
+    section = _with_reads(runs_model(ctx, {**section, "round": round_index, "policy_version": policy_version}),
                           [cfg.rollout_func] if cfg.rollout_func else [])
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
         section["reroll_prompt_ids"] = list(reroll_prompt_ids)
@@ -359,10 +339,6 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     )
 
 
-ATROPOS_WHERE_KEYS = ("start_api", "api_command", "api_start_timeout_s", "policy_url", "batch_timeout_s")
-"""rollout.atropos options that say where and how long, not which batches: not part of a batch's key."""
-
-
 def atropos_batch_size(ctx: RunContext) -> int:
     """Sequences per pulled batch (registered with the API): prompts_per_round groups of num_generations."""
     return ctx.config.rollout.prompts_per_round * ctx.config.rollout.num_generations
@@ -375,7 +351,7 @@ def atropos_batch_task(ctx: RunContext, session, policy: Artifact, adapter: Arti
     anything trains on it. Its key: the registration (API, batch size, max token length), the round, and
     the policy being served when it was pulled; a resumed run finds it and asks the API for no other."""
     cfg = ctx.config.rollout
-    section = {"source": "atropos", **cfg.atropos.model_dump(mode="json", exclude=set(ATROPOS_WHERE_KEYS)),
+    section = {"source": "atropos", **key_fields(cfg.atropos),
                "batch_size": atropos_batch_size(ctx), "num_generations": cfg.num_generations, "round": round_index,
                # what the policy server samples with (the environment asks for temperature and length itself)
                **{k: getattr(cfg, k) for k in ("engine", "temperature", "top_p", "max_completion_length")}}
@@ -412,8 +388,7 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifac
         )
     rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
-    where = {"backend", "ray"}  # where the functions run: the same scores either way
-    section = {**cfg.model_dump(mode="json", exclude=where), "num_generations": n}
+    section = {**key_fields(cfg), "num_generations": n}
     if rm or folders:  # a reward model runs: its precision changes the scores
         section = runs_model(ctx, section)
     section = _with_reads(section, functions, BUILTIN_REWARDS, folders)
@@ -436,19 +411,13 @@ def replay_task(ctx: RunContext, scored: Artifact, replacements: list, round_ind
     )
 
 
-ROUND_STATE_KEYS = ("replay_buffer_size", "reroll_start_fraction", "reroll_max_groups")
-"""grpo options that act across rounds, through the optimize stage's inputs (the replay artifact, the
-rollouts' re-rolled prompts), not inside it: not part of an optimize key."""
-
-
 @task(name="optimize", task_run_name="optimize-r{round_index}", cache_policy=NO_CACHE)
 def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, scored: Artifact,
                   round_index: int) -> Artifact:
     cfg = ctx.config.grpo
     temperature = ctx.config.rollout.temperature
     max_len = ctx.config.rollout.max_completion_length
-    options = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ROUND_STATE_KEYS}
-    section = runs_model(ctx, {**_round_section(options, round_index), "temperature": temperature,
+    section = runs_model(ctx, {**key_fields(cfg), "round": round_index, "temperature": temperature,
                                "max_completion_length": max_len})
     ce_coef = ctx.config.ebft.ce_coef if ctx.config.rl == "ebft" else 0.0
     if ce_coef:  # only then: a key without it stays the GRPO one
@@ -485,7 +454,7 @@ def preferences_task(ctx: RunContext) -> Artifact:
 def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artifact, label: str) -> Artifact:
     cfg = ctx.config.dpo
     return materialize(
-        ctx, "dpo", dpo, runs_model(ctx, _trained_section(cfg)), {"policy": policy, "preferences": prefs},
+        ctx, "dpo", dpo, runs_model(ctx, key_fields(cfg)), {"policy": policy, "preferences": prefs},
         lambda out, log, work: run_training(ctx, dpo.run, label, log, cfg=cfg, model_dir=policy.path,
                                             preferences_dir=prefs.path, out_dir=out, work_dir=work,
                                             devices=placement(ctx)),
@@ -497,7 +466,7 @@ def preference_optimization_task(ctx: RunContext, policy: Artifact, prefs: Artif
 def reward_model_task(ctx: RunContext, policy: Artifact, prefs: Artifact) -> Artifact:
     cfg = ctx.config.reward_model
     return materialize(
-        ctx, "reward_model", reward_model, runs_model(ctx, _trained_section(cfg)), {"policy": policy, "preferences": prefs},
+        ctx, "reward_model", reward_model, runs_model(ctx, key_fields(cfg)), {"policy": policy, "preferences": prefs},
         lambda out, log, work: run_training(ctx, reward_model.run, "reward_model", log, cfg=cfg,
                                             model_dir=policy.path, preferences_dir=prefs.path, out_dir=out,
                                             work_dir=work, devices=placement(ctx)),

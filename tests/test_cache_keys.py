@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from pydantic import ValidationError
 
 from conftest import computed
 from stages.imports import source_digest
@@ -222,3 +223,142 @@ def test_where_training_runs_is_not_part_of_its_key(key_of, tmp_path):
         assert key_of(stage_tasks.optimize_task, config, policy, None, scored, 0) == \
             key_of(stage_tasks.optimize_task, {}, policy, None, scored, 0)
         assert key_of(stage_tasks.sft_task, config, policy, prompts) == key_of(stage_tasks.sft_task, {}, policy, prompts)
+
+
+RUN_OPTIONS = {
+    # option -> (another valid value, with what it needs, the stage tasks whose key must not change)
+    "model.revision": ("v2", {}, ["base_model"]),
+    "sft.save_steps": (7, {}, ["sft"]),
+    "dpo.save_steps": (7, {}, ["dpo"]),
+    "reward_model.save_steps": (7, {}, ["reward_model"]),
+    "eval.every_rounds": (3, {}, ["eval"]),
+    "grpo.rounds": (99, {}, ["optimize", "rollout"]),
+    "grpo.replay_buffer_size": (64, {}, ["optimize"]),
+    "grpo.reroll_start_fraction": (0.5, {}, ["optimize"]),
+    "grpo.reroll_max_groups": (2, {}, ["optimize"]),
+    "score.backend": ("ray", {}, ["score"]),
+    "score.ray": ({"num_cpus": 3}, {}, ["score"]),
+    "rollout.async_prefetch": (True, {}, ["rollout"]),
+    "rollout.prefetch_depth": (2, {"rollout.async_prefetch": True, "rollout.max_staleness": 2}, ["rollout"]),
+    "rollout.max_staleness": (0, {}, ["rollout"]),
+    "rollout.prefetch_torch_threads": (1, {}, ["rollout"]),
+    "rollout.worker_process": (True, {}, ["rollout"]),
+    "rollout.worker_cpus": ([0], {"rollout.worker_process": True}, ["rollout"]),
+    "rollout.trainer_cpus": ([1], {}, ["rollout"]),
+    "rollout.ray_vllm": ({"num_engines": 2}, {}, ["rollout"]),
+    "rollout.source": ("atropos", {}, ["rollout"]),
+    "rollout.atropos": ({"api_url": "http://elsewhere:8000"}, {}, ["rollout"]),
+    "rollout.vllm.sleep_mode": (True, {}, ["rollout"]),
+    "rollout.vllm.server_url": ("http://elsewhere:8000", {}, ["rollout"]),
+    "rollout.vllm.server_urls": (["http://a:8000", "http://b:8000"], {}, ["rollout"]),
+    "rollout.vllm.server_timeout_s": (5.0, {}, ["rollout"]),
+    "rollout.atropos.start_api": (False, {}, ["atropos"]),
+    "rollout.atropos.api_command": ("/opt/run-api", {}, ["atropos"]),
+    "rollout.atropos.api_start_timeout_s": (5.0, {}, ["atropos"]),
+    "rollout.atropos.policy_url": ("http://127.0.0.1:9999", {}, ["atropos"]),
+    "rollout.atropos.batch_timeout_s": (5.0, {}, ["atropos"]),
+}
+"""Every field declared `not_in_key` (stages/keys.py), with a value to change it to and the stages it must not
+change the key of. A field declared so and missing here fails `test_run_options_are_listed`."""
+
+
+def declared_outside_keys() -> set[str]:
+    """The option paths of every field whose class declares it outside the key."""
+    from flows.config import PipelineConfig
+    from stages.keys import key_rule
+
+    found, pending = set(), [("", PipelineConfig)]
+    while pending:
+        prefix, model = pending.pop()
+        for name, field in model.model_fields.items():
+            path = f"{prefix}{name}"
+            if prefix and key_rule(model, name) is False:
+                found.add(path)
+            for kind in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(kind, type) and hasattr(kind, "model_fields"):
+                    pending.append((path + ".", kind))
+    return found
+
+
+def test_run_options_are_listed():
+    assert declared_outside_keys() == set(RUN_OPTIONS)
+
+
+def stage_keys(key_of, config: dict, tmp_path: Path) -> dict[str, str]:
+    """{stage: the key its task would look up} for one config dict (the stages it can key without a run)."""
+    a = {s: artifact(s, tmp_path) for s in ("sft", "transform", "rollout", "score", "preferences", "demo_data")}
+    tasks = {
+        "demo_data": (stage_tasks.demo_data_task,),
+        "sft": (stage_tasks.sft_task, a["sft"], a["transform"]),
+        "eval": (stage_tasks.eval_task, a["sft"], a["transform"], "base"),
+        "rollout": (stage_tasks.rollout_task, a["sft"], None, a["transform"], 1, 1),
+        "atropos": (stage_tasks.atropos_batch_task, None, a["sft"], None, 1),
+        "score": (stage_tasks.score_task, a["rollout"], 1),
+        "optimize": (stage_tasks.optimize_task, a["sft"], None, a["score"], 1),
+        "dpo": (stage_tasks.preference_optimization_task, a["sft"], a["preferences"], "dpo"),
+        "reward_model": (stage_tasks.reward_model_task, a["sft"], a["preferences"]),
+    }
+    if not (config.get("model") or {}).get("path"):  # a path is resolved (read) before the key
+        tasks["base_model"] = (stage_tasks.base_model_task, a["transform"])
+    return {stage: key_of(task, config, *args) for stage, (task, *args) in tasks.items()}
+
+
+def with_option(config: dict, path: str, value) -> dict:
+    config = {**config}
+    *sections, name = path.split(".")
+    node = config
+    for section in sections:
+        node[section] = dict(node.get(section) or {})
+        node = node[section]
+    node[name] = value
+    return config
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")),
+                         ids=lambda p: p.name)
+def test_which_options_change_which_stage_key(key_of, tmp_path, path):
+    """For each config of configs/: every run option (RUN_OPTIONS) changed alone leaves its stages' keys as they
+    are; and one option of each stage's own section changes that stage's key, nothing upstream of it."""
+    from flows.config import load_config
+
+    config = load_config(str(path), []).model_dump(mode="json", exclude_unset=True)
+    config.pop("name", None)
+    before, refused = stage_keys(key_of, config, tmp_path), []
+    for option, (value, needs, stages) in RUN_OPTIONS.items():
+        changed = config
+        for need, need_value in {**needs, option: value}.items():
+            changed = with_option(changed, need, need_value)
+        try:
+            after = stage_keys(key_of, changed, tmp_path)
+        except ValidationError:  # refused for this config (e.g. replay under Atropos): not an option of it
+            refused.append(option)
+            continue
+        for stage in stages:
+            if stage in before:
+                assert after[stage] == before[stage], f"{path.name}: {option} changed the {stage} key"
+    assert len(refused) <= len(RUN_OPTIONS) // 3, refused
+    changes = {"grpo.learning_rate": ["optimize"], "rollout.temperature": ["rollout", "optimize", "atropos"],
+               "eval.max_completion_length": ["eval"], "sft.learning_rate": ["sft"], "dpo.rl_beta": ["dpo"],
+               "score.reward_weights": [], "demo_data.num_train": ["demo_data"]}
+    for option, stages in changes.items():
+        section, name = option.split(".")
+        current = getattr(getattr(load_config(str(path), []), section), name)
+        other = {"grpo.learning_rate": 3.3e-4, "rollout.temperature": 0.55, "eval.max_completion_length": 9,
+                 "sft.learning_rate": 3.3e-4, "dpo.rl_beta": 0.33, "demo_data.num_train": 1234}.get(option, current)
+        after = stage_keys(key_of, with_option(config, option, other), tmp_path)
+        assert {s for s in before if after[s] != before[s]} == set(stages), f"{path.name}: {option}"
+
+
+def test_key_fields_leave_out_what_the_class_declares():
+    from pydantic import BaseModel
+
+    from stages.keys import key_fields, key_when_set, not_in_key
+
+    class Section(BaseModel):
+        lr: float = 1e-3
+        save_steps: int = not_in_key(100, ge=1)
+        added_later: int | None = key_when_set(None)
+
+    assert key_fields(Section()) == {"lr": 1e-3}
+    assert key_fields(Section(save_steps=5)) == {"lr": 1e-3}
+    assert key_fields(Section(added_later=3)) == {"lr": 1e-3, "added_later": 3}
