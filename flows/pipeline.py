@@ -43,6 +43,7 @@ from tasks.stage_tasks import (
     atropos_batch_size,
     atropos_batch_task,
     atropos_score_task,
+    ebft_score_task,
     policy_for,
     replay_task,
     rollout_task,
@@ -108,8 +109,10 @@ def eval_metrics(summary: dict) -> dict:
     return {f"eval/{k}": summary[k] for k in EVAL_METRICS if k in summary}
 
 
-def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
+def run_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, features=None) -> tuple:
     """rollout -> score -> optimize, grpo.rounds times; returns (last adapter, lineage keys, last metrics).
+    `scoring`: (the score task, its keyword arguments besides ctx, rollouts, round); `features`: rl: ebft's
+    feature model, for strided evals.
 
     Synchronous (lag 0): round r samples from the policy after r optimize rounds. With
     rollout.async_prefetch, lag L = min(prefetch_depth, max_staleness): round r samples
@@ -124,7 +127,7 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
     if cfg.lag() and cfg.prefetch_torch_threads:
         threads = cfg.prefetch_torch_threads
     if threads is None:  # nothing to pin: a fully cached run never imports torch
-        return _rounds(ctx, policy, prompts, log_round, cfg.lag())
+        return _rounds(ctx, policy, prompts, log_round, cfg.lag(), scoring, features)
     import torch
 
     threads_before, cpus_before = torch.get_num_threads(), os.sched_getaffinity(0)
@@ -132,18 +135,19 @@ def run_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
         os.sched_setaffinity(0, cfg.trainer_cpus)
     torch.set_num_threads(threads)
     try:
-        return _rounds(ctx, policy, prompts, log_round, cfg.lag())
+        return _rounds(ctx, policy, prompts, log_round, cfg.lag(), scoring, features)
     finally:
         torch.set_num_threads(threads_before)
         os.sched_setaffinity(0, cpus_before)
 
 
-def eval_round(ctx: RunContext, policy, prompts, adapter, r: int) -> None:
+def eval_round(ctx: RunContext, policy, prompts, adapter, r: int, features=None) -> None:
     """eval.every_rounds: evaluate the policy after r + 1 rounds (base, step 0, and final are evaluated by
     the flow)."""
     cfg = ctx.config
     if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
-        evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
+        evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1,
+                              feature_model=features)
         ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
 
 
@@ -156,6 +160,23 @@ def round_metrics(rollouts, scored, adapter) -> tuple[dict, dict]:
     # per reward function, and rl: ebft's feature-matching statistics
     metrics.update({k: v for k, v in summaries["score"].items() if k.startswith(("rewards/", "ebft/"))})
     return metrics, summaries
+
+
+def finish_round(r: int, rollouts, scored, adapter, times: dict, log_round, lineage_keys: dict,
+                 extra_metrics: dict | None = None, extra_lineage: dict | None = None) -> dict:
+    """A finished round's bookkeeping, the same for every kind of round: its metrics (round_metrics, the
+    stages' times, `extra_metrics`) logged through `log_round`, and its artifacts' keys added to
+    `lineage_keys` as round_<r>. Returns the metrics."""
+    metrics, summaries = round_metrics(rollouts, scored, adapter)
+    metrics.update(extra_metrics or {})
+    metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
+                    "time/score_s": scored.manifest["wall_time_s"],
+                    **{f"time/{name}": seconds for name, seconds in times.items()}})
+    log_round(metrics, r, scored, adapter)
+    lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
+                                  "policy_version": summaries["rollout"].get("policy_version", r),
+                                  **(extra_lineage or {})}
+    return metrics
 
 
 def _atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
@@ -182,20 +203,16 @@ def _atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
             adapter = optimize_task(ctx, policy, adapter, scored, r)
             optimize_s = time.perf_counter() - started
             eval_round(ctx, policy, prompts, adapter, r)
-            metrics, summaries = round_metrics(rollouts, scored, adapter)
-            metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
-                            "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
-                            "time/waiting_s": waited})
-            log_round(metrics, r, scored, adapter)
-            lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
-                                          "policy_version": summaries["rollout"].get("policy_version", r)}
+            metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
+                                   log_round, lineage_keys)
     finally:
         session.close()
     return adapter, lineage_keys, metrics
 
 
-def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
+def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int, scoring: tuple, features) -> tuple:
     cfg = ctx.config
+    score, score_kwargs = scoring
     in_flight: dict[int, tuple] = {}
     # replay buffer + re-roll queue: rebuilt from the (cached) scored rounds on every run, in round order
     signals = RoundSignals.from_config(cfg.grpo, cfg.grpo.rounds)
@@ -204,7 +221,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         """Prefetch: round r's rollout and score start on Prefect's thread pool, beside the optimizer."""
         reroll = signals.prompts_to_reroll(r) if signals else []
         rollouts = rollout_task.submit(ctx, policy, adapter, prompts, r, version, reroll)
-        in_flight[r] = (rollouts, score_task.submit(ctx, rollouts, r))
+        in_flight[r] = (rollouts, score.submit(ctx, rollouts, r, **score_kwargs))
 
     def sampled_and_scored(r: int, adapter) -> tuple:
         """Round r's rollout and score: prefetched, or (no prefetch) run here, on the flow's thread. Every
@@ -215,7 +232,7 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
             rollouts_future, scored_future = in_flight.pop(r)
             return rollouts_future.result(), scored_future.result()
         rollouts = rollout_task(ctx, policy, adapter, prompts, r, r, signals.prompts_to_reroll(r) if signals else [])
-        return rollouts, score_task(ctx, rollouts, r)
+        return rollouts, score(ctx, rollouts, r, **score_kwargs)
 
     for r in range(min(lag + 1, cfg.grpo.rounds) if lag else 0):
         submit(r, None, 0)
@@ -234,17 +251,10 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int) -> tuple:
         optimize_s = time.perf_counter() - started
         if lag and r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
-        eval_round(ctx, policy, prompts, adapter, r)
-        metrics, summaries = round_metrics(rollouts, scored, adapter)
-        if signals:
-            metrics.update(signals.metrics(len(replaced), summaries["rollout"].get("rerolled_prompts", 0)))
-        metrics.update({"time/generate_s": summaries["rollout"].get("generate_s", 0.0),
-                        "time/score_s": scored.manifest["wall_time_s"], "time/optimize_s": optimize_s,
-                        "time/waiting_s": waited})
-        log_round(metrics, r, scored, adapter)
-        lineage_keys[f"round_{r}"] = {"rollout": rollouts.key, "score": scored.key, "optimize": adapter.key,
-                                      "policy_version": summaries["rollout"].get("policy_version", r),
-                                      **({"replay": train_on.key} if replaced else {})}
+        eval_round(ctx, policy, prompts, adapter, r, features)
+        extra = signals.metrics(len(replaced), rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
+        metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
+                               log_round, lineage_keys, extra, {"replay": train_on.key} if replaced else {})
     return adapter, lineage_keys, metrics
 
 
@@ -348,8 +358,7 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
         announce(ctx, message, logging.INFO)
         ctx.lineage.set_tags(parent, {f"transform.source_rows.{source['key']}": source["rows"],
                                       f"transform.source.{source['key']}": source["source"]})
-    ctx.dropped_rows = prompts.manifest["summary"].get("dropped", {})  # transform.on_bad_rows: drop
-    for split, dropped in ctx.dropped_rows.items():
+    for split, dropped in prompts.manifest["summary"].get("dropped", {}).items():  # transform.on_bad_rows: drop
         message = (f"transform: dropped {dropped['rows']} bad row(s) of split {split!r} (transform.on_bad_rows: "
                    f"drop), rows {dropped['indices'][:10]}: {dropped['reasons'][0]}")
         announce(ctx, message, logging.WARNING)
@@ -365,22 +374,27 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     return prompts, base, policy
 
 
-def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dict) -> tuple:
-    """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds).
-    With `reward_model` among score.reward_funcs, a reward model is trained first on the preferences; rl: ebft
-    scores with the starting policy's features instead of score.reward_funcs."""
+def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dict, features=None) -> tuple:
+    """The GRPO rounds, logged to the parent run: (last adapter, last round's metrics, wall seconds, each
+    round's metrics, health findings). With `reward_model` among score.reward_funcs, a reward model is trained
+    first on the preferences; rl: ebft scores with the `features` model (the starting policy) instead of
+    score.reward_funcs."""
     started = time.perf_counter()
-    if ctx.config.rl == "ebft":  # the frozen feature network: the policy the rounds start from (stages/ebft.py)
-        ctx.feature_model = policy
+    if ctx.config.rl == "ebft":  # the frozen feature network (stages/ebft.py)
+        scoring = (ebft_score_task, {"feature_model": features})
     elif "reward_model" in ctx.config.score.reward_funcs:
         prefs = log_preferences(ctx, parent, preferences_task(ctx))
-        ctx.reward_model = reward_model_task(ctx, policy, prefs)
-        summary = ctx.reward_model.manifest["summary"]
+        reward_model = reward_model_task(ctx, policy, prefs)
+        summary = reward_model.manifest["summary"]
         for key in ("eval_pairwise_accuracy", "eval_step_accuracy"):  # ORM / PRM
             if summary.get(key) is not None:
                 ctx.lineage.log_metrics(parent, {f"reward_model/{key}": summary[key]})
-        lineage_keys.update(preferences=prefs.key, reward_model=ctx.reward_model.key)
-    history = ctx.round_history
+        lineage_keys.update(preferences=prefs.key, reward_model=reward_model.key)
+        scoring = (score_task, {"reward_model": reward_model})
+    else:
+        scoring = (score_task, {})
+    history: list[dict] = []  # each round's metrics, for the run's summary table
+    findings_so_far: list[dict] = []  # out-of-range round metrics (stages/health.py)
     unpublished: list[tuple[dict, int, list]] = []  # cached rounds: (metrics, round, completions), logged together
 
     def log_round(metrics: dict, r: int, scored, adapter) -> None:
@@ -416,7 +430,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
             if not ctx.reporter.quiet:
                 ctx.reporter.console.print(f"health: round {r}: {f.metric} = {f.value:.4g} (healthy: {f.range}): "
                                            f"{f.message}", soft_wrap=True, markup=False, style="yellow")
-        ctx.health_findings.extend({"round": r, **f.as_dict()} for f in findings)
+        findings_so_far.extend({"round": r, **f.as_dict()} for f in findings)
         stop = [f for f in findings if f.fatal or cfg.on_unhealthy == "stop"]
         ctx.lineage.set_tags(parent, {"health": "stopped" if stop else "warnings",
                                       **{f"health.warning.{f.metric}": f"round {r}: {f.message}" for f in findings}})
@@ -425,7 +439,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
             raise TrainingUnhealthy(r, stop, quarantined)
 
     try:
-        adapter, round_keys, round_metrics = run_rounds(ctx, policy, prompts, log_round)
+        adapter, round_keys, round_metrics = run_rounds(ctx, policy, prompts, log_round, scoring, features)
     finally:
         close_engines()
         close_workers()
@@ -433,7 +447,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
     wall_s = time.perf_counter() - started
     ctx.lineage.log_metrics(parent, {"time/rounds_wall_s": wall_s})
     lineage_keys.update(round_keys)
-    return adapter, round_metrics, wall_s
+    return adapter, round_metrics, wall_s, history, findings_so_far
 
 
 def log_preferences(ctx: RunContext, parent: str, prefs):
@@ -490,13 +504,16 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         lineage.log_metrics(parent, eval_metrics(base_eval.manifest["summary"]), step=0)
 
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}"}
+        features = policy if cfg.rl == "ebft" else None  # EBFT's frozen feature model: the starting policy
+        history, findings = [], []
         if not cfg.uses_rounds:
             adapter, round_metrics, rounds_wall_s = optimize_preferences(ctx, parent, policy, lineage_keys)
         else:
-            adapter, round_metrics, rounds_wall_s = grpo_rounds(ctx, parent, policy, prompts, lineage_keys)
+            adapter, round_metrics, rounds_wall_s, history, findings = grpo_rounds(ctx, parent, policy, prompts,
+                                                                                  lineage_keys, features)
 
         exported = export_task(ctx, policy, adapter, lineage_keys, round_metrics)
-        final_eval = eval_task(ctx, exported, prompts, label="final")
+        final_eval = eval_task(ctx, exported, prompts, label="final", feature_model=features)
         base_summary, final_summary = base_eval.manifest["summary"], final_eval.manifest["summary"]
         base_acc, final_acc = base_summary["accuracy"], final_summary["accuracy"]
         constant_baseline = final_summary.get("constant_baseline")  # same prompts as base: same baseline
@@ -510,7 +527,8 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
                                   "exported_model": str(exported.path)})
         from flows import retrain
 
-        promotion = retrain.promote(ctx, parent, version, exported, final_eval, prompts)  # champion or challenger
+        promotion = retrain.promote(ctx, parent, version, exported, final_eval, prompts,  # champion or challenger
+                                    feature_model=features)
         if not quiet:
             reporter.console.print(f"promotion: {promotion['reason']}", soft_wrap=True, markup=False)
         results = {
@@ -531,8 +549,8 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "registered_model_version": version,
             "promotion": promotion,
             "rounds_wall_s": rounds_wall_s,
-            "health": ctx.health_findings,  # grpo_rounds' out-of-range metrics (stages/health.py)
-            "dropped_rows": ctx.dropped_rows,  # transform.on_bad_rows: drop: per split, count, indices, reasons
+            "health": findings,  # grpo_rounds' out-of-range metrics (stages/health.py)
+            "dropped_rows": prompts.manifest["summary"].get("dropped", {}),  # transform.on_bad_rows: drop: per split
             "source_rows": prompts.manifest["summary"].get("sources", []),  # transform.datasets: rows per source
             **({"preference_accuracy_base": adapter.manifest["summary"].get("eval_accuracy_before"),
                 "preference_accuracy_final": adapter.manifest["summary"].get("eval_accuracy_after")}
@@ -542,7 +560,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "mlflow_ui": ui_command(root),
         }
         (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
-        publish_summary(cfg.name, results, ctx.round_history)
+        publish_summary(cfg.name, results, history)
         lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
     except BaseException:
         lineage.finish("FAILED")

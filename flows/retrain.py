@@ -299,8 +299,9 @@ def starting_policy(ctx, parent: str):
     return artifact
 
 
-def promote(ctx, parent: str, version: str, exported, final_eval, prompts) -> dict:
-    """Give the run's registered version the alias `champion` or `challenger`; return what and why."""
+def promote(ctx, parent: str, version: str, exported, final_eval, prompts, feature_model=None) -> dict:
+    """Give the run's registered version the alias `champion` or `challenger`; return what and why.
+    `feature_model`: rl: ebft's, for a strided eval of the champion on the same features."""
     from tasks.stage_tasks import eval_task
 
     cfg, name = ctx.config.promotion, ctx.config.export.model_name
@@ -318,7 +319,8 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts) -> di
         if (source.stage, source.key) == (exported.stage, exported.key):  # the very same model: same numbers
             champion_value = value
         else:
-            champion_value = float(eval_task(ctx, source, prompts, label="champion").manifest["summary"][key])
+            champion_value = float(eval_task(ctx, source, prompts, label="champion",
+                                             feature_model=feature_model).manifest["summary"][key])
         better = value >= champion_value + cfg.min_gain
         alias = "champion" if better else "challenger"
         reason = (f"{name} v{version} {'becomes champion' if better else 'stays challenger'}: {cfg.metric} "

@@ -15,7 +15,10 @@ its worker on a sample costs only that sample, whose reply says so with NeMo Gym
 client (stages/rewards/remote.py) gives such a sample its own reward_on_error and errors entry.
 Requests that arrive while the pool is busy are scored together in its next call (batched per function).
 
-No authentication: it listens on loopback unless --host says otherwise.
+Who may call: with a token (`--token`, or the POSTTRAIN_REWARDS_TOKEN environment variable) every route but
+/health answers 401 to a request without `Authorization: Bearer <token>` and scores nothing; a run's
+`remote_verifiers.<name>.token_env` names the variable its workers send. Without a token it listens on
+loopback only: another --host without one is refused (stages/bearer.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
+from stages.bearer import authorized, server_token
 from stages.reward_pools import shared_pool
 from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
 from stages.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
@@ -132,9 +136,14 @@ class Scorer:
         return replies
 
 
-def create_app(score_cfg):
-    """The FastAPI app serving score_cfg's reward functions."""
-    from fastapi import Body, FastAPI, HTTPException
+TOKEN_ENV = "POSTTRAIN_REWARDS_TOKEN"
+"""Environment variable holding the server's bearer token when --token is not given."""
+
+
+def create_app(score_cfg, token: str | None = None):
+    """The FastAPI app serving score_cfg's reward functions; with `token`, only to callers that send it."""
+    from fastapi import Body, FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
 
     scorer = Scorer(score_cfg)
 
@@ -150,6 +159,13 @@ def create_app(score_cfg):
         close_pools()
 
     app = FastAPI(title="posttrain reward functions", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def bearer_token(request: Request, call_next):
+        if request.url.path != "/health" and not authorized(request.headers.get("authorization"), token):
+            return JSONResponse({"detail": "missing or wrong bearer token (Authorization: Bearer <token>)"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     def functions(route: str | None) -> list[str]:
         if route is None:
@@ -198,8 +214,10 @@ def create_app(score_cfg):
 def add_arguments(p):
     p.add_argument("config", help="YAML config whose score section names the reward functions")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. score.reward_timeout_s=30")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only; there is "
-                                                      "no authentication, so expose it only on a trusted network)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only; any other "
+                                                      "needs a token)")
+    p.add_argument("--token", default=None, help=f"bearer token callers must send (default: ${TOKEN_ENV}; "
+                                                 "required off loopback)")
     p.add_argument("--port", type=int, default=8001, help="port (default 8001)")
     return p
 
@@ -211,8 +229,13 @@ def serve_command(args) -> int:
     from flows.config import ConfigError, load_config
 
     try:
+        token = server_token(args.host, args.token, TOKEN_ENV, "posttrain serve-rewards", "--token")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         cfg = load_config(args.config, args.overrides)
-        app = create_app(cfg.score)
+        app = create_app(cfg.score, token)
     except (ConfigError, ValueError) as e:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2
@@ -220,7 +243,7 @@ def serve_command(args) -> int:
     print(f"serving reward_funcs {cfg.score.reward_funcs} on http://{args.host}:{args.port}/verify "
           f"(and {routes}); {cfg.score.reward_num_workers} workers, timeout {cfg.score.reward_timeout_s:g} s",
           flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: listening on {args.host} without authentication", file=sys.stderr)
+    if token:
+        print("callers must send Authorization: Bearer <token>", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

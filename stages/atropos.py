@@ -42,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
+from stages.bearer import authorized, server_token
 from stages.rollout import AtroposOptions
 
 log = logging.getLogger("posttrain.atropos")
@@ -274,7 +275,9 @@ class PolicyServer:
     choice `token_ids` (as with vLLM's `return_token_ids`), the sampled tokens' log-probs with
     `logprobs: true`, and `policy_version`: the optimize rounds behind the weights that sampled."""
 
-    def __init__(self, url: str, engine, policy):
+    def __init__(self, url: str, engine, policy, token: str | None = None):
+        """Serve on `url`'s host and port; with `token`, every route but /health answers 401 to a request
+        without `Authorization: Bearer <token>`."""
         self.engine, self.policy = engine, policy
         self._lock = threading.Lock()
         self._requests = 0
@@ -294,9 +297,18 @@ class PolicyServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                if authorized(self.headers.get("Authorization"), token):
+                    return False
+                self._reply(401, {"error": {"message": "missing or wrong bearer token (the environment's "
+                                                       "--openai.api_key)"}})
+                return True
+
             def do_GET(self):
                 if self.path.rstrip("/") in ("/health", ""):
                     return self._reply(200, {"status": "ok"})
+                if self._refused():
+                    return None
                 if self.path.rstrip("/") == "/v1/models":
                     return self._reply(200, {"object": "list", "data": [
                         {"id": MODEL_NAME, "object": "model", "owned_by": "posttrain",
@@ -304,6 +316,8 @@ class PolicyServer:
                 self._reply(404, {"error": {"message": f"no route {self.path}"}})
 
             def do_POST(self):
+                if self._refused():
+                    return None
                 if self.path.rstrip("/") != "/v1/chat/completions":
                     return self._reply(404, {"error": {"message": f"no route {self.path}; this server has "
                                                                   "/v1/chat/completions only"}})
@@ -403,17 +417,31 @@ class AtroposSession:
         """Start what is missing and register; `starting_step`: the first round this run pulls."""
         if self.server is not None:
             return
+        token = self.policy_server_token()  # before anything starts: a missing token stops the run here
         self.api_process = ensure_api(self.opts, self.artifacts_dir / "atropos")
         body = registration(self.opts, self.batch_size, self.num_steps, self.artifacts_dir / "atropos",
                             starting_step)
         register(self.opts, body)
         try:
-            self.server = PolicyServer(self.opts.policy_url, self.make_engine(), self.policy)
+            self.server = PolicyServer(self.opts.policy_url, self.make_engine(), self.policy, token)
         except OSError as e:
             raise AtroposError(f"rollout.atropos.policy_url: cannot serve the policy at {self.opts.policy_url} "
                                f"({e}); pick a free port") from e
         log.info("atropos: registered with %s (batch %d sequences); serving the policy at %s/v1",
                  self.opts.api_url, self.batch_size, self.opts.policy_url)
+
+    def policy_server_token(self) -> str | None:
+        """The bearer token the policy server requires ($policy_token_env); None on loopback without one.
+        AtroposError when the variable is named but unset, or policy_url is off loopback without a token."""
+        env_var = self.opts.policy_token_env
+        if env_var and not os.environ.get(env_var):
+            raise AtroposError(f"rollout.atropos.policy_token_env names {env_var}, which is not set in this "
+                               "environment")
+        try:
+            return server_token(urlparse(self.opts.policy_url).hostname, None, env_var or "",
+                                "rollout.atropos.policy_url", "rollout.atropos.policy_token_env")
+        except ValueError as e:
+            raise AtroposError(str(e)) from e
 
     def close(self) -> None:
         """Stop the policy server, and the run-api this session started (a killed run leaves its run-api

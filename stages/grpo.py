@@ -47,7 +47,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.imports import LazyModule
-from stages.keys import not_in_key
+from stages.keys import key_when_set, not_in_key
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
@@ -88,6 +88,13 @@ class GRPOConfig(BaseModel):
     `grad_norm` is the norm before clipping."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay of the optimizer (AdamW's, Adafactor's); 0 as TRL."""
+    adam_beta1: float | None = key_when_set(None, ge=0, lt=1)
+    """AdamW's first-moment decay (TRL/HF `adam_beta1`, axolotl's too); unset: 0.9, torch's and TRL's default.
+    adamw and adamw_8bit only (another optim refuses it)."""
+    adam_beta2: float | None = key_when_set(None, ge=0, lt=1)
+    """AdamW's second-moment decay (`adam_beta2`); unset: 0.999. adamw and adamw_8bit only."""
+    adam_epsilon: float | None = key_when_set(None, gt=0)
+    """AdamW's denominator epsilon (`adam_epsilon`); unset: 1e-8. adamw and adamw_8bit only."""
     optim: Literal["adamw", "adamw_8bit", "adafactor", "sgd"] = "adamw"
     """Optimizer (TRL/axolotl `optim`). adamw: torch AdamW, two fp32 moments per weight. adafactor:
     transformers' Adafactor with a fixed learning rate (scale_parameter=False, relative_step=False):
@@ -196,6 +203,14 @@ class GRPOConfig(BaseModel):
     the quickstart's 64-row micro-batches). False: one plain forward over prompt and completion per
     micro-batch, as TRL. FSDP (`train.strategy: fsdp`) always runs the plain forward (module docstring)."""
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _adam_options_need_adam(self):
+        given = [f"adam_{n}" for n in ("beta1", "beta2", "epsilon") if getattr(self, f"adam_{n}") is not None]
+        if given and self.optim not in ("adamw", "adamw_8bit"):
+            raise ValueError(f"{', '.join(given)}: AdamW's options, but optim is {self.optim}, which does not read "
+                             "them; remove them or use optim: adamw")
+        return self
 
     @model_validator(mode="after")
     def _schedule_has_a_horizon(self):
@@ -498,8 +513,10 @@ def dapo_normalizer(steps: list[list[list[dict]]], step_index: int, masked_out: 
 
 def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The optimizer named by `grpo.optim` over `params`, at the peak learning rate."""
+    adam = {"betas": (0.9 if cfg.adam_beta1 is None else cfg.adam_beta1, 0.999 if cfg.adam_beta2 is None else
+                      cfg.adam_beta2), "eps": 1e-8 if cfg.adam_epsilon is None else cfg.adam_epsilon}
     if cfg.optim == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **adam)
     if cfg.optim == "sgd":
         return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     if cfg.optim == "adafactor":
@@ -519,7 +536,7 @@ def make_optimizer(cfg: GRPOConfig, params: list[torch.Tensor]) -> torch.optim.O
             raise ValueError(f"grpo.optim: adamw_8bit needs bitsandbytes, which does not import here ({e}); "
                              "pip install bitsandbytes (its 8-bit optimizers need a CUDA GPU), "
                              "or use grpo.optim: adamw") from e
-        return bitsandbytes.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        return bitsandbytes.optim.AdamW8bit(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **adam)
     raise ValueError(f"grpo.optim: unknown {cfg.optim!r}; use adamw, adamw_8bit, adafactor or sgd")
 
 

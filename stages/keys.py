@@ -34,11 +34,22 @@ def key_rule(model: type[BaseModel], name: str):
 
 def key_fields(section: BaseModel) -> dict:
     """`section` as JSON without the fields its class declares `not_in_key` (nor `key_when_set` ones that are
-    None). Nested sections keep all their fields: a task that keys one reads it with key_fields itself."""
+    None), and so on down into nested sections (also those in a dict or list)."""
     values = section.model_dump(mode="json")
     kept = {}
     for name, value in values.items():
         rule = key_rule(type(section), name)
         if rule is True or (rule == "when_set" and value is not None):
-            kept[name] = value
+            kept[name] = _nested(getattr(section, name), value)
     return kept
+
+
+def _nested(field, dumped):
+    """A field's key value: its JSON, with nested sections filtered by key_fields."""
+    if isinstance(field, BaseModel):
+        return key_fields(field)
+    if isinstance(field, dict) and any(isinstance(v, BaseModel) for v in field.values()):
+        return {k: _nested(v, dumped[k]) for k, v in field.items()}
+    if isinstance(field, (list, tuple)) and any(isinstance(v, BaseModel) for v in field):
+        return [_nested(v, d) for v, d in zip(field, dumped)]
+    return dumped

@@ -105,6 +105,10 @@ class AtroposOptions(BaseModel):
     policy_url: str = not_in_key("http://127.0.0.1:9100")
     """Where posttrain serves the current policy to the environments (OpenAI-compatible, model name
     `policy`): point each environment's `--openai.base_url` at this URL + /v1."""
+    policy_token_env: str | None = not_in_key(None)
+    """The environment variable holding the bearer token the policy server requires (give it to each
+    environment as `--openai.api_key`; it is sent as `Authorization: Bearer <token>`). Unset: no token, which is
+    allowed only when policy_url is on loopback (stages/bearer.py)."""
     max_token_len: int = Field(512, ge=8)
     """Longest prompt + completion in tokens (registered; environments drop longer sequences).
     Higher: longer reasoning fits, more memory per sequence."""

@@ -29,7 +29,7 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.health import collapse_metrics
 from stages.keys import not_in_key
@@ -86,7 +86,14 @@ class ScoreConfig(BaseModel):
     """Completions per call of a reward function."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO).
-    Only for `sum_then_normalize`; `normalize_then_sum` always ends with a batch normalization, as TRL."""
+    Only for `sum_then_normalize`; `normalize_then_sum` always ends with a batch normalization, as TRL.
+    TRL's booleans are accepted: true is group, false is none."""
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_booleans(cls, value):
+        """TRL's `scale_rewards: true | false` (its older values) as the names it now uses."""
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """TRL's option of the same name. sum_then_normalize (GRPO, TRL's default): weighted sum of the reward
     functions, then group advantages. normalize_then_sum (GDPO): normalize each function within the group,

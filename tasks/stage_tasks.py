@@ -55,11 +55,6 @@ class RunContext:
         self.store = store
         self.lineage = lineage
         self.reporter = reporter
-        self.reward_model: Artifact | None = None  # this run's reward_model stage, when reward_funcs use it
-        self.feature_model: Artifact | None = None  # rl: ebft: the frozen policy whose features score rounds
-        self.round_history: list[dict] = []  # each GRPO round's metrics, for the run's summary table
-        self.health_findings: list[dict] = []  # out-of-range round metrics (stages/health.py)
-        self.dropped_rows: dict = {}  # bad prompt rows the transform left out, per split (on_bad_rows: drop)
 
 
 def placement(ctx: RunContext) -> devices.DeviceConfig:
@@ -254,14 +249,15 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
 
 @task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
 def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
-              adapter: Artifact | None = None, version: int = -1) -> Artifact:
-    """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round."""
+              adapter: Artifact | None = None, version: int = -1, feature_model: Artifact | None = None) -> Artifact:
+    """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round.
+    `feature_model` (rl: ebft, strided): whose features compare continuations; unset: `model`'s."""
     cfg = ctx.config.eval
     section = key_fields(cfg)
     evaluated = policy_for(ctx, model, adapter, version)
     if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/ebft_strided.py)
         bar = ctx.reporter.progress(f"eval {label}", "document")
-        features = ctx.feature_model or model  # before the rounds: the policy they start from
+        features = feature_model or model  # before the rounds: the policy they start from
         return materialize(
             ctx, "eval", ebft_strided, runs_model(ctx, {**section, "ebft": _strided_section(ctx)}),
             {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
@@ -373,20 +369,27 @@ def atropos_score_task(ctx: RunContext, rollouts: Artifact, round_index: int) ->
     )
 
 
+@task(name="score", task_run_name="ebft-score-r{round_index}", cache_policy=NO_CACHE)
+def ebft_score_task(ctx: RunContext, rollouts: Artifact, round_index: int, feature_model: Artifact) -> Artifact:
+    """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy (stages/ebft.py)."""
+    n, scale = ctx.config.rollout.num_generations, ctx.config.score.scale_rewards
+    section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
+                               "scale_rewards": scale})
+    return materialize(
+        ctx, "score", ebft, section, {"rollouts": rollouts, "feature_model": feature_model},
+        lambda out, _: ebft.run(ctx.config.ebft, rollouts.file("rollouts.parquet"), feature_model.path, n,
+                                scale, out, devices=placement(ctx)),
+        label=f"score r{round_index}",
+    )
+
+
 @task(name="score", task_run_name="score-r{round_index}", cache_policy=NO_CACHE)
-def score_task(ctx: RunContext, rollouts: Artifact, round_index: int) -> Artifact:
+def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_model: Artifact | None = None) -> Artifact:
+    """score.reward_funcs on the round's rollouts; `reward_model`: this run's reward_model stage, for the
+    `reward_model` entry of reward_funcs."""
     cfg = ctx.config.score
     n = ctx.config.rollout.num_generations
-    if ctx.config.rl == "ebft":  # feature-matching rewards from the frozen starting policy (stages/ebft.py)
-        section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
-                                   "scale_rewards": cfg.scale_rewards})
-        return materialize(
-            ctx, "score", ebft, section, {"rollouts": rollouts, "feature_model": ctx.feature_model},
-            lambda out, _: ebft.run(ctx.config.ebft, rollouts.file("rollouts.parquet"), ctx.feature_model.path, n,
-                                    cfg.scale_rewards, out, devices=placement(ctx)),
-            label=f"score r{round_index}",
-        )
-    rm = ctx.reward_model if "reward_model" in cfg.reward_funcs else None
+    rm = reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
     section = {**key_fields(cfg), "num_generations": n}
     if rm or folders:  # a reward model runs: its precision changes the scores

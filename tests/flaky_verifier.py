@@ -48,3 +48,12 @@ def refuses_long(completions, **kwargs):
 
     return [SampleError(f"{len(completion_text(c))} characters is too long") if len(completion_text(c)) > 10
             else 1.0 for c in completions]
+
+
+def logs_calls(completions, **kwargs):
+    """1.0 per completion; appends one line per call to $CALLS_LOG (a test reads whether it was called)."""
+    import os
+
+    with open(os.environ["CALLS_LOG"], "a") as log:
+        log.write(f"{len(completions)}\n")
+    return [1.0] * len(completions)

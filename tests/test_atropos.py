@@ -239,3 +239,42 @@ def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tmp_path
     assert all(0 <= r["policy_version"] <= r["round_index"] for r in rows)
     summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
     assert summary["final_accuracy"] is not None
+
+
+def test_policy_server_with_a_token_answers_only_callers_that_send_it(tmp_path, monkeypatch):
+    """rollout.atropos.policy_token_env: the policy server answers 401 (sampling nothing) without the bearer
+    token an environment sends as its --openai.api_key; off loopback it refuses to start without one."""
+    import httpx
+
+    from conftest import tiny_model
+    from stages import atropos
+    from stages.engines import Policy, get_engine
+    from stages.rollout import AtroposOptions
+
+    tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
+                          for i in range(50)])
+    model = tmp_path / "model"
+    url = f"http://127.0.0.1:{free_port()}"
+    server = atropos.PolicyServer(url, get_engine("transformers", model, {"batch_size": 8}), Policy(model, version=0),
+                                  token="env-key")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "say 7"}], "max_tokens": 2}
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert server._requests == 0  # nothing sampled
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+                            headers={"Authorization": "Bearer env-key"})
+        assert answer.status_code == 200 and answer.json()["choices"]
+    finally:
+        server.close()
+
+    monkeypatch.delenv("POLICY_TOKEN", raising=False)
+    exposed = atropos.AtroposSession(AtroposOptions(policy_url="http://0.0.0.0:9", start_api=False), None, 8, 1,
+                                     tmp_path)
+    with pytest.raises(atropos.AtroposError, match="listening on 0.0.0.0 needs a bearer token"):
+        exposed.policy_server_token()
+    named = atropos.AtroposSession(AtroposOptions(policy_token_env="POLICY_TOKEN", start_api=False), None, 8, 1,
+                                   tmp_path)
+    with pytest.raises(atropos.AtroposError, match="policy_token_env names POLICY_TOKEN, which is not set"):
+        named.policy_server_token()

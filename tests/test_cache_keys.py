@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -274,6 +275,8 @@ def declared_outside_keys() -> set[str]:
             path = f"{prefix}{name}"
             if prefix and key_rule(model, name) is False:
                 found.add(path)
+            if typing.get_origin(field.annotation) in (dict, list):  # named entries: tested where they are used
+                continue
             for kind in (field.annotation, *getattr(field.annotation, "__args__", ())):
                 if isinstance(kind, type) and hasattr(kind, "model_fields"):
                     pending.append((path + ".", kind))

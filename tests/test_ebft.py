@@ -184,15 +184,17 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
     monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
                         **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
 
-    def context(config: dict, feature_model: str = "policy"):
-        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
-                                     lineage=None, reporter=Quiet())
-        ctx.feature_model = artifact(feature_model, tmp_path)
-        return ctx
+    def context(config: dict):
+        return stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                      lineage=None, reporter=Quiet())
 
     rollouts, policy, scored = (artifact(s, tmp_path) for s in ("rollout", "sft", "score"))
-    score_key = lambda config, feature_model="policy": stage_tasks.score_task.fn(  # noqa: E731
-        context(config, feature_model), rollouts, 0)
+
+    def score_key(config: dict, feature_model: str = "policy") -> str:
+        if config.get("rl") == "ebft":
+            return stage_tasks.ebft_score_task.fn(context(config), rollouts, 0, artifact(feature_model, tmp_path))
+        return stage_tasks.score_task.fn(context(config), rollouts, 0)
+
     optimize_key = lambda config: stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0)  # noqa: E731
     ebft_run = {"rl": "ebft"}
     keys = {score_key(ebft_run), score_key(ebft_run, "other_policy"), score_key({"rl": "grpo"}),

@@ -239,12 +239,10 @@ def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
     monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
                         **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
 
-    def context(ebft_options: dict, feature_model: str | None = None):
+    def context(ebft_options: dict):
         config = {"rl": "ebft", "ebft": {"mode": "strided", **ebft_options}}
-        ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
-                                     lineage=None, reporter=Quiet())
-        ctx.feature_model = artifact(feature_model, tmp_path) if feature_model else None
-        return ctx
+        return stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),
+                                      lineage=None, reporter=Quiet())
 
     policy, prompts = artifact("sft", tmp_path), artifact("transform", tmp_path)
     rollout_key = lambda options: stage_tasks.rollout_task.fn(context(options), policy, None, prompts, 0, 0)  # noqa: E731
@@ -252,8 +250,9 @@ def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
             rollout_key({"generate_max_len": 4})}
     assert len(keys) == 4
     assert rollout_key({"diversity_coef": 0.5}) == rollout_key({})  # scoring, not sampling
-    eval_key = lambda feature_model: stage_tasks.eval_task.fn(context({}, feature_model), policy, prompts,  # noqa: E731
-                                                              label="final")
+    eval_key = lambda feature_model: stage_tasks.eval_task.fn(  # noqa: E731
+        context({}), policy, prompts, label="final",
+        feature_model=artifact(feature_model, tmp_path) if feature_model else None)
     assert len({eval_key(None), eval_key("sft"), eval_key("other_policy")}) == 2  # None: the evaluated model itself
 
 

@@ -244,6 +244,24 @@ def test_adamw_state_from_before_optim_existed_still_loads(tiny):
     assert again["optimizer_state"] == "loaded"
 
 
+def test_adam_betas_and_epsilon_reach_adamw_and_stay_out_of_the_default_key(tiny):
+    """TRL/axolotl's adam_beta1, adam_beta2, adam_epsilon: AdamW gets them (its saved param_groups say so);
+    unset they are torch's defaults and no key holds them; another optimizer refuses them."""
+    from stages.keys import key_fields
+
+    root, rows = tiny
+    scored = _scored(root, "betas", rows)
+    _, _, default = _run(root, scored, "betas_default")
+    _, _, tuned = _run(root, scored, "betas_tuned", adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    group = _optimizer_state(tuned)["state_dict"]["param_groups"][0]
+    assert tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6
+    assert tuple(_optimizer_state(default)["state_dict"]["param_groups"][0]["betas"]) == (0.9, 0.999)
+    assert not any(k.startswith("adam_") for k in key_fields(grpo.GRPOConfig()))
+    assert key_fields(grpo.GRPOConfig(adam_beta2=0.95))["adam_beta2"] == 0.95
+    with pytest.raises(ValidationError, match=r"adam_beta1: AdamW's options, but optim is sgd"):
+        grpo.GRPOConfig(optim="sgd", adam_beta1=0.8)
+
+
 def test_adamw_8bit_without_a_cuda_gpu_is_a_clear_error(tiny):
     root, rows = tiny
     with pytest.raises(ValueError, match=r"grpo.optim: adamw_8bit .*needs a CUDA GPU"):

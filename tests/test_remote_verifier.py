@@ -340,6 +340,7 @@ def test_score_key_has_the_verifier_url_and_version_not_code(monkeypatch, tmp_pa
     assert key(url="http://a:1") == base
     assert key(url="http://b:1") != base
     assert key(url="http://a:1", version="v2") != base
+    assert key(url="http://a:1", token_env="REWARDS_TOKEN") == base  # who may call, not what it computes
 
 
 def load_config_dict(data: dict):
@@ -360,3 +361,45 @@ def test_a_function_returning_sample_errors_fails_only_those_samples(tmp_path):
         else:
             assert r["rewards"] == [("flaky_verifier.refuses_long", 1.0)] and r["errors"] == []
     assert 0 < metrics["score/errors"] < len(rows)
+
+
+def test_serve_rewards_with_a_token_refuses_callers_without_it(tmp_path, monkeypatch):
+    """`--token`: a request without the bearer token (or with another) gets 401 and no reward function runs; a
+    run whose remote verifier names the token's variable (`token_env`) scores through it."""
+    config = tmp_path / "rewards.yaml"
+    config.write_text("score:\n  reward_funcs: [flaky_verifier.logs_calls]\n  reward_num_workers: 1\n")
+    calls = tmp_path / "calls.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "CALLS_LOG": str(calls), "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    proc = start_server([sys.executable, "-m", "flows.cli", "serve-rewards", str(config), "--port", str(port),
+                         "--token", "s3cret"], url, env=env)
+    try:
+        body = verify_request([{"role": "user", "content": "say 7"}], "7", {"answer": "7"})
+        assert httpx.post(f"{url}/verify", json=body).status_code == 401
+        wrong = httpx.post(f"{url}/verify", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "bearer token" in wrong.json()["detail"]
+        assert not calls.exists()  # nothing was scored
+        good = httpx.post(f"{url}/verify", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert good.status_code == 200 and good.json()["reward"] == 1.0
+        assert calls.read_text() == "1\n"
+
+        monkeypatch.setenv("REWARDS_TOKEN", "s3cret")
+        verifier = RemoteVerifier(RemoteVerifierConfig(url=url, token_env="REWARDS_TOKEN", retries=0))
+        assert verifier([[{"role": "user", "content": "say 7"}]], ["7"], answer=["7"]) == [1.0]
+        anonymous = RemoteVerifier(RemoteVerifierConfig(url=url, retries=0))
+        assert "401" in str(anonymous([[{"role": "user", "content": "say 7"}]], ["7"], answer=["7"])[0])
+    finally:
+        stop(proc)
+
+
+def test_serve_rewards_off_loopback_needs_a_token(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "rewards.yaml"
+    config.write_text("score:\n  reward_funcs: [accuracy]\n")
+    monkeypatch.delenv("POSTTRAIN_REWARDS_TOKEN", raising=False)
+    assert main(["serve-rewards", str(config), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "listening on 0.0.0.0 needs a bearer token" in err and "--token" in err
+    monkeypatch.setenv("RUN_TOKEN", "")
+    with pytest.raises(ValueError, match="token_env names RUN_TOKEN, which is not set"):
+        RemoteVerifier(RemoteVerifierConfig(url="http://127.0.0.1:1", token_env="RUN_TOKEN"))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 import torch
 
 from stages import reward_pools, score
@@ -336,6 +337,9 @@ def test_config_validation():
         ScoreConfig(multi_objective_aggregation="gdpo")
     assert ScoreConfig().multi_objective_aggregation == "sum_then_normalize"  # TRL's default
     assert ScoreConfig().reward_on_error == 0.0
+    # TRL's booleans, as a YAML file writes them: true is GRPO's group scaling, false Dr. GRPO's none
+    assert ScoreConfig.model_validate(yaml.safe_load("scale_rewards: true")).scale_rewards == "group"
+    assert ScoreConfig.model_validate(yaml.safe_load("scale_rewards: false")).scale_rewards == "none"
 
 
 def test_unknown_reward_fails_fast_in_parent(rollouts_path, out_dir):

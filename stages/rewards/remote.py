@@ -34,6 +34,8 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from stages.bearer import client_headers
+from stages.keys import not_in_key
 from stages.rewards.common import SampleError
 
 REMOTE_PREFIX = "remote:"
@@ -67,8 +69,11 @@ class RemoteVerifierConfig(BaseModel):
     (posttrain serve-rewards only). Fewer round trips; a request that fails costs all its samples."""
     version: str | None = None
     """A label for what the service computes, e.g. its git commit. The score stage's key holds every option
-    here, the URL included, but not the service's code: change `version` when the service's scoring
-    changes behind the same URL, or cached scores of the old service are reused."""
+    here, the URL included (token_env excepted), but not the service's code: change `version` when the
+    service's scoring changes behind the same URL, or cached scores of the old service are reused."""
+    token_env: str | None = not_in_key(None)
+    """The environment variable that holds the service's bearer token (`posttrain serve-rewards --token`),
+    sent as `Authorization: Bearer <token>`; unset: no header. Not in the key (who may call, not what)."""
 
     def worst_case_s(self) -> float:
         """Longest one request can take with its retries and backoff."""
@@ -157,6 +162,7 @@ class RemoteVerifier:
         import httpx
 
         self.cfg = cfg
+        self.auth = client_headers(cfg.token_env, f"remote verifier {cfg.url}")
         self.client = httpx.Client(timeout=cfg.timeout_s,
                                    limits=httpx.Limits(max_connections=cfg.max_concurrency,
                                                        max_keepalive_connections=cfg.max_concurrency))
@@ -197,7 +203,8 @@ class RemoteVerifier:
             if attempt:
                 time.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
             try:
-                r = self.client.post(url, content=content, headers={"content-type": "application/json"})
+                r = self.client.post(url, content=content, headers={"content-type": "application/json",
+                                                                     **self.auth})
             except httpx.TimeoutException:
                 error = _Failed(f"TimeoutError: no answer from {url} within {self.cfg.timeout_s:g} s", retry=True)
             except httpx.TransportError as e:  # refused, reset, server died mid-request

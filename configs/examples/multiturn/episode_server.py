@@ -13,19 +13,36 @@ verifier (`remote:episode`).
 
 The task is read from the question, as a rollout_func sees only the prompts: "Which is the largest of
 3, 8, 5?" (the demo data) or "say 7" (the tests' tiny policy).
+
+Who may call: with EPISODE_SERVER_TOKEN set, /run and /verify answer 401 to a request without
+`Authorization: Bearer <token>` (multiturn_rollout.py sends the same variable's value; a remote verifier sets
+`token_env: EPISODE_SERVER_TOKEN`). Serve it off loopback only with a token.
 """
 
 from __future__ import annotations
 
 import re
 
+import os
+
 import httpx
-from fastapi import Body, FastAPI, HTTPException
+from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from stages.bearer import authorized
 
 MAX_TURNS = 2
 FEEDBACK = "That is not it. Answer again, as <answer>N</answer>."
 
 app = FastAPI(title="multi-turn episode server")
+
+
+@app.middleware("http")
+async def bearer_token(request: Request, call_next):
+    """With EPISODE_SERVER_TOKEN set, only callers that send it are served."""
+    if not authorized(request.headers.get("authorization"), os.environ.get("EPISODE_SERVER_TOKEN") or None):
+        return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
+    return await call_next(request)
 
 
 def solve(question: str) -> str:

@@ -117,7 +117,10 @@ def last_model_turn(reply: dict) -> dict:
 def run_episodes(prompts, engine, policy, sampling, tokenizer) -> list[dict]:
     """One episode per prompt on EPISODE_SERVER_URL's /run; one rollout row per episode (its last model turn)."""
     server_url = os.environ.get("EPISODE_SERVER_URL", DEFAULT_SERVER_URL).rstrip("/")
-    with PolicyEndpoint(engine, policy, sampling) as model_url, httpx.Client(timeout=RUN_TIMEOUT_S) as client:
+    token = os.environ.get("EPISODE_SERVER_TOKEN")  # the server's bearer token, when it requires one
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with PolicyEndpoint(engine, policy, sampling) as model_url, \
+            httpx.Client(timeout=RUN_TIMEOUT_S, headers=headers) as client:
         def episode(prompt) -> dict:
             r = client.post(f"{server_url}/run",
                             json={"responses_create_params": {"input": prompt}, "model_url": model_url})
