@@ -258,6 +258,7 @@ RUN_OPTIONS = {
     "rollout.atropos.api_start_timeout_s": (5.0, {}, ["atropos"]),
     "rollout.atropos.policy_url": ("http://127.0.0.1:9999", {}, ["atropos"]),
     "rollout.atropos.batch_timeout_s": (5.0, {}, ["atropos"]),
+    "rollout.atropos.policy_token_env": ("POLICY_TOKEN", {}, ["atropos"]),
 }
 """Every field declared `not_in_key` (stages/keys.py), with a value to change it to and the stages it must not
 change the key of. A field declared so and missing here fails `test_run_options_are_listed`."""
