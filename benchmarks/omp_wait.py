@@ -34,7 +34,7 @@ def rounds_seconds(artifacts: Path, run: str, rounds: list[int], rollout_thread:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from stages import grpo
+    from recompute_optimize import rerun  # same directory
 
     torch.set_num_threads(2)
     summary = json.loads((artifacts / "runs" / run / "summary.json").read_text())
@@ -42,18 +42,9 @@ def rounds_seconds(artifacts: Path, run: str, rounds: list[int], rollout_thread:
     rollout_folders = [Path(s["path"]) for s in summary["stages"] if s["kind"] == "rollout"]
 
     def once(folder: Path) -> float:
-        manifest = json.loads((folder / "_manifest.json").read_text())
-        config = dict(manifest["config"])
-        round_index, temperature = config.pop("round"), config.pop("temperature")
-        max_completion_length = config.pop("max_completion_length")
-        cfg = grpo.GRPOConfig(**{k: v for k, v in config.items() if k in grpo.GRPOConfig.model_fields})
-        inputs = manifest["inputs"]
-        prev = artifacts / inputs["adapter"] if inputs.get("adapter") else None
-        scored = next((artifacts / inputs["scored"]).glob("*.parquet"))
         with tempfile.TemporaryDirectory() as out:
             started = time.perf_counter()
-            grpo.run(cfg, artifacts / inputs["policy"], prev, scored, round_index, temperature,
-                     max_completion_length, Path(out))
+            rerun(artifacts, folder, Path(out))
             return time.perf_counter() - started
 
     def generate(folder: Path) -> None:

@@ -20,12 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recompute(artifacts: Path, key: str) -> bool:
-    """Rerun optimize/<key> in this process; True when its adapter's bytes equal the stored ones."""
+def rerun(artifacts: Path, folder: Path, out: Path) -> None:
+    """Call `stages.grpo.run` as the optimize round stored in `folder` was called (its manifest's config and
+    inputs), writing into `out`."""
     sys.path.insert(0, str(ROOT))
     from stages import grpo
 
-    folder = artifacts / "optimize" / key
     manifest = json.loads((folder / "_manifest.json").read_text())
     config = dict(manifest["config"])
     round_index, temperature = config.pop("round"), config.pop("temperature")
@@ -34,9 +34,14 @@ def recompute(artifacts: Path, key: str) -> bool:
     inputs = manifest["inputs"]
     prev = artifacts / inputs["adapter"] if inputs.get("adapter") else None
     scored = next((artifacts / inputs["scored"]).glob("*.parquet"))
+    grpo.run(cfg, artifacts / inputs["policy"], prev, scored, round_index, temperature, max_completion_length, out)
+
+
+def recompute(artifacts: Path, key: str) -> bool:
+    """Rerun optimize/<key> in this process; True when its adapter's bytes equal the stored ones."""
+    folder = artifacts / "optimize" / key
     with tempfile.TemporaryDirectory() as out:
-        grpo.run(cfg, artifacts / inputs["policy"], prev, scored, round_index, temperature, max_completion_length,
-                 Path(out))
+        rerun(artifacts, folder, Path(out))
         names = [p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".pt")]
         return all(hashlib.sha256((Path(out) / n).read_bytes()).digest()
                    == hashlib.sha256((folder / n).read_bytes()).digest() for n in names)
