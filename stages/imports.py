@@ -12,7 +12,23 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+
+def example_caller(transform_fn: Callable) -> Callable[[dict], Any]:
+    """`transform_fn` as a one-argument call on a row. axolotl's dataset transforms are written
+    `fn(example, tokenizer=None)` or, in its newer docs, `fn(example, processing_class=None)`; both are called
+    with None (posttrain tokenizes later, with the policy's tokenizer), and a plain `fn(example)` too."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(transform_fn).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    for name in ("processing_class", "tokenizer"):
+        if name in parameters:
+            return lambda example: transform_fn(example, **{name: None})
+    return transform_fn
 
 
 def load_function(dotted: str, what: str, builtins: dict[str, Callable] | None = None) -> Callable:

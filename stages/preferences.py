@@ -27,7 +27,6 @@ row index, field and reason; `drop` leaves them out and `run()` reports them per
 
 from __future__ import annotations
 
-import inspect
 import random
 import tempfile
 from collections import Counter
@@ -40,8 +39,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from stages import demo_data
 from stages.demo_data import DemoDataConfig, format_answer
-from stages.imports import load_function
-from stages.schemas import MESSAGE, PREFERENCES, write_table
+from stages.imports import example_caller, load_function
+from stages.schemas import PREFERENCES, write_table
 from stages.sources import SUFFIXES, BadRowError, read_rows
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -443,12 +442,7 @@ def _builder_output(builder: Callable, cfg: PreferenceConfig) -> tuple[Callable,
     if not callable(transform_fn):
         raise ValueError(f"preferences.type: {cfg.type!r} returned {type(transform_fn).__name__}, "
                          "expected transform_fn or (transform_fn, {...})")
-    try:
-        takes_tokenizer = "tokenizer" in inspect.signature(transform_fn).parameters
-    except (TypeError, ValueError):
-        takes_tokenizer = False
-    call = (lambda row: transform_fn(row, tokenizer=None)) if takes_tokenizer else transform_fn
-    return call, dict(options or {})
+    return example_caller(transform_fn), dict(options or {})
 
 
 def transform_rows(cfg: PreferenceConfig, rows: list[dict], split: str) -> tuple[list[dict], list[tuple]]:

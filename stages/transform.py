@@ -1,8 +1,8 @@
 """transform: raw rows -> prompts table (prompt_id, prompt messages, answer, passthrough columns).
 
 A transform follows axolotl's custom-prompt-strategy convention: `fn(cfg)` returns
-`(transform_fn, {"remove_columns": [...]})`, and `transform_fn(example, tokenizer=None)`
-returns the new row, which must carry `prompt` (a string or a list of chat messages)
+`(transform_fn, {"remove_columns": [...]})`, and `transform_fn(example, tokenizer=None)` (or axolotl's newer
+`processing_class=None`) returns the new row, which must carry `prompt` (a string or a list of chat messages)
 and `answer`. Columns not removed pass through (reward functions receive them).
 `transform.type` names a built-in below or a user function as `module.fn`.
 
@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.imports import load_function
+from stages.imports import example_caller, load_function
 from stages import sources
 from stages.sources import BadRowError, DatasetSource, read_rows
 from stages.schemas import PROMPTS, write_table
@@ -157,7 +157,7 @@ def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, ex
                    index: int) -> dict:
     """One raw row as a prompts row; BadRowError(reason) when it cannot be one."""
     try:
-        new = transform_fn(dict(example), tokenizer=None)
+        new = example_caller(transform_fn)(dict(example))
     except KeyError as e:
         raise BadRowError(f"missing or empty field {e.args[0]!s}") from None
     except Exception as e:

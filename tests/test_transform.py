@@ -206,6 +206,15 @@ USER_TRANSFORM = """
 
         return transform_fn, {"remove_columns": ["q", "a"]}
 
+    def processing_class_style(cfg):
+        def transform_fn(example, processing_class=None):  # axolotl's newer docs name the tokenizer so
+            return {"prompt": example["q"], "answer": example["a"]}
+
+        return transform_fn, {"remove_columns": ["q", "a"]}
+
+    def example_only(cfg):
+        return (lambda example: {"prompt": example["q"], "answer": example["a"]}), {"remove_columns": ["q", "a"]}
+
     def not_a_dict(cfg):
         return (lambda example, tokenizer=None: [example]), {}
 
@@ -249,6 +258,19 @@ def test_user_transform_string_prompt_is_normalized(tmp_path, out_dir, user_modu
     rows = [{"q": "Capital of France?", "a": "Paris"}]
 
     transform.run(TransformConfig(type=f"{name}.plain_string"), {"train": _raw_file(tmp_path, "csv", rows)}, out_dir)
+
+    assert pq.read_table(out_dir / "train.parquet").to_pylist() == [
+        {"prompt_id": "train-000000", "prompt": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris"},
+    ]
+
+
+@pytest.mark.parametrize("fn", ["processing_class_style", "example_only"])
+def test_user_transform_with_processing_class_or_the_example_alone(tmp_path, out_dir, user_module, fn):
+    """axolotl's `transform_fn(example, processing_class=None)` and a plain `transform_fn(example)` both run."""
+    name = user_module(USER_TRANSFORM)
+    rows = [{"q": "Capital of France?", "a": "Paris"}]
+
+    transform.run(TransformConfig(type=f"{name}.{fn}"), {"train": _raw_file(tmp_path, "csv", rows)}, out_dir)
 
     assert pq.read_table(out_dir / "train.parquet").to_pylist() == [
         {"prompt_id": "train-000000", "prompt": [{"role": "user", "content": "Capital of France?"}], "answer": "Paris"},
