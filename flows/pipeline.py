@@ -422,7 +422,8 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
         findings = check_round({**metrics, **({"rollout/truncated_frac": truncated} if truncated is not None else {}),
                                 **({"rollout/top_answer": top_answer} if top_answer is not None else {})},
                                cfg, ctx.config.rollout.max_completion_length,
-                               first_entropy=history[0].get("train/entropy") if history else None)
+                               first_entropy=history[0].get("train/entropy") if history else None,
+                               history=history[:-1])
         if not findings:
             return
         for f in findings:

@@ -76,6 +76,15 @@ class HealthConfig(BaseModel):
     """How far train/entropy may rise above the first round's (a factor) before it is flagged, where the
     first round's is above max_entropy. Higher: fewer warnings on a policy that explores more as it learns;
     lower: warned earlier that it is drifting towards random."""
+    min_grad_norm: float = Field(0.001, ge=0)
+    """train/grad_norm at least this in a round that stepped the optimizer. axolotl: healthy 0.001--1.0; below,
+    the gradients have vanished (the advantages are ~0, or the trained weights do not reach the loss)."""
+    min_reward_rise: float = Field(0.15, ge=0)
+    """Each reward function's mean (`rewards/<name>/mean`, TRL's name; not a reward model's, whose scores are
+    logits on no fixed scale) should have risen above this within `reward_rise_steps` optimizer steps. axolotl: a reward still below 0.15 after 20 steps is a red flag (the
+    task is too hard for the policy, or the reward function is wrong). 0 turns it off."""
+    reward_rise_steps: int = Field(20, ge=1)
+    """The optimizer steps (summed over the rounds) `min_reward_rise` waits for."""
     max_grad_norm: float = Field(10.0, gt=0)
     """train/grad_norm (total gradient norm before grpo.max_grad_norm clips it, mean over the round's
     optimizer steps) at most this. axolotl: healthy 0.001--1.0; > 10 is unstable."""
@@ -143,18 +152,28 @@ class TrainingUnhealthy(RuntimeError):
 
 
 def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
-                first_entropy: float | None = None) -> list[Finding]:
+                first_entropy: float | None = None, history: Sequence[dict] = ()) -> list[Finding]:
     """The findings for one round's metrics (parent-run names, as flows/pipeline.py logs them); a
     metric the dict lacks is not checked. A NaN/Inf value is a fatal finding, except in the
     per-reward-function statistics, where NaN means the function applied to no completion (TRL's
     `rewards/<name>/mean`). `first_entropy`: the run's first round's train/entropy, which sets the
-    entropy's upper bound where it is above `max_entropy` (a pretrained model's real vocabulary).
+    entropy's upper bound where it is above `max_entropy` (a pretrained model's real vocabulary). `history`:
+    the earlier rounds' metrics, for the checks over several rounds (reward_rise).
 
     >>> cfg = HealthConfig()
     >>> check_round({"train/grad_norm": 0.4, "train/entropy": 0.3, "train/kl": 0.1}, cfg, 256)
     []
     >>> [(f.metric, f.range) for f in check_round({"train/grad_norm": 42.0, "train/entropy": 0.001}, cfg, 256)]
-    [('train/entropy', '[0.01, 1]'), ('train/grad_norm', '<= 10')]
+    [('train/entropy', '[0.01, 1]'), ('train/grad_norm', '[0.001, 10]')]
+    >>> check_round({"train/grad_norm": 0.0, "train/optimizer_steps": 0}, cfg, 256)  # no step, no gradient
+    []
+
+    A reward that has not risen above min_reward_rise once reward_rise_steps optimizer steps are done:
+
+    >>> early = [{"rewards/accuracy/mean": 0.05, "rewards/format/mean": 0.9, "train/optimizer_steps": 8}] * 2
+    >>> [(f.metric, f.message[:60]) for f in check_round({"rewards/accuracy/mean": 0.1, "rewards/format/mean": 1.0,
+    ...                                                   "train/optimizer_steps": 8}, cfg, 256, history=early)]
+    [('rewards/accuracy/mean', 'below 0.15 in all 24 optimizer steps so far: the task may be')]
     >>> [(f.metric, f.fatal) for f in check_round({"train/loss": float("nan"), "rewards/code/mean": float("nan")},
     ...                                           cfg, 256)]
     [('train/loss', True)]
@@ -209,9 +228,13 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
               f" (its entropy rose to over {cfg.max_entropy_growth:g}x the first round's {first_entropy:.3g})"
               if max_entropy > cfg.max_entropy else "")
           + " (lower grpo.learning_rate; check the SFT stage and rollout.temperature)")
-    check("train/grad_norm", None, cfg.max_grad_norm,
+    stepped = values.get("train/optimizer_steps", 1) > 0
+    check("train/grad_norm", cfg.min_grad_norm if stepped else None, cfg.max_grad_norm,
+          why_low="vanishing gradients: the update is ~0 (are the advantages all ~0? is the adapter attached to "
+                  "the layers the loss reaches?)",
           why_high="unstable gradients (lower grpo.learning_rate, more grpo.gradient_accumulation_steps; "
                    "grpo.max_grad_norm clips the update)")
+    findings.extend(_reward_rise(values, history, cfg))
     check("train/kl", None, cfg.max_kl,
           why_high="the policy has diverged far from the reference (raise grpo.beta or lower grpo.learning_rate)")
     check("train/clip_ratio", None, cfg.max_clip_ratio,
@@ -245,6 +268,30 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
           why_high="(almost) every prompt group's completions are one identical text: no variation within "
                    "the group, zero advantages (mode collapse, or a fully converged policy; raise "
                    "rollout.temperature, lower grpo.learning_rate, or add a KL penalty with grpo.beta)")
+    return findings
+
+
+def _reward_rise(values: dict, history: Sequence[dict], cfg: HealthConfig) -> list[Finding]:
+    """A finding per reward function whose mean has not exceeded cfg.min_reward_rise in any round, in the round
+    where the optimizer steps so far first reach cfg.reward_rise_steps (once: later rounds are not re-flagged)."""
+    if not cfg.min_reward_rise or "train/optimizer_steps" not in values:
+        return []
+    before = sum(float(h.get("train/optimizer_steps") or 0) for h in history)
+    now = before + values["train/optimizer_steps"]
+    if not before < cfg.reward_rise_steps <= now:
+        return []
+    findings = []
+    verifiers = (k for k in values if k.startswith("rewards/") and k.endswith("/mean")
+                 and "reward_model" not in k)  # a reward model's scores are logits: no 0.15 to reach
+    for name in sorted(verifiers):
+        seen = [values[name]] + [float(h[name]) for h in history if isinstance(h.get(name), (int, float))
+                                 and math.isfinite(float(h[name]))]
+        if max(seen) <= cfg.min_reward_rise:
+            findings.append(Finding(name, values[name], f"> {cfg.min_reward_rise:g} by step {cfg.reward_rise_steps}",
+                                    f"below {cfg.min_reward_rise:g} in all {now:g} optimizer steps so far: the task "
+                                    "may be too hard for the policy or the reward function wrong (read a few "
+                                    "completions with their rewards; easier prompts, an SFT warm start, a format "
+                                    "reward)"))
     return findings
 
 

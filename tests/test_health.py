@@ -34,7 +34,7 @@ def test_healthy_round_has_no_findings():
     ("train/frac_reward_zero_std", 1.0, "<= 0.99"),
     ("train/entropy", 0.005, "[0.01, 1]"),
     ("train/entropy", 2.5, "[0.01, 1]"),
-    ("train/grad_norm", 25.0, "<= 10"),
+    ("train/grad_norm", 25.0, "[0.001, 10]"), ("train/grad_norm", 0.0001, "[0.001, 10]"),
     ("train/kl", 3.0, "<= 2"),
     ("train/clip_ratio", 0.5, "<= 0.3"),
     ("train/completion_length", 0.2, ">= 1"),
