@@ -25,6 +25,7 @@ from flows.config import ConfigError, PipelineConfig, config_differences, load_c
 from stages.engines import close_engines
 from stages.health import TrainingUnhealthy, check_round, quarantine
 from stages.replay import RoundSignals
+from stages.score import metric_name
 from stages.rollout_worker import close_workers
 from tasks.lineage import Lineage, git_commit, process_alive, ui_command
 from tasks.publish import publish_rounds, publish_summary, sample_completions
@@ -394,6 +395,8 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
     else:
         scoring = (score_task, {})
     history: list[dict] = []  # each round's metrics, for the run's summary table
+    verifiers = [] if ctx.config.rl == "ebft" or ctx.config.rollout.source == "atropos" else [
+        metric_name(n) for n in ctx.config.score.reward_funcs if metric_name(n) != "reward_model"]
     findings_so_far: list[dict] = []  # out-of-range round metrics (stages/health.py)
     unpublished: list[tuple[dict, int, list]] = []  # cached rounds: (metrics, round, completions), logged together
 
@@ -423,7 +426,7 @@ def grpo_rounds(ctx: RunContext, parent: str, policy, prompts, lineage_keys: dic
                                 **({"rollout/top_answer": top_answer} if top_answer is not None else {})},
                                cfg, ctx.config.rollout.max_completion_length,
                                first_entropy=history[0].get("train/entropy") if history else None,
-                               history=history[:-1])
+                               history=history[:-1], verifiers=verifiers)
         if not findings:
             return
         for f in findings:

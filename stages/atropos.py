@@ -245,7 +245,7 @@ def score(rollouts_path: Path, num_generations: int, scale_rewards: str, out_dir
 
     from stages.health import collapse_metrics
     from stages.schemas import SCORED, write_table
-    from stages.score import group_advantages
+    from stages.score import group_advantages, reward_spread
 
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
@@ -257,10 +257,8 @@ def score(rollouts_path: Path, num_generations: int, scale_rewards: str, out_dir
               .append_column("advantage", pa.array(advantages.tolist(), type=pa.float64()))
               .append_column("errors", pa.array([[] for _ in rows], type=SCORED.field("errors").type)))
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
-    grouped = totals.view(-1, num_generations)
     answers = [r["answer"] for r in rows]
-    return {"reward_mean": float(totals.mean()), "reward_std": float(totals.std()),
-            "frac_reward_zero_std": float((grouped.std(dim=1) < 1e-8).float().mean()),
+    return {**reward_spread(totals, num_generations),
             "rewards/atropos/mean": float(totals.mean()), "rewards/atropos/std": float(totals.std()),
             "score/errors": 0,
             **collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],

@@ -335,6 +335,7 @@ def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_gener
     out_dir/scored.parquet; return metrics (the score stage's reward_mean, rewards/<alignment|diversity>/mean,
     collapse metrics, and ebft/*)."""
     from stages.health import collapse_metrics
+    from stages.score import reward_spread
 
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
@@ -357,9 +358,7 @@ def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_gener
         scored = scored.append_column("reference_token_ids", pa.array(reference_ids, type=pa.list_(pa.int32())))
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
     metrics = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "frac_reward_zero_std": float((rewards.view(-1, num_generations).std(dim=1) < 1e-8).float().mean()),
+        **reward_spread(rewards, num_generations),
         "score/errors": 0,
         "ebft/alignment": float(out["alignment"].mean()),
         "ebft/diversity": float(out["diversity"].mean()),

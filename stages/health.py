@@ -80,8 +80,8 @@ class HealthConfig(BaseModel):
     """train/grad_norm at least this in a round that stepped the optimizer. axolotl: healthy 0.001--1.0; below,
     the gradients have vanished (the advantages are ~0, or the trained weights do not reach the loss)."""
     min_reward_rise: float = Field(0.15, ge=0)
-    """Each reward function's mean (`rewards/<name>/mean`, TRL's name; not a reward model's, whose scores are
-    logits on no fixed scale) should have risen above this within `reward_rise_steps` optimizer steps. axolotl: a reward still below 0.15 after 20 steps is a red flag (the
+    """Each verifier's mean (`rewards/<name>/mean`, TRL's name; not a reward model's, whose scores are logits
+    on no fixed scale) should have risen above this within `reward_rise_steps` optimizer steps. axolotl: a reward still below 0.15 after 20 steps is a red flag (the
     task is too hard for the policy, or the reward function is wrong). 0 turns it off."""
     reward_rise_steps: int = Field(20, ge=1)
     """The optimizer steps (summed over the rounds) `min_reward_rise` waits for."""
@@ -152,13 +152,16 @@ class TrainingUnhealthy(RuntimeError):
 
 
 def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
-                first_entropy: float | None = None, history: Sequence[dict] = ()) -> list[Finding]:
+                first_entropy: float | None = None, history: Sequence[dict] = (),
+                verifiers: Sequence[str] = ()) -> list[Finding]:
     """The findings for one round's metrics (parent-run names, as flows/pipeline.py logs them); a
     metric the dict lacks is not checked. A NaN/Inf value is a fatal finding, except in the
     per-reward-function statistics, where NaN means the function applied to no completion (TRL's
     `rewards/<name>/mean`). `first_entropy`: the run's first round's train/entropy, which sets the
     entropy's upper bound where it is above `max_entropy` (a pretrained model's real vocabulary). `history`:
-    the earlier rounds' metrics, for the checks over several rounds (reward_rise).
+    the earlier rounds' metrics, for the checks over several rounds; `verifiers`: the reward functions whose
+    `rewards/<name>/mean` should rise above min_reward_rise (score.reward_funcs' verifiers, not a reward model's
+    logits nor EBFT's feature-matching terms).
 
     >>> cfg = HealthConfig()
     >>> check_round({"train/grad_norm": 0.4, "train/entropy": 0.3, "train/kl": 0.1}, cfg, 256)
@@ -172,7 +175,8 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
 
     >>> early = [{"rewards/accuracy/mean": 0.05, "rewards/format/mean": 0.9, "train/optimizer_steps": 8}] * 2
     >>> [(f.metric, f.message[:60]) for f in check_round({"rewards/accuracy/mean": 0.1, "rewards/format/mean": 1.0,
-    ...                                                   "train/optimizer_steps": 8}, cfg, 256, history=early)]
+    ...                                                   "train/optimizer_steps": 8}, cfg, 256, history=early,
+    ...                                                  verifiers=["accuracy", "format"])]
     [('rewards/accuracy/mean', 'below 0.15 in all 24 optimizer steps so far: the task may be')]
     >>> [(f.metric, f.fatal) for f in check_round({"train/loss": float("nan"), "rewards/code/mean": float("nan")},
     ...                                           cfg, 256)]
@@ -234,7 +238,7 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
                   "the layers the loss reaches?)",
           why_high="unstable gradients (lower grpo.learning_rate, more grpo.gradient_accumulation_steps; "
                    "grpo.max_grad_norm clips the update)")
-    findings.extend(_reward_rise(values, history, cfg))
+    findings.extend(_reward_rise(values, history, cfg, verifiers))
     check("train/kl", None, cfg.max_kl,
           why_high="the policy has diverged far from the reference (raise grpo.beta or lower grpo.learning_rate)")
     check("train/clip_ratio", None, cfg.max_clip_ratio,
@@ -271,9 +275,9 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
     return findings
 
 
-def _reward_rise(values: dict, history: Sequence[dict], cfg: HealthConfig) -> list[Finding]:
-    """A finding per reward function whose mean has not exceeded cfg.min_reward_rise in any round, in the round
-    where the optimizer steps so far first reach cfg.reward_rise_steps (once: later rounds are not re-flagged)."""
+def _reward_rise(values: dict, history: Sequence[dict], cfg: HealthConfig, verifiers: Sequence[str]) -> list[Finding]:
+    """A finding per verifier whose mean has not exceeded cfg.min_reward_rise in any round, in the round where
+    the optimizer steps so far first reach cfg.reward_rise_steps (once: later rounds are not re-flagged)."""
     if not cfg.min_reward_rise or "train/optimizer_steps" not in values:
         return []
     before = sum(float(h.get("train/optimizer_steps") or 0) for h in history)
@@ -281,9 +285,7 @@ def _reward_rise(values: dict, history: Sequence[dict], cfg: HealthConfig) -> li
     if not before < cfg.reward_rise_steps <= now:
         return []
     findings = []
-    verifiers = (k for k in values if k.startswith("rewards/") and k.endswith("/mean")
-                 and "reward_model" not in k)  # a reward model's scores are logits: no 0.15 to reach
-    for name in sorted(verifiers):
+    for name in sorted(f"rewards/{v}/mean" for v in set(verifiers) if f"rewards/{v}/mean" in values):
         seen = [values[name]] + [float(h[name]) for h in history if isinstance(h.get(name), (int, float))
                                  and math.isfinite(float(h[name]))]
         if max(seen) <= cfg.min_reward_rise:

@@ -122,6 +122,16 @@ class ScoreConfig(BaseModel):
         return self
 
 
+def reward_spread(totals: torch.Tensor, num_generations: int) -> dict[str, float]:
+    """The round's reward statistics, as TRL logs them: `reward_mean`; `reward_std`, the mean over prompt groups
+    of the std within each group (what the advantages see); `reward_std_batch`, the std over all completions;
+    `frac_reward_zero_std`, the share of groups whose completions all got one reward (no gradient)."""
+    grouped = totals.view(-1, num_generations).double()
+    group_std = grouped.std(dim=1)
+    return {"reward_mean": float(totals.mean()), "reward_std": float(group_std.mean()),
+            "reward_std_batch": float(totals.std()), "frac_reward_zero_std": float((group_std < 1e-8).float().mean())}
+
+
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
     """Group-relative advantages for rewards laid out group by group (TRL's GRPOTrainer).
 
@@ -176,7 +186,7 @@ def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     return torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)
 
 
-def _metric_name(name: str) -> str:
+def metric_name(name: str) -> str:
     """`rewards/<this>/mean`: the function's own name (`pkg.mod.fn` -> fn; a reward model -> reward_model)."""
     if name == "reward_model" or name.startswith(REWARD_MODEL_PREFIX):
         return "reward_model"
@@ -257,16 +267,13 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     )
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
 
-    grouped = totals.view(-1, num_generations)
     metrics = {
-        "reward_mean": float(totals.mean()),
-        "reward_std": float(totals.std()),
-        "frac_reward_zero_std": float((grouped.std(dim=1) < 1e-8).float().mean()),
+        **reward_spread(totals, num_generations),
         "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
     }
     for f, name in enumerate(cfg.reward_funcs):  # None (NaN) left out, as TRL's rewards/<name>/mean|std
-        metrics[f"rewards/{_metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
-        metrics[f"rewards/{_metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
+        metrics[f"rewards/{metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
+        metrics[f"rewards/{metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
     # where the scoring ran and how fast (the nested score run in MLflow; not compared between runs)
     answered = sum(done for done, _ in worker_stats)
     metrics["workers/count"] = len(worker_stats)

@@ -292,7 +292,8 @@ def test_run_builtin_rewards_weighted(rollouts_path, out_dir):
     assert [r["answer"] for r in rows] == ["5", "5", "0.5", "0.5"]
 
     assert metrics["reward_mean"] == pytest.approx(1.75)
-    assert metrics["reward_std"] == pytest.approx(torch.tensor(totals).std().item())
+    assert metrics["reward_std"] == pytest.approx((s0 - EPS + s1 - EPS) / 2)  # TRL's: the mean of the groups' stds
+    assert metrics["reward_std_batch"] == pytest.approx(torch.tensor(totals).std().item())
     assert metrics["frac_reward_zero_std"] == 0.0
     assert metrics["rewards/accuracy/mean"] == pytest.approx(0.75)
     assert metrics["rewards/format/mean"] == pytest.approx(0.5)
