@@ -11,7 +11,7 @@ import hashlib
 import json
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -492,11 +492,27 @@ def config_differences(before: dict, after: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last one silently, so
+    the first value would be accepted and ignored)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is set twice in one section (line {seen[key] + 1} and line "
+                                f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
     """Read YAML, apply overrides, validate. Raises ConfigError naming file and key path."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
     except yaml.YAMLError as e:

@@ -200,3 +200,12 @@ def test_a_saved_config_of_an_atropos_run_loads_back(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert load_config(saved).model_dump() == cfg.model_dump()
+
+
+def test_a_key_set_twice_is_an_error(tmp_path):
+    """YAML keeps the last of two equal keys; a config file that sets one twice is refused, naming both lines."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("grpo:\n  rounds: 2\n  learning_rate: 1.0e-3\n  rounds: 3\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML: .*key 'rounds' is set twice in one section "
+                                          r"\(line 2 and line 4\)"):
+        load_config(path)
