@@ -75,6 +75,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "train/loss": ("optimize", "loss"),
     "train/ce_loss": ("optimize", "ce_loss"),  # rl: ebft with ebft.ce_coef
     "train/clip_ratio": ("optimize", "clip_ratio"),
+    "train/mean_ratio": ("optimize", "mean_ratio"),
     "train/completion_length": ("optimize", "completion_length"),
     "train/grad_norm": ("optimize", "grad_norm"),
     "train/entropy": ("optimize", "entropy"),

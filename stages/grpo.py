@@ -324,6 +324,8 @@ def grpo_loss(
         clipped = clipped.expand_as(mask)
         stats = {
             "clip_ratio": (clipped.to(mask.dtype) * mask).sum() / tokens,
+            # pi / pi_old over the completion tokens (axolotl's guide: mean_ratio, healthy near 1)
+            "mean_ratio": (coef_1.expand_as(mask) * mask).sum() / tokens,
             "kl": (per_token_kl * mask).sum() / tokens if per_token_kl is not None else torch.zeros((), device=mask.device),
             "tokens": mask.sum(),
         }
@@ -745,7 +747,7 @@ def run(
                     on_step(position + 1, steps_per_round)
                 continue
             num_items = dapo_normalizer(steps, step_index, masked_out)
-            step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
+            step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
             stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
 
             def add(key: str, value: torch.Tensor) -> None:
@@ -802,7 +804,7 @@ def run(
                     loss = loss + ce_coef * ce / len(micro_batches)
                 (scaler.scale(loss) if scaler else loss).backward()
                 add("loss", loss.detach())
-                for key in ("kl", "clip_ratio"):
+                for key in ("kl", "clip_ratio", "mean_ratio"):
                     add(key, stats[key].double() * stats["tokens"].double())
                 add("entropy", (entropy * mask).sum())
                 add("tokens", stats["tokens"])
@@ -913,7 +915,7 @@ def read_back(stats_sum: dict) -> dict[str, float]:
     return dict(zip(stats_sum, values))
 
 
-_SUMMED_STATS = ("loss", "kl", "clip_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")
+_SUMMED_STATS = ("loss", "kl", "clip_ratio", "mean_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")
 
 
 def _sum_step_stats(group, step_stats: dict, tracks_is: bool, tracks_ce: bool = False) -> dict:
@@ -932,7 +934,8 @@ def _sum_step_stats(group, step_stats: dict, tracks_is: bool, tracks_ce: bool = 
 def _step_metrics(step_stats: dict, grad_norm: float) -> dict:
     tokens = max(step_stats["tokens"], 1.0)
     out = {"loss": step_stats["loss"], "kl": step_stats["kl"] / tokens, "clip_ratio": step_stats["clip_ratio"] / tokens,
-           "entropy": step_stats["entropy"] / tokens, "grad_norm": grad_norm}
+           "mean_ratio": step_stats["mean_ratio"] / tokens, "entropy": step_stats["entropy"] / tokens,
+           "grad_norm": grad_norm}
     if "is_sum" in step_stats:
         out.update(is_ratio_mean=step_stats["is_sum"] / tokens, is_ratio_max=step_stats["is_max"])
     # sequences whose loss is zeroed by the correction's mask mode or by off-policy masking

@@ -123,7 +123,7 @@ def assert_equal_runs(first: Path, one: dict, second: Path, two: dict, strategy:
             assert a["optimizer_steps"] == b["optimizer_steps"] > 0, name
             assert (a["skipped_batches"], a["trained_rows"]) == (b["skipped_batches"], b["trained_rows"]), name
             for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
-                for key in ("loss", "grad_norm", "kl", "clip_ratio", "entropy", "is_ratio_mean"):
+                for key in ("loss", "grad_norm", "kl", "clip_ratio", "mean_ratio", "entropy", "is_ratio_mean"):
                     assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (name, key)
             w1, w2 = (_weights(run / name / f"r{round_index}") for run in (first, second))
             assert w1.keys() == w2.keys()

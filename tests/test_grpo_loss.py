@@ -407,3 +407,17 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
     torch.testing.assert_close(ours.detach(), theirs.detach(), **TOL)
     for name, grad in their_grads.items():
         torch.testing.assert_close(our_grads[name], grad, **TOL)
+
+
+def test_mean_ratio_is_the_token_mean_of_pi_over_pi_old():
+    """axolotl's `mean_ratio` (training-stability guide): exp(logp - old_logp) averaged over the completion
+    tokens the mask keeps."""
+    from stages.grpo import grpo_loss
+
+    logps = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
+    old = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.6, 0.3, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    _, stats = grpo_loss(logps, old, None, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", epsilon=0.2,
+                         epsilon_high=0.2, beta=0.0, max_completion_length=3, num_items_in_batch=5,
+                         gradient_accumulation_steps=1)
+    assert math.isclose(stats["mean_ratio"], (2.0 + 1.0 + 0.5 + 1.0 + 3.0) / 5, rel_tol=1e-6)
