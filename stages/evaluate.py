@@ -92,6 +92,12 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     from stages.engines.hf import generate
 
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
+    unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]
+    if unanswered:  # before the model loads: accuracy needs a gold answer per prompt
+        raise ValueError(f"eval: {len(unanswered)} of the {len(rows)} prompts of {prompts_path} have no answer "
+                         f"(e.g. {unanswered[:3]}; the transform returned none): the eval stage scores accuracy "
+                         "against gold answers; give the eval split answers (transform.answer_field, or `answer` "
+                         "from your transform_fn)")
     model, tokenizer = load_policy(model_dir, adapter_dir, devices=devices)
     done = 0
 

@@ -3,7 +3,9 @@
 A transform follows axolotl's custom-prompt-strategy convention: `fn(cfg)` returns
 `(transform_fn, {"remove_columns": [...]})`, and `transform_fn(example, tokenizer=None)` (or axolotl's newer
 `processing_class=None`) returns the new row, which must carry `prompt` (a string or a list of chat messages)
-and `answer`. Columns not removed pass through (reward functions receive them).
+and should carry `answer` (the gold answer; without one the row's answer is null, which rewards that need
+none accept, and accuracy rewards and the eval stage refuse, naming the prompts). Columns not removed pass
+through (reward functions receive them).
 `transform.type` names a built-in below or a user function as `module.fn`.
 
 Raw rows come from `transform.paths` (a local file per split), the demo task, or `transform.datasets`
@@ -164,9 +166,8 @@ def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, ex
         raise BadRowError(f"transform {cfg.type!r} failed: {type(e).__name__}: {e}") from e
     if not isinstance(new, dict):
         raise BadRowError(f"transform {cfg.type!r} returned {type(new).__name__}, expected a dict")
-    for field in ("prompt", "answer"):
-        if new.get(field) is None:
-            raise BadRowError(f"transformed row has no {field!r} (got keys {sorted(new)})")
+    if new.get("prompt") is None:
+        raise BadRowError(f"transformed row has no 'prompt' (got keys {sorted(new)})")
     try:
         prompt = _normalize_prompt(new["prompt"])
     except TypeError as e:
@@ -175,7 +176,8 @@ def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, ex
         prompt = [{"role": "system", "content": cfg.system_prompt}] + prompt
     row = {k: v for k, v in example.items() if k not in remove}
     row.update(new)
-    row.update(prompt=prompt, answer=str(new["answer"]))
+    # no answer: fine for rewards that need none (format, a reward model); accuracy rewards and eval refuse it
+    row.update(prompt=prompt, answer=None if new.get("answer") is None else str(new["answer"]))
     row.setdefault("prompt_id", f"{split}-{index:06d}")
     row["prompt_id"] = str(row["prompt_id"])
     return row

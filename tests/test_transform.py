@@ -215,6 +215,9 @@ USER_TRANSFORM = """
     def example_only(cfg):
         return (lambda example: {"prompt": example["q"], "answer": example["a"]}), {"remove_columns": ["q", "a"]}
 
+    def prompt_only(cfg):
+        return (lambda example: {"prompt": example["q"]}), {"remove_columns": ["q", "a"]}
+
     def not_a_dict(cfg):
         return (lambda example, tokenizer=None: [example]), {}
 
@@ -400,3 +403,20 @@ def test_empty_file_fails(tmp_path, out_dir):
 def test_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="question_feild"):
         TransformConfig(question_feild="q")
+
+
+def test_a_transform_may_return_only_a_prompt(tmp_path, out_dir, user_module):
+    """No `answer`: the row's answer is null (a format reward or a reward model needs none); an accuracy reward
+    and the eval stage refuse such prompts, saying why."""
+    from stages import evaluate
+    from stages.rewards import accuracy_reward
+
+    name = user_module(USER_TRANSFORM)
+    transform.run(TransformConfig(type=f"{name}.prompt_only"),
+                  {"train": _raw_file(tmp_path, "csv", [{"q": "Write a haiku.", "a": ""}])}, out_dir)
+    (row,) = pq.read_table(out_dir / "train.parquet").to_pylist()
+    assert row["answer"] is None and row["prompt"] == [{"role": "user", "content": "Write a haiku."}]
+    with pytest.raises(ValueError, match="accuracy_reward needs a gold `answer` for every prompt"):
+        accuracy_reward(completions=["7"], answer=[None])
+    with pytest.raises(ValueError, match=r"eval: 1 of the 1 prompts .* have no answer \(e.g. \['train-000000'\]"):
+        evaluate.run(evaluate.EvalConfig(), tmp_path / "no-model", None, out_dir / "train.parquet", tmp_path)

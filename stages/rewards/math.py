@@ -73,8 +73,10 @@ def accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> li
     >>> accuracy_reward(completions=["the answer is $\\\\frac{1}{2}$"], answer=["0.5"])
     [1.0]
     """
-    if answer is None:
-        raise ValueError("accuracy_reward needs an `answer` column in the prompts table")
+    if answer is None or any(gold is None for gold in answer):
+        raise ValueError("accuracy_reward needs a gold `answer` for every prompt; the prompts table has "
+                         + ("no answer column" if answer is None else "prompts without one (the transform returned "
+                            "none)"))
     return [1.0 if same_answer(extract_answer(completion_text(c)), gold) else 0.0 for c, gold in zip(completions, answer)]
 
 
@@ -89,8 +91,10 @@ def stated_accuracy_reward(prompts=None, completions=None, answer=None, **kwargs
     ...                                     "<answer>9</answer>"], answer=["9", "9", "9"])
     [1.0, 0.0, 1.0]
     """
-    if answer is None:
-        raise ValueError("stated_accuracy_reward needs an `answer` column in the prompts table")
+    if answer is None or any(gold is None for gold in answer):
+        raise ValueError("stated_accuracy_reward needs a gold `answer` for every prompt; the prompts table has "
+                         + ("no answer column" if answer is None else "prompts without one (the transform returned "
+                            "none)"))
     scores = []
     for completion, gold in zip(completions, answer):
         predicted = stated_answer(completion_text(completion))
