@@ -45,6 +45,25 @@ AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "
                        "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
 """axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`axolotl_devices`)."""
+AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "epsilon_high": ("grpo", "epsilon_high"),
+                    "loss_type": ("grpo", "loss_type"), "num_iterations": ("grpo", "num_iterations"),
+                    "mask_truncated_completions": ("grpo", "mask_truncated_completions"),
+                    "importance_sampling_level": ("grpo", "importance_sampling_level"),
+                    "num_generations": ("rollout", "num_generations"),
+                    "max_completion_length": ("rollout", "max_completion_length"),
+                    "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
+                    "reward_funcs": ("score", "reward_funcs"), "reward_weights": ("score", "reward_weights"),
+                    "scale_rewards": ("score", "scale_rewards"),
+                    "multi_objective_aggregation": ("score", "multi_objective_aggregation")}
+"""axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
+                         "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
+                         "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
+                         "lr_scheduler", "num_epochs", "adapter")
+"""axolotl's top-level training keys: the method's trainer section (grpo, or dpo for the DPO family) gets them."""
+AXOLOTL_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                      "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "adafactor": "adafactor",
+                      "sgd": "sgd"}
 SCORE_WHERE_KEYS = ("reward_num_workers", "backend", "ray", "reward_timeout_s", "reward_batch_size")
 """score keys that say where and how reward functions run, not what they score."""
 PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
@@ -184,6 +203,51 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"{key} (axolotl's top-level key) and {section}.{field} are the same setting; "
                                  "set one of them")
             data[section] = {**target, field: data.pop(key)}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_training_keys(cls, data):
+        """axolotl's `trl:` section (AXOLOTL_TRL_KEYS) and top-level training keys (AXOLOTL_TRAINING_KEYS: to
+        `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family); `posttrain validate` shows where each went.
+        A key of theirs with no counterpart here is an error naming it."""
+        if not isinstance(data, dict) or not (data.keys() & {"trl", *AXOLOTL_TRAINING_KEYS}):
+            return data
+        data = dict(data)
+        moves = []  # (their key, section, field, value)
+        for key, value in (data.pop("trl", None) or {}).items():
+            if key == "use_vllm":
+                moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
+            elif key in AXOLOTL_TRL_KEYS:
+                moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
+            else:
+                raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm); set the posttrain key instead "
+                                 "or remove it")
+        trainer = "dpo" if data.get("rl") in ("dpo", "ipo", "kto", "orpo", "simpo") else "grpo"
+        for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
+            value = data.pop(key)
+            field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type", "num_epochs": "num_train_epochs",
+                     "adapter": "adapter"}.get(key, key)
+            if key == "optimizer":
+                if value not in AXOLOTL_OPTIMIZERS:
+                    raise ValueError(f"optimizer: {value!r} is not one posttrain has; use one of "
+                                     f"{', '.join(AXOLOTL_OPTIMIZERS)}")
+                value = AXOLOTL_OPTIMIZERS[value]
+            if key == "adapter" and value not in ("lora", None):
+                raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
+            if key == "num_epochs" and trainer == "grpo":
+                raise ValueError("num_epochs: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize; "
+                                 "set grpo.rounds")
+            moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
+        for their_key, section, field, value in moves:
+            target = data.get(section) or {}
+            if isinstance(target, BaseModel):
+                target = target.model_dump(exclude_unset=True)
+            if field in target and target[field] != value:
+                raise ValueError(f"{their_key} (axolotl's key) and {section}.{field} are the same setting; set one "
+                                 "of them")
+            data[section] = {**target, field: value}
         return data
 
     @model_validator(mode="before")

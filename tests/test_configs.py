@@ -209,3 +209,42 @@ def test_a_key_set_twice_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML: .*key 'rounds' is set twice in one section "
                                           r"\(line 2 and line 4\)"):
         load_config(path)
+
+
+def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
+    """An axolotl GRPO config's `trl:` section and top-level training keys land where posttrain reads them; the DPO
+    family's go to `dpo`; a `trl:` key posttrain does not have is an error naming it."""
+    path = tmp_path / "axolotl_grpo.yaml"
+    path.write_text(
+        "rl: grpo\n"
+        "trl:\n  beta: 0.001\n  num_generations: 4\n  max_completion_length: 24\n  temperature: 0.9\n"
+        "  reward_funcs: [accuracy, format]\n  reward_weights: [1.0, 0.2]\n  use_vllm: true\n  scale_rewards: false\n"
+        "adapter: lora\nlora_r: 8\nlora_alpha: 16\nlora_dropout: 0.05\nmicro_batch_size: 8\n"
+        "gradient_accumulation_steps: 2\nlearning_rate: 1.0e-5\noptimizer: adamw_torch\nlr_scheduler: constant\n"
+        "weight_decay: 0.01\nadam_beta2: 0.99\n")
+    cfg = load_config(path)
+    assert (cfg.grpo.beta, cfg.grpo.lora_r, cfg.grpo.lora_alpha, cfg.grpo.lora_dropout) == (0.001, 8, 16, 0.05)
+    assert (cfg.grpo.micro_batch_size, cfg.grpo.gradient_accumulation_steps, cfg.grpo.learning_rate) == (8, 2, 1e-5)
+    assert (cfg.grpo.optim, cfg.grpo.lr_scheduler_type, cfg.grpo.weight_decay, cfg.grpo.adam_beta2) == \
+        ("adamw", "constant", 0.01, 0.99)
+    assert (cfg.rollout.num_generations, cfg.rollout.max_completion_length, cfg.rollout.temperature,
+            cfg.rollout.engine) == (4, 24, 0.9, "vllm")
+    assert (cfg.score.reward_funcs, cfg.score.reward_weights, cfg.score.scale_rewards) == \
+        (["accuracy", "format"], [1.0, 0.2], "none")
+    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the saved translation round-trips
+
+    dpo = tmp_path / "axolotl_dpo.yaml"
+    dpo.write_text("rl: dpo\nlearning_rate: 5.0e-6\nmicro_batch_size: 4\nnum_epochs: 2\nlora_r: 16\n")
+    cfg = load_config(dpo)
+    assert (cfg.dpo.learning_rate, cfg.dpo.micro_batch_size, cfg.dpo.num_train_epochs, cfg.dpo.lora_r) == \
+        (5e-6, 4, 2, 16)
+
+    path.write_text("rl: grpo\ntrl:\n  vllm_gpu_memory_utilization: 0.5\n")
+    with pytest.raises(ConfigError, match=r"trl.vllm_gpu_memory_utilization: not an option posttrain has"):
+        load_config(path)
+    path.write_text("rl: grpo\nlearning_rate: 1.0e-5\ngrpo:\n  learning_rate: 2.0e-5\n")
+    with pytest.raises(ConfigError, match=r"learning_rate \(axolotl's key\) and grpo.learning_rate are the same"):
+        load_config(path)
+    path.write_text("rl: grpo\nnum_epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"num_epochs: GRPO here runs grpo.rounds"):
+        load_config(path)
