@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
 import yaml
 
 from flows.launch import embedded_defaults, report_errors, start_temporary_prefect_server
