@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import logging
 import typing
 from pathlib import Path
 from typing import Literal
@@ -59,8 +60,10 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
 AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
                          "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
                          "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
-                         "lr_scheduler", "num_epochs", "adapter")
+                         "lr_scheduler", "num_epochs", "max_steps", "adapter")
 """axolotl's top-level training keys: the method's trainer section (grpo, or dpo for the DPO family) gets them."""
+AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
+"""axolotl's experiment-tracker keys: dropped with a warning (posttrain tracks every run in MLflow)."""
 AXOLOTL_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
                       "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "adafactor": "adafactor",
                       "sgd": "sgd"}
@@ -211,9 +214,22 @@ class PipelineConfig(BaseModel):
         """axolotl's `trl:` section (AXOLOTL_TRL_KEYS) and top-level training keys (AXOLOTL_TRAINING_KEYS: to
         `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family); `posttrain validate` shows where each went.
         A key of theirs with no counterpart here is an error naming it."""
-        if not isinstance(data, dict) or not (data.keys() & {"trl", *AXOLOTL_TRAINING_KEYS}):
+        if not isinstance(data, dict):
             return data
-        data = dict(data)
+        tracking = [k for k in data if k.startswith(AXOLOTL_LOGGING_PREFIXES)]
+        if not (tracking or data.keys() & {"trl", "output_dir", *AXOLOTL_TRAINING_KEYS}):
+            return data
+        data = {k: v for k, v in data.items() if k not in tracking}
+        if tracking:
+            logging.getLogger("posttrain.config").warning(
+                "%s: axolotl's experiment-tracker keys, not used: posttrain logs every run to MLflow (tracking.*, "
+                "MLFLOW_TRACKING_URI; `posttrain runs`, the MLflow UI)", ", ".join(tracking))
+        if "output_dir" in data:  # where axolotl writes checkpoints and the model: here, every artifact
+            output_dir = data.pop("output_dir")
+            if data.get("artifacts_dir", output_dir) != output_dir:
+                raise ValueError("output_dir (axolotl's key) and artifacts_dir are the same setting here (every stage "
+                                 "and the exported model go under it); set one of them")
+            data["artifacts_dir"] = output_dir
         moves = []  # (their key, section, field, value)
         for key, value in (data.pop("trl", None) or {}).items():
             if key == "use_vllm":
@@ -236,9 +252,10 @@ class PipelineConfig(BaseModel):
                 value = AXOLOTL_OPTIMIZERS[value]
             if key == "adapter" and value not in ("lora", None):
                 raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
-            if key == "num_epochs" and trainer == "grpo":
-                raise ValueError("num_epochs: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize; "
-                                 "set grpo.rounds")
+            if key in ("num_epochs", "max_steps") and trainer == "grpo":
+                raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
+                                 "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
+                                 "grpo.rounds")
             moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
         for their_key, section, field, value in moves:
             target = data.get(section) or {}

@@ -248,3 +248,23 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
     path.write_text("rl: grpo\nnum_epochs: 2\n")
     with pytest.raises(ConfigError, match=r"num_epochs: GRPO here runs grpo.rounds"):
         load_config(path)
+
+
+def test_axolotl_output_dir_max_steps_and_tracker_keys(tmp_path, caplog):
+    """output_dir is where everything goes (artifacts_dir); max_steps is the DPO family's and refused for GRPO
+    (rounds); wandb_* keys are dropped with a warning that says runs are tracked in MLflow."""
+    import logging
+
+    path = tmp_path / "axolotl_dpo.yaml"
+    path.write_text(f"rl: dpo\nmax_steps: 30\noutput_dir: {tmp_path / 'out'}\nwandb_project: mine\nwandb_entity: me\n")
+    with caplog.at_level(logging.WARNING, logger="posttrain.config"):
+        cfg = load_config(path)
+    assert (cfg.dpo.max_steps, cfg.artifacts_dir) == (30, str(tmp_path / "out"))
+    assert "wandb_project, wandb_entity: axolotl's experiment-tracker keys, not used: posttrain logs every run to " \
+           "MLflow" in caplog.text
+    path.write_text("rl: grpo\nmax_steps: 30\n")
+    with pytest.raises(ConfigError, match=r"max_steps: GRPO here runs grpo.rounds rounds"):
+        load_config(path)
+    path.write_text("output_dir: a\nartifacts_dir: b\n")
+    with pytest.raises(ConfigError, match=r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"):
+        load_config(path)
