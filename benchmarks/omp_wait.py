@@ -3,15 +3,15 @@
     .venv/bin/python benchmarks/omp_wait.py ARTIFACTS RUN_NAME [--rounds 3 4 5 6 7 8]
         [--settings OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000 GOMP_SPINCOUNT=10000 default]
 
-Reruns `stages.grpo.run` on the given rounds of a finished run (their manifests: config and inputs) in a
-child process per setting, with 2 torch threads: once alone, then as two identical processes at once (what a
-second run, a rollout worker process or CI does to the cores), then alone again with each round's rollout
-(transformers engine) run first on another Python thread, as Prefect's thread pool ran it before
-flows/pipeline.py kept synchronous rounds on the flow's thread. Prints the seconds each process spent in
-`grpo.run` on the rounds. libgomp (torch's OpenMP on Linux) spins GOMP_SPINCOUNT iterations between parallel regions before it
-sleeps (300,000 by default; 1,000, its own "throttled" value, when it sees more threads than CPUs;
-OMP_WAIT_POLICY=PASSIVE: 0), so the setting decides both how fast small ops run alone and how badly spinning
-threads of one process hold the cores another process needs.
+Reruns `stages.grpo.run` on the given rounds of a finished run (their manifests: config and inputs) in a child
+process per setting, with 2 torch threads: once alone, then as two identical processes at once (what a second run,
+a rollout worker process or CI does to the cores), then alone again with each round's rollout (transformers
+engine) run first on another Python thread, as Prefect's thread pool ran it before flows/pipeline.py kept
+synchronous rounds on the flow's thread. Prints the seconds each process spent in `grpo.run` on the rounds.
+libgomp (torch's OpenMP on Linux) spins GOMP_SPINCOUNT iterations between parallel regions before it sleeps
+(300,000 by default, far less when it counts more of its threads than CPUs; OMP_WAIT_POLICY=PASSIVE: 0), so the
+setting decides both how fast small ops run alone and how badly spinning threads of one process hold the cores
+another process needs.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def embedded_defaults(artifacts_dir: str) -> None:
     # How long torch's OpenMP threads (libgomp) spin between parallel regions before they sleep. Its default
     # (300,000 iterations) made torch 10-45x slower whenever another busy process shared the 2 cores (a second
     # run, a rollout worker process, CI); sleeping at once (OMP_WAIT_POLICY=PASSIVE) made the quickstart's
-    # optimize stage 1.8x slower alone at 2 threads (slower than at 1 thread). 1,000 (libgomp's own value when
-    # threads outnumber CPUs) keeps nearly all of the speed alone and costs 1.5x beside another busy process
+    # optimize stage 1.8x slower alone at 2 threads (slower than at 1 thread). 1,000 (microseconds of spinning)
+    # keeps nearly all of the speed alone and costs 1.5x beside another busy process
     # (benchmarks/omp_wait.py, BENCHMARKS.md). A set OMP_WAIT_POLICY still wins over it.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
