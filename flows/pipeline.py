@@ -227,9 +227,8 @@ def _rounds(ctx: RunContext, policy, prompts, log_round, lag: int, scoring: tupl
 
     def sampled_and_scored(r: int, adapter) -> tuple:
         """Round r's rollout and score: prefetched, or (no prefetch) run here, on the flow's thread. Every
-        torch call of a synchronous run stays on one thread: a second thread gets its own OpenMP team, and
-        with more OpenMP threads than cores libgomp barely spins, which made the quickstart's optimize stage
-        ~1.7x slower (BENCHMARKS.md, issue 25)."""
+        torch call of a synchronous run stays on one thread: a second thread gets its own OpenMP team, and two
+        teams on 2 cores made the quickstart's optimize stage ~1.7x slower (benchmarks/omp_wait.py)."""
         if r in in_flight:
             rollouts_future, scored_future = in_flight.pop(r)
             return rollouts_future.result(), scored_future.result()
