@@ -197,10 +197,8 @@ class PipelineConfig(BaseModel):
         for key, (section, field) in AXOLOTL_KEYS.items():
             if key not in data:
                 continue
-            target = data.get(section) or {}
-            if isinstance(target, BaseModel):
-                target = target.model_dump(exclude_unset=True)
-            if not isinstance(target, dict):
+            target = _section_dict(data, section)
+            if target is None:
                 continue  # the section's own error says what it should be
             if field in target:
                 raise ValueError(f"{key} (axolotl's top-level key) and {section}.{field} are the same setting; "
@@ -243,8 +241,8 @@ class PipelineConfig(BaseModel):
         trainer = "dpo" if data.get("rl") in ("dpo", "ipo", "kto", "orpo", "simpo") else "grpo"
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
             value = data.pop(key)
-            field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type", "num_epochs": "num_train_epochs",
-                     "adapter": "adapter"}.get(key, key)
+            field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
+                     "num_epochs": "num_train_epochs"}.get(key, key)
             if key == "optimizer":
                 if value not in AXOLOTL_OPTIMIZERS:
                     raise ValueError(f"optimizer: {value!r} is not one posttrain has; use one of "
@@ -258,9 +256,9 @@ class PipelineConfig(BaseModel):
                                  "grpo.rounds")
             moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
         for their_key, section, field, value in moves:
-            target = data.get(section) or {}
-            if isinstance(target, BaseModel):
-                target = target.model_dump(exclude_unset=True)
+            target = _section_dict(data, section)
+            if target is None:
+                continue  # the section's own error says what it should be
             if field in target and target[field] != value:
                 raise ValueError(f"{their_key} (axolotl's key) and {section}.{field} are the same setting; set one "
                                  "of them")
@@ -275,10 +273,8 @@ class PipelineConfig(BaseModel):
         if not isinstance(data, dict) or not data.keys() & AXOLOTL_DEVICE_KEYS.keys():
             return data
         data = dict(data)
-        train = data.get("train") or {}
-        if isinstance(train, BaseModel):
-            train = train.model_dump(exclude_unset=True)
-        if not isinstance(train, dict):
+        train = _section_dict(data, "train")
+        if train is None:
             return data
         settings = axolotl_devices({k: data.pop(k) for k in list(data) if k in AXOLOTL_DEVICE_KEYS})
         for field, (value, source) in settings.items():
@@ -571,6 +567,15 @@ def config_differences(before: dict, after: dict) -> list[str]:
     old, new = flatten(before), flatten(after)
     return [f"{k} ({old.get(k, '-')} -> {new.get(k, '-')})" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
+
+
+def _section_dict(data: dict, section: str) -> dict | None:
+    """The raw config's `section` as a dict (set fields only, if it is already a model) for a validator to add
+    keys to; None when it is neither (its own validation then says what it should be)."""
+    target = data.get(section) or {}
+    if isinstance(target, BaseModel):
+        target = target.model_dump(exclude_unset=True)
+    return target if isinstance(target, dict) else None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-from stages.bearer import authorized, server_token
+from stages.bearer import authorized, named_token, server_token
 from stages.rollout import AtroposOptions
 
 log = logging.getLogger("posttrain.atropos")
@@ -431,12 +431,9 @@ class AtroposSession:
     def policy_server_token(self) -> str | None:
         """The bearer token the policy server requires ($policy_token_env); None on loopback without one.
         AtroposError when the variable is named but unset, or policy_url is off loopback without a token."""
-        env_var = self.opts.policy_token_env
-        if env_var and not os.environ.get(env_var):
-            raise AtroposError(f"rollout.atropos.policy_token_env names {env_var}, which is not set in this "
-                               "environment")
         try:
-            return server_token(urlparse(self.opts.policy_url).hostname, None, env_var or "",
+            token = named_token(self.opts.policy_token_env, "rollout.atropos.policy_token_env")
+            return server_token(urlparse(self.opts.policy_url).hostname, token, self.opts.policy_token_env or "",
                                 "rollout.atropos.policy_url", "rollout.atropos.policy_token_env")
         except ValueError as e:
             raise AtroposError(str(e)) from e

@@ -33,12 +33,18 @@ def authorized(authorization: str | None, token: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def client_headers(token_env: str | None, what: str) -> dict[str, str]:
-    """The Authorization header of a client whose token is in $token_env (none when token_env is unset).
-    Raises ValueError naming `what` when the variable is named but not set."""
+def named_token(token_env: str | None, what: str) -> str | None:
+    """The token in $token_env; None when no variable is named. Raises ValueError naming `what` when the
+    variable is named but not set (a token was asked for and would silently be missing)."""
     if not token_env:
-        return {}
+        return None
     token = os.environ.get(token_env)
     if not token:
-        raise ValueError(f"{what}: token_env names {token_env}, which is not set in this environment")
-    return {"Authorization": f"Bearer {token}"}
+        raise ValueError(f"{what} names {token_env}, which is not set in this environment")
+    return token
+
+
+def client_headers(token_env: str | None, what: str) -> dict[str, str]:
+    """The Authorization header of a client whose token is in $token_env (none when token_env is unset)."""
+    token = named_token(token_env, f"{what}: token_env")
+    return {"Authorization": f"Bearer {token}"} if token else {}

@@ -239,20 +239,26 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
     assert (cfg.dpo.learning_rate, cfg.dpo.micro_batch_size, cfg.dpo.num_train_epochs, cfg.dpo.lora_r) == \
         (5e-6, 4, 2, 16)
 
-    path.write_text("rl: grpo\ntrl:\n  vllm_gpu_memory_utilization: 0.5\n")
-    with pytest.raises(ConfigError, match=r"trl.vllm_gpu_memory_utilization: not an option posttrain has"):
-        load_config(path)
-    path.write_text("rl: grpo\nlearning_rate: 1.0e-5\ngrpo:\n  learning_rate: 2.0e-5\n")
-    with pytest.raises(ConfigError, match=r"learning_rate \(axolotl's key\) and grpo.learning_rate are the same"):
-        load_config(path)
-    path.write_text("rl: grpo\nnum_epochs: 2\n")
-    with pytest.raises(ConfigError, match=r"num_epochs: GRPO here runs grpo.rounds"):
+
+@pytest.mark.parametrize("text, message", [
+    ("rl: grpo\ntrl:\n  vllm_gpu_memory_utilization: 0.5\n",
+     r"trl.vllm_gpu_memory_utilization: not an option posttrain has"),
+    ("rl: grpo\nlearning_rate: 1.0e-5\ngrpo:\n  learning_rate: 2.0e-5\n",
+     r"learning_rate \(axolotl's key\) and grpo.learning_rate are the same"),
+    ("rl: grpo\nnum_epochs: 2\n", r"num_epochs: GRPO here runs grpo.rounds"),
+    ("rl: grpo\nmax_steps: 30\n", r"max_steps: GRPO here runs grpo.rounds rounds"),
+    ("output_dir: a\nartifacts_dir: b\n", r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"),
+], ids=["unknown_trl_key", "conflict", "num_epochs_grpo", "max_steps_grpo", "output_dir_conflict"])
+def test_axolotl_keys_we_cannot_honour_are_errors(tmp_path, text, message):
+    path = tmp_path / "axolotl.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
         load_config(path)
 
 
 def test_axolotl_output_dir_max_steps_and_tracker_keys(tmp_path, caplog):
-    """output_dir is where everything goes (artifacts_dir); max_steps is the DPO family's and refused for GRPO
-    (rounds); wandb_* keys are dropped with a warning that says runs are tracked in MLflow."""
+    """output_dir is where everything goes (artifacts_dir); max_steps is the DPO family's; wandb_* keys are
+    dropped with a warning that says runs are tracked in MLflow."""
     import logging
 
     path = tmp_path / "axolotl_dpo.yaml"
@@ -262,9 +268,3 @@ def test_axolotl_output_dir_max_steps_and_tracker_keys(tmp_path, caplog):
     assert (cfg.dpo.max_steps, cfg.artifacts_dir) == (30, str(tmp_path / "out"))
     assert "wandb_project, wandb_entity: axolotl's experiment-tracker keys, not used: posttrain logs every run to " \
            "MLflow" in caplog.text
-    path.write_text("rl: grpo\nmax_steps: 30\n")
-    with pytest.raises(ConfigError, match=r"max_steps: GRPO here runs grpo.rounds rounds"):
-        load_config(path)
-    path.write_text("output_dir: a\nartifacts_dir: b\n")
-    with pytest.raises(ConfigError, match=r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"):
-        load_config(path)
