@@ -42,6 +42,8 @@ AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transf
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
                 "revision_of_model": ("model", "revision")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
+PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo")
+"""The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
 AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
                        "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
@@ -188,13 +190,37 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _preference_types_follow_rl(cls, data):
+        """preferences.namespace follows `rl` (kto: unpaired rows; every other method: pairs), so a `type`
+        means what it means in axolotl under that method (chatml.argilla is a pair format for dpo, an
+        unpaired one for kto). Defined first, so it runs after the validators below move axolotl's keys (pydantic
+        runs `before` validators last-defined first)."""
+        if not isinstance(data, dict):
+            return data
+        prefs = _section_dict(data, "preferences")
+        if not prefs:
+            return data
+        wanted, given = ("kto" if data.get("rl") == "kto" else "pairs"), prefs.get("namespace")
+        if given is not None and given != wanted:
+            raise ValueError(f"preferences.namespace: {prefs.get('namespace')!r} does not fit rl: "
+                             f"{data.get('rl', 'grpo')} (it reads {wanted} rows); leave it out, it follows rl")
+        return {**data, "preferences": {**prefs, "namespace": "kto"}} if wanted == "kto" else data
+
+    @model_validator(mode="before")
+    @classmethod
     def _axolotl_top_level_keys(cls, data):
         """axolotl writes `datasets`, `test_datasets`, `val_set_size`, `base_model` and `revision_of_model` at
-        the top level: each moves to its section key (AXOLOTL_KEYS); `posttrain validate` shows where."""
+        the top level: each moves to its section key (AXOLOTL_KEYS; under the DPO family's `rl`, datasets and
+        test_datasets are preference rows: `preferences`); `posttrain validate` shows where."""
         if not isinstance(data, dict) or not data.keys() & AXOLOTL_KEYS.keys():
             return data
-        data = dict(data)
-        for key, (section, field) in AXOLOTL_KEYS.items():
+        data, keys = dict(data), dict(AXOLOTL_KEYS)
+        if data.get("rl") in PREFERENCE_RL:  # axolotl's datasets are then the preference rows
+            keys.update(datasets=("preferences", "datasets"), test_datasets=("preferences", "test_datasets"))
+            if "val_set_size" in data:
+                raise ValueError(f"val_set_size with rl: {data['rl']}: the preference rows' eval split comes from "
+                                 "test_datasets here (a held-out share of the pairs is not drawn); set test_datasets")
+        for key, (section, field) in keys.items():
             if key not in data:
                 continue
             target = _section_dict(data, section)
@@ -238,7 +264,7 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
                                  f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm); set the posttrain key instead "
                                  "or remove it")
-        trainer = "dpo" if data.get("rl") in ("dpo", "ipo", "kto", "orpo", "simpo") else "grpo"
+        trainer = "dpo" if data.get("rl") in PREFERENCE_RL else "grpo"
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
             value = data.pop(key)
             field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",

@@ -8,14 +8,19 @@ One Parquet schema, `PREFERENCES`, for every kind of row, told apart by `kind`:
 
 Columns a kind does not use are null. One schema rather than one per kind: a trainer
 reads a single table type, a user transform may mix kinds, and every row keeps its
-`pair_id` (`<split>-<raw row index>`, stable when other rows are dropped). Prompts and
+`pair_id` (`<split>-<raw row index>`, with several `datasets` sources `<split>-<source>-<index>`;
+stable when other rows are dropped). Prompts and
 turns are chat messages ({role, content}); a plain string prompt becomes a user message,
 a plain string answer an assistant message. Rows carry no template text: the trainer
 applies the model's chat template, so axolotl's `chatml.*`/`llama3.*` prefixes, which only
 pick axolotl's rendering, read the same fields and give the same rows here.
 
-`type` names a built-in (fields exactly as axolotl's RLHF docs define them; see
-`BUILTINS`) or a user function `module.fn` in axolotl's convention: `fn(cfg)` returns
+The rows come from `paths` (a local file per split) or `datasets`/`test_datasets` (axolotl's list:
+hub ids, files, folders, split slices, read by stages/sources.py; train and eval).
+
+`type` names a built-in (fields as axolotl's dpo/orpo/kto prompt strategies read them; see `BUILTINS`,
+and `KTO_BUILTINS` under rl: kto, where axolotl resolves the same names to unpaired rows) or a user
+function `module.fn` in axolotl's convention: `fn(cfg)` returns
 `transform_fn` or `(transform_fn, {...})`, and `transform_fn(row)` returns a dict with
 `prompt` and `chosen`/`rejected` (or `completion`/`label`, or `completions`/`labels`),
 each a string or a list of messages.
@@ -40,12 +45,23 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from stages import demo_data
 from stages.demo_data import DemoDataConfig, format_answer
 from stages.imports import example_caller, load_function
+from stages.keys import key_when_set
 from stages.schemas import PREFERENCES, write_table
-from stages.sources import SUFFIXES, BadRowError, read_rows
+from stages import sources
+from stages.sources import SUFFIXES, BadRowError, SourceLocation, read_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_LISTED = 5  # bad rows named in a BadRowsError message
 MAX_DROPPED_INDICES = 20  # dropped row indices kept per split in the summary
+
+
+class PreferenceSource(SourceLocation):
+    """One entry of `preferences.datasets` / `test_datasets`, as axolotl writes it under rl: dpo, kto, orpo..."""
+
+    type: str | dict | None = None
+    """This source's format (a built-in name, `module.fn`, or a user_defined mapping); unset: preferences.type."""
+    ds_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
+    """axolotl's file type; when set, the source's local files must have that suffix (json covers .jsonl)."""
 
 
 class PreferenceConfig(BaseModel):
@@ -53,11 +69,24 @@ class PreferenceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: str
-    """A built-in (see `BUILTINS`) or a user function `module.fn` (axolotl convention)."""
-    paths: dict[str, str] = Field(validation_alias=AliasChoices("paths", "data_files"))
+    type: str | dict | None = None
+    """A built-in of `namespace` (see `BUILTINS`, `KTO_BUILTINS`) or a user function `module.fn` (axolotl
+    convention). Given as a mapping of user_defined keys (axolotl's `type: {field_prompt: ..., ...}`), it is
+    `user_defined.default` with those keys set. Required unless every `datasets` entry names its own."""
+    namespace: Literal["pairs", "kto"] | None = key_when_set(None)
+    """Where a built-in `type` is looked up, as axolotl resolves it under the RL method: pairs (unset; dpo,
+    ipo, orpo, simpo, reward models: prompt/chosen/rejected) or kto (`KTO_BUILTINS`: unpaired
+    prompt/completion/label rows; a pairs-only name there gives pairs, which rl: kto splits into a
+    desirable and an undesirable row). Follows `rl` (rl: kto -> kto)."""
+    paths: dict[str, str] = Field(default_factory=dict, validation_alias=AliasChoices("paths", "data_files"))
     """Local files per split, e.g. {train: prefs/train.jsonl, eval: prefs/eval.jsonl}
-    (jsonl, json, parquet, csv). Alias: `data_files`; a single path means {train: path}."""
+    (jsonl, json, parquet, csv). Alias: `data_files`; a single path means {train: path}. Or `datasets`."""
+    datasets: list[PreferenceSource] | None = key_when_set(None)
+    """axolotl's `datasets:` list (what an axolotl DPO/KTO/ORPO config's top-level `datasets` becomes): hub
+    ids, local files or folders, each with its own `split` (slices too) and `type`; their rows together make
+    the split train. Instead of `paths`."""
+    test_datasets: list[PreferenceSource] | None = key_when_set(None)
+    """With `datasets`: the sources of the split eval (axolotl's `test_datasets`)."""
     ds_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
     """axolotl's file type; when set, every file's suffix must match it (json covers .jsonl)."""
     on_bad_rows: Literal["fail", "drop"] = "fail"
@@ -90,6 +119,9 @@ class PreferenceConfig(BaseModel):
     prompt_format: str = "{prompt}"
     """user_defined.default: the user turn, formatted with {prompt} and {system}. When it
     does not use {system}, a non-empty system field becomes a system message instead."""
+    completion_format: str | None = key_when_set(None)
+    """user_defined.default under kto: the completion, formatted with {completion}, {prompt}, {system};
+    unset: "{completion}"."""
     chosen_format: str = "{chosen}"
     """user_defined.default: the chosen turn, formatted with {chosen}, {prompt}, {system}."""
     rejected_format: str = "{rejected}"
@@ -100,6 +132,24 @@ class PreferenceConfig(BaseModel):
     def _one_path_is_train(cls, value: Any) -> Any:
         return {"train": value} if isinstance(value, str) else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _type_as_mapping(cls, data: Any) -> Any:
+        """axolotl's `type: {field_prompt: ..., prompt_format: ...}`: user_defined.default with those keys."""
+        if not isinstance(data, dict) or not isinstance(data.get("type"), dict):
+            return data
+        data, keys = dict(data), dict(data["type"])
+        unknown = sorted(set(keys) - set(USER_DEFINED_KEYS))
+        if unknown:
+            raise ValueError(f"type: {', '.join(unknown)} is not a user_defined key (a mapping `type` is "
+                             f"user_defined.default; its keys: {', '.join(USER_DEFINED_KEYS)})")
+        for key, value in keys.items():
+            if key in data and data[key] != value:
+                raise ValueError(f"type.{key} and {key} are the same setting; set one of them")
+            data[key] = value
+        data["type"] = "user_defined.default"
+        return data
+
     @field_validator("message_property_mappings")
     @classmethod
     def _role_and_content(cls, value: dict[str, str]) -> dict[str, str]:
@@ -109,15 +159,30 @@ class PreferenceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "PreferenceConfig":
-        if not self.paths:
-            raise ValueError("paths: name at least one split, e.g. {train: prefs.jsonl}")
-        for name in ("prompt_format", "chosen_format", "rejected_format"):
+        if bool(self.paths) == bool(self.datasets):
+            raise ValueError("name the rows with paths ({train: prefs.jsonl, ...}) or datasets (a list of sources), "
+                             f"one of the two{' (both are set)' if self.paths else ''}")
+        if self.test_datasets and not self.datasets:
+            raise ValueError("test_datasets needs datasets (the train split's sources)")
+        untyped = [f"{name}.{i}" for name in ("datasets", "test_datasets")
+                   for i, source in enumerate(getattr(self, name) or []) if source.type is None]
+        if self.type is None and (self.paths or untyped):
+            raise ValueError("type: set the rows' format (e.g. chatml.intel, chat_template.default, or module.fn)"
+                             + (f"; {', '.join(untyped)} name no type of their own" if untyped else ""))
+        for name in ("prompt_format", "chosen_format", "rejected_format", "completion_format"):
             template = getattr(self, name)
+            if template is None:
+                continue
             try:
-                template.format(prompt="", system="", chosen="", rejected="")
+                template.format(prompt="", system="", chosen="", rejected="", completion="")
             except (KeyError, IndexError, ValueError) as e:
                 raise ValueError(f"{name} {template!r}: use only {{prompt}}, {{system}}, {{chosen}}, "
-                                 f"{{rejected}} ({type(e).__name__}: {e})") from None
+                                 f"{{rejected}}, {{completion}} ({type(e).__name__}: {e})") from None
+        unread = [n for n, read_in in (("completion_format", "kto"), ("chosen_format", "pairs"),
+                                       ("rejected_format", "pairs"))
+                  if getattr(self, n) != type(self).model_fields[n].default and read_in != (self.namespace or "pairs")]
+        if unread:
+            raise ValueError(f"{', '.join(unread)}: not read for {self.namespace or 'pairs'} rows")
         return self
 
 
@@ -265,18 +330,24 @@ def _chat_template_default(cfg: PreferenceConfig):
                                      "rejected": cfg.field_rejected}}
 
 
+def _user_defined_prompt(row: dict, cfg: PreferenceConfig, answers: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """user_defined.default's prompt (prompt_format, with the system field as a system message unless the
+    format uses {system}) and the values the answer formats read: prompt, system and each answer field."""
+    values = {"prompt": _text(row, cfg.field_prompt), "system": ""}
+    system = _optional_system(row, cfg.field_system)
+    if system:
+        values["system"] = system[0]["content"]
+    for answer in answers:
+        values[answer] = _text(row, getattr(cfg, f"field_{answer}"))
+    user = cfg.prompt_format.format(**values)
+    return ([] if "{system}" in cfg.prompt_format else system) + [{"role": "user", "content": user}], values
+
+
 def _user_defined(cfg: PreferenceConfig):
     """axolotl's user_defined.default: configurable fields and format strings."""
 
     def transform_fn(row: dict) -> dict:
-        values = {"prompt": _text(row, cfg.field_prompt), "system": ""}
-        system = _optional_system(row, cfg.field_system)
-        if system:
-            values["system"] = system[0]["content"]
-        values["chosen"] = _text(row, cfg.field_chosen)
-        values["rejected"] = _text(row, cfg.field_rejected)
-        user = cfg.prompt_format.format(**values)
-        prompt = ([] if "{system}" in cfg.prompt_format else system) + [{"role": "user", "content": user}]
+        prompt, values = _user_defined_prompt(row, cfg, ("chosen", "rejected"))
         return {"prompt": prompt,
                 "chosen": cfg.chosen_format.format(**values),
                 "rejected": cfg.rejected_format.format(**values)}
@@ -325,6 +396,48 @@ def _stepwise(cfg: PreferenceConfig):
     return transform_fn, {"fields": {"prompt": "prompt", "completions": "completions", "labels": "labels"}}
 
 
+def _last_answer(row: dict, field: str, cfg: PreferenceConfig) -> list[dict]:
+    """A conversation whose last turn is the answer ({role: assistant}); that turn."""
+    turns = _raw_messages(_present(row, field), field, cfg, _role_map(cfg))
+    if turns[-1]["role"] != "assistant":
+        raise _Bad(field, f"last message has role {turns[-1]['role']!r}, expected 'assistant'")
+    return turns[-1:]
+
+
+def _ultra(cfg: PreferenceConfig):
+    """UltraFeedback binarized: {system?, prompt, chosen: [user, assistant], rejected: [user, assistant]};
+    the answers are the conversations' assistant turns (axolotl: dpo chatml/llama3.ultra, orpo
+    chat_template.argilla)."""
+
+    def transform_fn(row: dict) -> dict:
+        return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, "prompt")}],
+                "chosen": _last_answer(row, cfg.field_chosen, cfg),
+                "rejected": _last_answer(row, cfg.field_rejected, cfg)}
+
+    return transform_fn, {"fields": {"prompt": "prompt", "chosen": cfg.field_chosen, "rejected": cfg.field_rejected}}
+
+
+def _nectar(cfg: PreferenceConfig):
+    """Nectar: {prompt, answers: [{answer, rank}, ...]}; chosen is the best-ranked answer, rejected the
+    next. Rank 1 is the best, as the Nectar dataset defines it (axolotl's zephyr.nectar takes the largest
+    rank as chosen instead: reverse the ranks to get its pairs)."""
+
+    def transform_fn(row: dict) -> dict:
+        answers = _present(row, "answers")
+        if not isinstance(answers, list) or len(answers) < 2:
+            raise _Bad("answers", "expected a list of at least 2 {answer, rank}")
+        for i, a in enumerate(answers):
+            if not isinstance(a, dict) or not isinstance(a.get("answer"), str) or \
+                    not isinstance(a.get("rank"), (int, float)) or isinstance(a.get("rank"), bool):
+                raise _Bad("answers", f"answer {i} is not {{answer: str, rank: number}}")
+        best, second = sorted(answers, key=lambda a: a["rank"])[:2]
+        if best["rank"] == second["rank"]:
+            raise _Bad("answers", f"the two best answers share rank {best['rank']}: no preference between them")
+        return {"prompt": _text(row, "prompt"), "chosen": best["answer"], "rejected": second["answer"]}
+
+    return transform_fn, {"fields": {"prompt": "prompt", "chosen": "answers", "rejected": "answers"}}
+
+
 _intel = _strings_pair("question", "chosen", "rejected")
 _prompt_pairs = _strings_pair("prompt", "chosen", "rejected")
 _argilla = _strings_pair("instruction", "chosen_response", "rejected_response")
@@ -335,6 +448,9 @@ BUILTINS: dict[str, Callable] = {
     "chatml.prompt_pairs": _prompt_pairs,  # {system?, prompt, chosen, rejected}
     "chatml.argilla": _argilla,  # {system?, instruction, chosen_response, rejected_response}
     "chatml.icr": _icr,  # {system?, input, chosen, rejected}
+    "chatml.ultra": _ultra,  # {system?, prompt, chosen: [user, assistant], rejected: [user, assistant]}
+    "chat_template.argilla": _ultra,  # ORPO's name for the same rows
+    "zephyr.nectar": _nectar,  # {prompt, answers: [{answer, rank}]}
     "chat_template.argilla_chat": _argilla_chat,  # {chosen: [msgs], rejected: [msgs]}
     "chat_template.default": _chat_template_default,  # {messages, chosen, rejected} + field/role mappings
     "user_defined.default": _user_defined,  # field_* + *_format
@@ -346,9 +462,79 @@ BUILTINS: dict[str, Callable] = {
     "llama3.prompt_pairs": _prompt_pairs,
     "llama3.argilla": _argilla,
     "llama3.icr": _icr,
+    "llama3.ultra": _ultra,
     "chatml.argilla_chat": _argilla_chat,
     "llama3.argilla_chat": _argilla_chat,
 }
+"""The pairs namespace (rl dpo, ipo, orpo, simpo; reward models): axolotl's dpo/orpo type names."""
+
+
+# ---------- KTO's namespace: unpaired rows {prompt, completion, label} ----------
+
+
+def _kto_strings(prompt_field: str):
+    """{system?, <prompt_field>, completion, label}, prompt and completion strings."""
+
+    def builder(cfg: PreferenceConfig):
+        def transform_fn(row: dict) -> dict:
+            return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt_field)}],
+                    "completion": _text(row, "completion"), "label": _present(row, "label")}
+
+        return transform_fn, {"fields": {"prompt": prompt_field, "completion": "completion", "label": "label"}}
+
+    return builder
+
+
+def _kto_conversation(cfg: PreferenceConfig):
+    """{completion: [turn, ..., assistant answer], label} (argilla/kto-mix-15k): the prompt is every turn
+    before the last."""
+
+    def transform_fn(row: dict) -> dict:
+        turns = _raw_messages(_present(row, "completion"), "completion", cfg, _role_map(cfg))
+        if len(turns) < 2:
+            raise _Bad("completion", "needs the prompt turn(s) before the answer")
+        if turns[-1]["role"] != "assistant":
+            raise _Bad("completion", f"last message has role {turns[-1]['role']!r}, expected 'assistant'")
+        return {"prompt": turns[:-1], "completion": turns[-1:], "label": _present(row, "label")}
+
+    return transform_fn, {"fields": {"prompt": "completion", "completion": "completion", "label": "label"}}
+
+
+def _kto_user_defined(cfg: PreferenceConfig):
+    """axolotl's kto user_defined.default: field_prompt/system/completion/label, prompt_format and
+    completion_format."""
+
+    def transform_fn(row: dict) -> dict:
+        prompt, values = _user_defined_prompt(row, cfg, ("completion",))
+        return {"prompt": prompt, "completion": (cfg.completion_format or "{completion}").format(**values),
+                "label": _present(row, cfg.field_label)}
+
+    return transform_fn, {"fields": {"prompt": cfg.field_prompt, "completion": cfg.field_completion,
+                                     "label": cfg.field_label}}
+
+
+KTO_BUILTINS: dict[str, Callable] = {
+    "kto": _kto,  # {system?, prompt, completion, label}, prompt/completion strings or messages
+    "chatml.argilla": _kto_strings("instruction"),  # {system?, instruction, completion, label}
+    "chatml.intel": _kto_strings("question"),  # {system?, question, completion, label}
+    "chatml.prompt_pairs": _kto_strings("prompt"),  # {system?, prompt, completion, label}
+    "chatml.ultra": _kto_strings("prompt"),  # {system?, prompt, completion, label}
+    "chatml.argilla_chat": _kto_conversation,  # {completion: [msgs..., answer], label}
+    "user_defined.default": _kto_user_defined,  # field_prompt/system/completion/label + formats
+}
+"""The kto namespace (rl: kto): axolotl's kto type names; the chatml./llama3. prefix only picks axolotl's
+rendering, so both read the same fields."""
+KTO_BUILTINS.update({"llama3." + name.split(".", 1)[1]: fn for name, fn in list(KTO_BUILTINS.items())
+                     if name.startswith("chatml.")})
+
+USER_DEFINED_KEYS = ("field_prompt", "field_system", "field_chosen", "field_rejected", "field_completion",
+                     "field_label", "prompt_format", "chosen_format", "rejected_format", "completion_format")
+"""The keys a mapping `type` (user_defined.default) may hold."""
+
+
+def builtins(namespace: str) -> dict[str, Callable]:
+    """The built-in types of a namespace: pairs, or kto (its own names first, then the pairs-only ones)."""
+    return {**BUILTINS, **KTO_BUILTINS} if namespace == "kto" else BUILTINS
 
 
 # ---------- normalizing any transform's output ----------
@@ -445,13 +631,16 @@ def _builder_output(builder: Callable, cfg: PreferenceConfig) -> tuple[Callable,
     return example_caller(transform_fn), dict(options or {})
 
 
-def transform_rows(cfg: PreferenceConfig, rows: list[dict], split: str) -> tuple[list[dict], list[tuple]]:
-    """Apply the configured transform; return (good rows with pair_id, bad rows as (split, index, field, reason))."""
-    builder = load_function(cfg.type, "preferences.type", BUILTINS)
+def transform_rows(cfg: PreferenceConfig, rows: list[tuple[int, dict]], where: str,
+                   id_prefix: str) -> tuple[list[dict], list[tuple]]:
+    """Apply the configured transform to (raw index, row) pairs; return (good rows, pair_id
+    `<id_prefix>-<raw index>`; bad rows as (where, index, field, reason))."""
+    known = builtins(cfg.namespace)
+    builder = load_function(cfg.type, "preferences.type", known)
     transform_fn, options = _builder_output(builder, cfg)
-    fields = options.get("fields") if cfg.type in BUILTINS else None
+    fields = options.get("fields") if cfg.type in known else None
     good, bad = [], []
-    for index, example in enumerate(rows):
+    for index, example in rows:
         try:
             try:
                 new = transform_fn(dict(example))
@@ -463,11 +652,52 @@ def transform_rows(cfg: PreferenceConfig, rows: list[dict], split: str) -> tuple
                 raise _Bad("<transform>", f"{cfg.type!r} failed: {type(e).__name__}: {e}") from None
             row = _normalize(new, fields, cfg.system_prompt)
         except _Bad as e:
-            bad.append((split, index, e.field, e.reason))
+            bad.append((where, index, e.field, e.reason))
             continue
-        row["pair_id"] = f"{split}-{index:06d}"
+        row["pair_id"] = f"{id_prefix}-{index:06d}"
         good.append(row)
     return good, bad
+
+
+def source_config(cfg: PreferenceConfig, source: PreferenceSource) -> PreferenceConfig:
+    """The config a `datasets` entry's rows go through: preferences' own, with the source's `type`."""
+    if source.type is None:
+        return cfg
+    own = cfg.model_dump(exclude_unset=True, exclude={"type", "paths", "datasets", "test_datasets"})
+    if isinstance(source.type, dict):  # its user_defined keys replace preferences' own
+        own = {k: v for k, v in own.items() if k not in USER_DEFINED_KEYS}
+    return PreferenceConfig.model_validate({**own, "type": source.type, "datasets": [source]})
+
+
+def _check_source(source: PreferenceSource) -> None:
+    if source.ds_type is None or sources.kind(source) == "hub":
+        return
+    for path in sources.local_paths(source):
+        if path.is_file():
+            _check_path_suffix(path, source.ds_type, sources.describe(source))
+
+
+def _raw_parts(cfg: PreferenceConfig) -> dict[str, list[tuple[str, str, PreferenceConfig, list[tuple[int, dict]]]]]:
+    """Per split, its parts as (where errors name them, pair_id prefix, config, (index, row) pairs)."""
+    if cfg.paths:
+        parts = {}
+        for split, raw_path in cfg.paths.items():
+            path = Path(raw_path)
+            _check_path(cfg, split, path)
+            raw = read_rows(path)
+            if not isinstance(raw, list) or not raw:
+                raise BadRowError(f"preferences.paths.{split}: {path} has no rows")
+            parts[split] = [(split, split, cfg, list(enumerate(raw)))]
+        return parts
+    parts = {}
+    for name, split in (("datasets", "train"), ("test_datasets", "eval")):
+        entries = getattr(cfg, name) or []
+        for i, source in enumerate(entries):
+            _check_source(source)
+            prefix = split if len(entries) == 1 else f"{split}-{i}"
+            parts.setdefault(split, []).append((f"{name}.{i} {sources.describe(source)}", prefix,
+                                                source_config(cfg, source), sources.load(source)))
+    return parts
 
 
 def _check_path(cfg: PreferenceConfig, split: str, path: Path) -> None:
@@ -477,8 +707,14 @@ def _check_path(cfg: PreferenceConfig, split: str, path: Path) -> None:
         raise FileNotFoundError(f"{where}: {path} does not exist")
     if suffix not in SUFFIXES:
         raise ValueError(f"{where}: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
-    if cfg.ds_type and suffix.lstrip(".") != cfg.ds_type and not (cfg.ds_type == "json" and suffix == ".jsonl"):
-        raise ValueError(f"{where}: {path} does not match ds_type {cfg.ds_type!r}")
+    if cfg.ds_type:
+        _check_path_suffix(path, cfg.ds_type, where)
+
+
+def _check_path_suffix(path: Path, ds_type: str, where: str) -> None:
+    suffix = path.suffix.lower()
+    if suffix.lstrip(".") != ds_type and not (ds_type == "json" and suffix == ".jsonl"):
+        raise ValueError(f"{where}: {path} does not match ds_type {ds_type!r}")
 
 
 def write_split(rows: list[dict], path: Path) -> pa.Table:
@@ -488,26 +724,25 @@ def write_split(rows: list[dict], path: Path) -> pa.Table:
 
 
 def run(cfg: PreferenceConfig, out_dir: Path) -> dict:
-    """Transform each split's file into out_dir/<split>.parquet; return per split
-    {kinds, kept, dropped, dropped_indices (first 20), dropped_fields}. Under
+    """Transform each split's rows (`paths`: one file per split; `datasets`: the sources' rows, train, and
+    test_datasets', eval) into out_dir/<split>.parquet; return per split {kinds, kept, dropped,
+    dropped_indices (first 20), dropped_fields}, with `datasets` also `sources` ({where: kept}). Under
     `on_bad_rows: fail`, any bad row raises BadRowsError before anything is written."""
     out_dir = Path(out_dir)
     results, all_bad = {}, []
-    for split, raw_path in cfg.paths.items():
-        path = Path(raw_path)
-        _check_path(cfg, split, path)
-        raw = read_rows(path)
-        if not isinstance(raw, list) or not raw:
-            raise BadRowError(f"preferences.paths.{split}: {path} has no rows")
-        good, bad = transform_rows(cfg, raw, split)
-        results[split] = (good, bad)
+    for split, parts in _raw_parts(cfg).items():
+        good, bad, kept = [], [], {}
+        for where, prefix, part_cfg, rows in parts:
+            part_good, part_bad = transform_rows(part_cfg, rows, where, prefix)
+            good, bad, kept[where] = good + part_good, bad + part_bad, len(part_good)
+        results[split] = (good, bad, kept)
         all_bad += bad
     if all_bad and cfg.on_bad_rows == "fail":
         raise BadRowsError(all_bad)
     summary = {}
-    for split, (good, bad) in results.items():
+    for split, (good, bad, kept) in results.items():
         if not good:
-            reasons = "; ".join(f"row {i}, field {f!r}: {r}" for _, i, f, r in bad[:MAX_LISTED])
+            reasons = "; ".join(f"{w} row {i}, field {f!r}: {r}" for w, i, f, r in bad[:MAX_LISTED])
             raise BadRowError(f"preferences: every row of split {split!r} is bad ({reasons})")
         write_split(good, out_dir / f"{split}.parquet")
         summary[split] = {
@@ -516,6 +751,7 @@ def run(cfg: PreferenceConfig, out_dir: Path) -> dict:
             "dropped": len(bad),
             "dropped_indices": [index for _, index, _, _ in bad[:MAX_DROPPED_INDICES]],
             "dropped_fields": dict(Counter(field for _, _, field, _ in bad)),
+            **({"sources": kept} if cfg.datasets else {}),
         }
     return summary
 

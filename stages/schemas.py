@@ -56,7 +56,7 @@ REPLAYED = pa.schema(list(SCORED) + [pa.field("replayed", pa.bool_())])  # rows 
 # preferences -> <split>.parquet: one schema for every kind of preference row (see stages/preferences.py).
 PREFERENCES = pa.schema(
     [
-        ("pair_id", pa.string()),  # "<split>-<raw row index>"
+        ("pair_id", pa.string()),  # "<split>-<raw row index>", "<split>-<source>-<raw row index>" with several sources
         ("kind", pa.string()),  # "pair" | "unpaired" | "stepwise"
         ("prompt", pa.list_(MESSAGE)),
         ("chosen", pa.list_(MESSAGE)),  # pair: the preferred assistant turn(s)

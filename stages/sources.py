@@ -46,8 +46,8 @@ class BadRowError(ValueError):
     """A raw row the transform cannot turn into a prompt."""
 
 
-class DatasetSource(BaseModel):
-    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/sources.py reads it)."""
+class SourceLocation(BaseModel):
+    """Where one source's rows are: the part of an axolotl `datasets:` entry this module reads."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +65,11 @@ class DatasetSource(BaseModel):
     revision: str | None = None
     """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
     to, so a new commit on the branch is a new key."""
+
+
+class DatasetSource(SourceLocation):
+    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/sources.py reads it)."""
+
     type: str | None = None
     """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
     question_field: str | None = None
@@ -130,7 +135,7 @@ class SourceError(ValueError):
     """A `transform.datasets` entry that cannot be read; the message names it and says what to do."""
 
 
-def describe(source: DatasetSource) -> str:
+def describe(source: SourceLocation) -> str:
     """How errors and counts name a source: `path (name=..., split=...)`."""
     parts = [f"name={source.name}"] if source.name else []
     if source.revision:
@@ -139,7 +144,7 @@ def describe(source: DatasetSource) -> str:
     return f"{source.path} ({', '.join(parts)})"
 
 
-def kind(source: DatasetSource) -> Literal["file", "files", "folder", "hub"]:
+def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub"]:
     """file: one local table; files: local files listed in data_files; folder: a local folder `datasets` reads;
     hub: a hub dataset id."""
     local = Path(source.path).expanduser()
@@ -160,7 +165,7 @@ def kind(source: DatasetSource) -> Literal["file", "files", "folder", "hub"]:
                               "add data_files (a file, a list, or {split: files}), or give the file itself as path.")
         return "files"
     if _looks_local(source.path):
-        raise FileNotFoundError(f"transform.datasets: {source.path} does not exist ({local.absolute()}), and it is not "
+        raise FileNotFoundError(f"datasets: {source.path} does not exist ({local.absolute()}), and it is not "
                                 "a hub dataset id (org/name)")
     return "hub"
 
@@ -170,7 +175,7 @@ def _looks_local(path: str) -> bool:
     return Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") or not hub.is_repo_id(path)
 
 
-def data_files(source: DatasetSource) -> dict[str, list[Path]]:
+def data_files(source: SourceLocation) -> dict[str, list[Path]]:
     """A `files` source's local files per split: data_files as {split: file or files}, or a file or list (the
     split train); relative to the folder `path` names, else to the working directory."""
     base = Path(source.path).expanduser() if source.path not in BUILDERS else Path(".")
@@ -186,7 +191,7 @@ def data_files(source: DatasetSource) -> dict[str, list[Path]]:
     return files
 
 
-def local_paths(source: DatasetSource) -> list[Path]:
+def local_paths(source: SourceLocation) -> list[Path]:
     """The local files or folder a source reads (what the transform's key digests); [] for a hub dataset."""
     which = kind(source)
     if which == "hub":
@@ -196,7 +201,7 @@ def local_paths(source: DatasetSource) -> list[Path]:
     return [Path(source.path).expanduser()]
 
 
-def _not_cached(source: DatasetSource, why: str) -> SourceError:
+def _not_cached(source: SourceLocation, why: str) -> SourceError:
     revision = f" --revision {source.revision}" if source.revision else ""
     return SourceError(
         f"{describe(source)}: hub dataset {source.path!r} is not in the hub cache {hub.cache_dir()}, and {why}. "
@@ -205,7 +210,7 @@ def _not_cached(source: DatasetSource, why: str) -> SourceError:
         "file or folder as path.")
 
 
-def hub_revision(source: DatasetSource) -> str:
+def hub_revision(source: SourceLocation) -> str:
     """The commit a hub source's revision (a branch, tag or commit; default main) points to: asked of the hub,
     or read from the hub cache's refs/ when HF_HUB_OFFLINE is set or the hub cannot be reached."""
     from huggingface_hub import HfApi
@@ -229,7 +234,7 @@ def hub_revision(source: DatasetSource) -> str:
                           f"no local file or folder {Path(source.path).absolute()} exists") from e
 
 
-def _load_dataset(source: DatasetSource, path: str, **kwargs):
+def _load_dataset(source: SourceLocation, path: str, **kwargs):
     """datasets.load_dataset(path, name, data_files=...) as {split: Dataset}; its errors name the source."""
     import datasets
 
@@ -240,7 +245,7 @@ def _load_dataset(source: DatasetSource, path: str, **kwargs):
         raise SourceError(f"{describe(source)}: datasets.load_dataset cannot read it ({type(e).__name__}: {e})") from e
 
 
-def _hub_splits(source: DatasetSource) -> dict:
+def _hub_splits(source: SourceLocation) -> dict:
     """A hub dataset's splits at source.revision (a commit: the task pins it)."""
     commit = hub_revision(source)
     if not hub.offline():
@@ -256,7 +261,7 @@ def _hub_splits(source: DatasetSource) -> dict:
     return _load_dataset(source, folder)
 
 
-def load(source: DatasetSource) -> list[tuple[int, dict]]:
+def load(source: SourceLocation) -> list[tuple[int, dict]]:
     """The rows `source.split` selects, each as (its index in its split, the row)."""
     import datasets
 

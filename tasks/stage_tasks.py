@@ -122,9 +122,10 @@ def _files_digest(paths: dict[str, str] | None) -> dict[str, str] | None:
     return {split: path_digest(p) for split, p in paths.items()} if paths else None
 
 
-def _pinned_sources(cfg: transform.TransformConfig) -> tuple[transform.TransformConfig, list | None]:
-    """transform.datasets and test_datasets with each hub dataset's revision resolved to its commit (the stage
-    reads that commit), and what the key needs of each source: that commit, or its local files' digests."""
+def _pinned_sources(cfg):
+    """`cfg` (the transform or preferences section) with each hub dataset of its datasets and test_datasets
+    resolved to its commit (the stage reads that commit), and what the key needs of each source: that commit,
+    or its local files' digests."""
     from stages import sources
 
     if not cfg.datasets:
@@ -443,11 +444,14 @@ def preferences_task(ctx: RunContext) -> Artifact:
     """The preferences table: your data through `preferences`, or demo pairs for the built-in task."""
     cfg = ctx.config
     if cfg.preferences is not None:
-        section = _with_reads({**cfg.preferences.model_dump(mode="json"),
-                               "file_digests": _files_digest(cfg.preferences.paths)}, [cfg.preferences.type],
-                              preferences.BUILTINS)
+        prefs, source_versions = _pinned_sources(cfg.preferences)
+        types = [t for t in (prefs.type, *(s.type for s in (prefs.datasets or []) + (prefs.test_datasets or [])))
+                 if isinstance(t, str)]
+        section = _with_reads({**key_fields(prefs), "file_digests": _files_digest(prefs.paths),
+                               **({"source_versions": source_versions} if source_versions else {})}, types,
+                              preferences.builtins(prefs.namespace))
         return materialize(ctx, "preferences", preferences, section, {},
-                           lambda out, _: preferences.run(cfg.preferences, out))
+                           lambda out, _: preferences.run(prefs, out))
     section = {"demo_pairs": cfg.demo_pairs.model_dump(mode="json"), "demo_data": cfg.demo_data.model_dump(mode="json")}
     return materialize(ctx, "preferences", preferences, section, {},
                        lambda out, _: preferences.write_demo_pairs(cfg.demo_pairs, out, demo=cfg.demo_data))

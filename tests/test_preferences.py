@@ -85,6 +85,21 @@ PAIR_SAMPLES = {
         {"sys": SYSTEM, "query": Q1, "good": GOOD1, "bad": BAD1},
         {"query": Q2, "good": GOOD2, "bad": BAD2},
     ]),
+    "chatml.ultra": ({}, [
+        {"system": SYSTEM, "prompt": Q1, "chosen": [user(Q1), assistant(GOOD1)],
+         "rejected": [user(Q1), assistant(BAD1)]},
+        {"prompt": Q2, "chosen": [user(Q2), assistant(GOOD2)], "rejected": [user(Q2), assistant(BAD2)]},
+    ]),
+    "chat_template.argilla": ({}, [  # ORPO's name (axolotl orpo/chat_template.py reads the same fields)
+        {"system": SYSTEM, "prompt": Q1, "chosen": [user(Q1), assistant(GOOD1)],
+         "rejected": [user(Q1), assistant(BAD1)]},
+        {"prompt": Q2, "chosen": [user(Q2), assistant(GOOD2)], "rejected": [user(Q2), assistant(BAD2)]},
+    ]),
+    "user_defined.default/type mapping": ({"type": {"field_prompt": "query", "field_system": "sys",
+                                                    "field_chosen": "good", "field_rejected": "bad"}}, [
+        {"sys": SYSTEM, "query": Q1, "good": GOOD1, "bad": BAD1},
+        {"query": Q2, "good": GOOD2, "bad": BAD2},
+    ]),
     "bradley_terry.chat_template": ({}, [
         {"system": SYSTEM, "input": Q1, "chosen": GOOD1, "rejected": BAD1},
         {"input": Q2, "chosen": GOOD2, "rejected": BAD2},
@@ -149,7 +164,7 @@ def user_module(tmp_path: Path, monkeypatch):
 @pytest.mark.parametrize("case", list(PAIR_SAMPLES))
 def test_pair_formats_normalize_alike(tmp_path, out_dir, case):
     options, rows = PAIR_SAMPLES[case]
-    cfg = PreferenceConfig(type=case.split("/")[0], paths={"train": _file(tmp_path, rows)}, **options)
+    cfg = PreferenceConfig(**{"type": case.split("/")[0], "paths": {"train": _file(tmp_path, rows)}, **options})
 
     summary = preferences.run(cfg, out_dir)
 
@@ -314,6 +329,104 @@ def test_kto_labels_from_csv_text(tmp_path, out_dir):
     rows = [{"prompt": Q1, "completion": GOOD1, "label": "true"}, {"prompt": Q1, "completion": BAD1, "label": "False"}]
     preferences.run(PreferenceConfig(type="kto", paths={"train": _file(tmp_path, rows, ".csv")}), out_dir)
     assert [r["label"] for r in _read(out_dir)] == [True, False]
+
+
+def test_nectar_ranked_answers(tmp_path, out_dir):
+    """zephyr.nectar: the best-ranked answer (rank 1) is chosen, the next one rejected."""
+    rows = [
+        {"prompt": Q1, "answers": [{"answer": "9.11", "rank": 2}, {"answer": "9.8", "rank": 1},
+                                   {"answer": "neither", "rank": 3}]},
+        {"prompt": Q1, "answers": [{"answer": "9.8", "rank": 1}]},  # 1: one answer
+        {"prompt": Q1, "answers": [{"answer": "9.8", "rank": 1}, {"answer": "9.11", "rank": 1}]},  # 2: a tie
+        {"prompt": Q1, "answers": [{"answer": "9.8"}, {"answer": "9.11", "rank": 2}]},  # 3: no rank
+    ]
+    cfg = PreferenceConfig(type="zephyr.nectar", paths={"train": _file(tmp_path, rows)}, on_bad_rows="drop")
+
+    summary = preferences.run(cfg, out_dir)
+
+    assert summary["train"]["dropped_indices"] == [1, 2, 3] and summary["train"]["dropped_fields"] == {"answers": 3}
+    row = _read(out_dir)[0]
+    assert (row["chosen"], row["rejected"]) == ([assistant("9.8")], [assistant("9.11")])
+
+
+# axolotl's kto types (prompt_strategies/kto/chatml.py, llama3.py) with their documented fields; each must give
+# the same two rows: a desirable answer with a system prompt and an undesirable one without.
+EXPECTED_KTO = [
+    {"pair_id": "train-000000", "kind": "unpaired", "prompt": [system(SYSTEM), user(Q1)], "chosen": None,
+     "rejected": None, "completion": [assistant(GOOD1)], "label": True, "completions": None, "labels": None},
+    {"pair_id": "train-000001", "kind": "unpaired", "prompt": [user(Q2)], "chosen": None,
+     "rejected": None, "completion": [assistant(BAD2)], "label": False, "completions": None, "labels": None},
+]
+KTO_SAMPLES = {
+    "chatml.argilla": ({}, [{"system": SYSTEM, "instruction": Q1, "completion": GOOD1, "label": True},
+                            {"instruction": Q2, "completion": BAD2, "label": False}]),
+    "chatml.intel": ({}, [{"system": SYSTEM, "question": Q1, "completion": GOOD1, "label": True},
+                          {"question": Q2, "completion": BAD2, "label": False}]),
+    "chatml.prompt_pairs": ({}, [{"system": SYSTEM, "prompt": Q1, "completion": GOOD1, "label": True},
+                                 {"prompt": Q2, "completion": BAD2, "label": False}]),
+    "llama3.ultra": ({}, [{"system": SYSTEM, "prompt": Q1, "completion": GOOD1, "label": True},
+                          {"system": "", "prompt": Q2, "completion": BAD2, "label": False}]),
+    "chatml.argilla_chat": ({}, [{"completion": [system(SYSTEM), user(Q1), assistant(GOOD1)], "label": True},
+                                 {"completion": [user(Q2), assistant(BAD2)], "label": False}]),
+    "user_defined.default": ({"type": {"field_prompt": "q", "field_system": "s", "field_completion": "a",
+                                       "field_label": "ok"}},
+                             [{"s": SYSTEM, "q": Q1, "a": GOOD1, "ok": True}, {"q": Q2, "a": BAD2, "ok": False}]),
+}
+
+
+@pytest.mark.parametrize("case", list(KTO_SAMPLES))
+def test_kto_formats_normalize_alike(tmp_path, out_dir, case):
+    options, rows = KTO_SAMPLES[case]
+    cfg = PreferenceConfig(**{"type": case, "namespace": "kto", "paths": {"train": _file(tmp_path, rows)},
+                              **options})
+
+    summary = preferences.run(cfg, out_dir)
+
+    assert summary["train"]["kinds"] == {"unpaired": 2}
+    assert _read(out_dir) == EXPECTED_KTO
+
+
+def test_kto_bad_rows_are_named(tmp_path, out_dir):
+    rows = [{"instruction": Q1, "completion": GOOD1},  # 0: no label
+            {"instruction": Q1, "chosen": GOOD1, "rejected": BAD1, "label": True},  # 1: a pair row
+            {"completion": [assistant(GOOD1)], "label": True}]  # 2: argilla_chat with no prompt turn
+    cfg = PreferenceConfig(type="chatml.argilla", namespace="kto", paths={"train": _file(tmp_path, rows[:2])})
+    with pytest.raises(BadRowsError) as e:
+        preferences.run(cfg, out_dir)
+    assert [(i, f) for _, i, f, _ in e.value.bad] == [(0, "label"), (1, "completion")]
+    cfg = PreferenceConfig(type="chatml.argilla_chat", namespace="kto", paths={"train": _file(tmp_path, rows[2:])})
+    with pytest.raises(BadRowsError, match="row 0, field 'completion': needs the prompt turn"):
+        preferences.run(cfg, out_dir)
+    assert not (out_dir / "train.parquet").exists()
+
+
+def test_kto_user_defined_formats(tmp_path, out_dir):
+    rows = [{"system": "Be terse.", "prompt": "2+2?", "completion": "4", "label": True}]
+    cfg = PreferenceConfig(type="user_defined.default", namespace="kto", paths={"train": _file(tmp_path, rows)},
+                           prompt_format="[{system}] Q: {prompt}", completion_format="A: {completion}")
+    preferences.run(cfg, out_dir)
+    row = _read(out_dir)[0]
+    assert row["prompt"] == [user("[Be terse.] Q: 2+2?")] and row["completion"] == [assistant("A: 4")]
+
+
+def test_namespace_decides_the_format(tmp_path, out_dir):
+    """The same type name reads pairs under `pairs` and unpaired rows under `kto`; a pairs-only name under kto
+    reads pairs (rl: kto splits them); a format key the namespace does not read is refused naming it."""
+    _, rows = PAIR_SAMPLES["chatml.prompt_pairs"]
+    path = _file(tmp_path, rows)
+    assert preferences.run(PreferenceConfig(type="chatml.prompt_pairs", paths=path), out_dir)["train"]["kinds"] \
+        == {"pair": 2}
+    with pytest.raises(BadRowsError, match="field 'completion': missing"):
+        preferences.run(PreferenceConfig(type="chatml.prompt_pairs", namespace="kto", paths=path), out_dir)
+    _, rows = PAIR_SAMPLES["chat_template.argilla_chat"]
+    cfg = PreferenceConfig(type="chat_template.argilla_chat", namespace="kto", paths=_file(tmp_path, rows))
+    assert preferences.run(cfg, out_dir)["train"]["kinds"] == {"pair": 2}
+    with pytest.raises(ValidationError, match="completion_format: not read for pairs rows"):
+        PreferenceConfig(type="user_defined.default", paths=path, completion_format="{completion}!")
+    with pytest.raises(ValidationError, match="chosen_format: not read for kto rows"):
+        PreferenceConfig(type={"chosen_format": "A: {chosen}"}, namespace="kto", paths=path)
+    with pytest.raises(ValidationError, match="type: field_answer is not a user_defined key"):
+        PreferenceConfig(type={"field_answer": "a"}, paths=path)
 
 
 def test_stepwise_supervised_rows(tmp_path, out_dir):
@@ -497,3 +610,107 @@ def test_demo_pairs_written_and_deterministic(tmp_path):
         assert row["rejected"] == [assistant(format_answer(numbers[-2]))]
     again = preferences.demo_pair_rows(cfg, demo)
     assert [r["prompt"] for r in again["train"]] == [r["prompt"] for r in rows]
+
+
+# ---------- axolotl's datasets: list (hub ids, files, slices, a type per source) ----------
+
+
+def test_datasets_sources_of_different_types_with_slices(tmp_path, out_dir):
+    """Two sources of different formats make the train split (a slice of the first), test_datasets the eval
+    split; each keeps its raw row index in pair_id; a bad row is named by its source and row."""
+    _, intel = PAIR_SAMPLES["chatml.intel"]
+    _, default = PAIR_SAMPLES["chat_template.default"]
+    first, second = _file(tmp_path, intel * 2, name="intel"), _file(tmp_path, default, ".parquet", name="chat")
+    cfg = PreferenceConfig(type="chat_template.default", datasets=[
+        {"path": first, "type": "chatml.intel", "split": "train[:2]", "ds_type": "json"}, {"path": second}],
+        test_datasets=[{"path": first, "type": "chatml.intel", "split": "train[3:]"}])
+
+    summary = preferences.run(cfg, out_dir)
+
+    train = _read(out_dir)
+    assert [r["pair_id"] for r in train] == ["train-0-000000", "train-0-000001", "train-1-000000", "train-1-000001"]
+    assert [{k: v for k, v in r.items() if k != "pair_id"} for r in train[:2]] == \
+        [{k: v for k, v in r.items() if k != "pair_id"} for r in EXPECTED_PAIRS]
+    assert _read(out_dir, "eval")[0]["pair_id"] == "eval-000003"
+    assert summary["train"]["sources"] == {f"datasets.0 {first} (split=train[:2])": 2,
+                                           f"datasets.1 {second} (split=train)": 2}
+
+    bad = _file(tmp_path, [intel[0], {"question": Q2, "chosen": GOOD2}], name="bad")
+    cfg = PreferenceConfig(type="chatml.intel", datasets=[{"path": first}, {"path": bad}])
+    with pytest.raises(BadRowsError, match=re.escape(f"datasets.1 {bad} (split=train) row 1, field 'rejected': "
+                                                     "missing")):
+        preferences.run(cfg, out_dir)
+
+
+def test_datasets_config_errors_name_the_key(tmp_path, out_dir):
+    path = _file(tmp_path, PAIR_SAMPLES["chatml.intel"][1])
+    with pytest.raises(ValidationError, match="datasets.0 name no type of their own"):
+        PreferenceConfig(datasets=[{"path": path}])
+    with pytest.raises(ValidationError, match="paths .* or datasets .*both are set"):
+        PreferenceConfig(type="chatml.intel", paths=path, datasets=[{"path": path}])
+    with pytest.raises(ValidationError, match="conversation"):
+        PreferenceConfig(type="chatml.intel", datasets=[{"path": path, "conversation": "chatml"}])
+    cfg = PreferenceConfig(type="chatml.intel", datasets=[{"path": path, "ds_type": "parquet"}])
+    with pytest.raises(ValueError, match="does not match ds_type 'parquet'"):
+        preferences.run(cfg, out_dir)
+
+
+HUB_COMMITS = ["a" * 40, "b" * 40]
+
+
+@pytest.fixture
+def preference_hub(tmp_path, monkeypatch):
+    """An offline hub cache holding `org/prefs` (data/train.parquet, chatml.intel rows) at two commits, refs/main
+    on the first, laid out as huggingface_hub lays it out."""
+    repo = tmp_path / "hub" / "datasets--org--prefs"
+    for n, commit in enumerate(HUB_COMMITS):
+        rows = [{"question": f"{Q2} ({n}.{i})", "chosen": GOOD2, "rejected": BAD2} for i in range(3)]
+        blob = repo / "blobs" / commit[:8]
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        _write_parquet(blob, rows)
+        link = repo / "snapshots" / commit / "data" / "train.parquet"
+        link.parent.mkdir(parents=True)
+        link.symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_COMMITS[0])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    return repo
+
+
+def test_an_axolotl_dpo_config_reads_a_hub_dataset_keyed_by_its_commit(preference_hub, key_of, out_dir):
+    """rl: dpo with axolotl's top-level `datasets` (a hub id, as its docs write it): the rows are the
+    preferences, read offline from the hub cache; the preferences key follows the commit main points to."""
+    from flows.config import PipelineConfig
+    from tasks import stage_tasks
+
+    config = {"rl": "dpo", "datasets": [{"path": "org/prefs", "split": "train[:2]", "type": "chatml.intel"}]}
+    cfg = PipelineConfig.model_validate(config)
+    assert cfg.transform.datasets is None and cfg.preferences.datasets[0].path == "org/prefs"
+    assert preferences.run(cfg.preferences, out_dir)["train"]["kept"] == 2
+    assert _read(out_dir)[0]["prompt"] == [user(f"{Q2} (0.0)")]
+
+    first = key_of(stage_tasks.preferences_task, config)
+    (preference_hub / "refs" / "main").write_text(HUB_COMMITS[1])
+    assert key_of(stage_tasks.preferences_task, config) != first
+
+
+def test_an_axolotl_kto_config_reads_kto_rows(tmp_path, out_dir):
+    """rl: kto resolves the datasets' types in KTO's namespace (chatml.argilla: instruction/completion/label)."""
+    from flows.config import ConfigError, PipelineConfig, load_config
+
+    path = _file(tmp_path, KTO_SAMPLES["chatml.argilla"][1])
+    cfg = PipelineConfig.model_validate({"rl": "kto", "datasets": [{"path": path, "type": "chatml.argilla"}]})
+    assert cfg.preferences.namespace == "kto" and cfg.dpo.rl == "kto"
+    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the saved translation round-trips
+    summary = preferences.run(cfg.preferences, out_dir)
+    assert summary["train"]["kinds"] == {"unpaired": 2}
+
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"rl": "dpo", "preferences": {"type": "kto", "paths": path, "namespace": "kto"}}))
+    with pytest.raises(ConfigError, match="preferences.namespace: 'kto' does not fit rl: dpo"):
+        load_config(config)
+    config.write_text(json.dumps({"rl": "kto", "datasets": [{"path": path}], "val_set_size": 0.1}))
+    with pytest.raises(ConfigError, match="val_set_size with rl: kto: .* set test_datasets"):
+        load_config(config)
