@@ -57,8 +57,17 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
                     "reward_funcs": ("score", "reward_funcs"), "reward_weights": ("score", "reward_weights"),
                     "scale_rewards": ("score", "scale_rewards"),
-                    "multi_objective_aggregation": ("score", "multi_objective_aggregation")}
+                    "multi_objective_aggregation": ("score", "multi_objective_aggregation"),
+                    "vllm_gpu_memory_utilization": ("rollout", "vllm.gpu_memory_utilization"),
+                    "vllm_tensor_parallel_size": ("rollout", "vllm.tensor_parallel_size"),
+                    "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+AXOLOTL_VLLM_KEYS = {"tensor_parallel_size": "tensor_parallel_size", "gpu_memory_utilization": "gpu_memory_utilization",
+                     "dtype": "dtype", "max_model_len": "max_model_len", "enforce_eager": "enforce_eager"}
+"""axolotl's `vllm:` section keys that are `rollout.vllm` keys of the same name and meaning."""
+AXOLOTL_VLLM_SERVER_KEYS = ("vllm.host", "vllm.port", "vllm.serve_module", "vllm.worker_extension_cls",
+                            "trl.vllm_server_host", "trl.vllm_server_port", "trl.vllm_server_timeout")
+"""Where `axolotl vllm-serve` (TRL's weight-sync server) listens and what it runs: posttrain has no such server."""
 AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
                          "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
                          "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
@@ -241,7 +250,7 @@ class PipelineConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         tracking = [k for k in data if k.startswith(AXOLOTL_LOGGING_PREFIXES)]
-        if not (tracking or data.keys() & {"trl", "output_dir", *AXOLOTL_TRAINING_KEYS}):
+        if not (tracking or data.keys() & {"trl", "vllm", "output_dir", *AXOLOTL_TRAINING_KEYS}):
             return data
         data = {k: v for k, v in data.items() if k not in tracking}
         if tracking:
@@ -254,15 +263,22 @@ class PipelineConfig(BaseModel):
                 raise ValueError("output_dir (axolotl's key) and artifacts_dir are the same setting here (every stage "
                                  "and the exported model go under it); set one of them")
             data["artifacts_dir"] = output_dir
-        moves = []  # (their key, section, field, value)
+        moves = _axolotl_vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})  # (their key, section, field, value)
         for key, value in (data.pop("trl", None) or {}).items():
+            if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
+                continue  # refused by _axolotl_vllm_moves
+            if key == "vllm_mode":
+                if value != "colocate":
+                    raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
+                                     "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
+                continue
             if key == "use_vllm":
                 moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
             elif key in AXOLOTL_TRL_KEYS:
                 moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
             else:
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm); set the posttrain key instead "
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode); set the posttrain key instead "
                                  "or remove it")
         trainer = "dpo" if data.get("rl") in PREFERENCE_RL else "grpo"
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
@@ -283,12 +299,8 @@ class PipelineConfig(BaseModel):
             moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
         for their_key, section, field, value in moves:
             target = _section_dict(data, section)
-            if target is None:
-                continue  # the section's own error says what it should be
-            if field in target and target[field] != value:
-                raise ValueError(f"{their_key} (axolotl's key) and {section}.{field} are the same setting; set one "
-                                 "of them")
-            data[section] = {**target, field: value}
+            if target is not None:  # (else the section's own error says what it should be)
+                data[section] = _with_value(target, field, value, their_key, section)
         return data
 
     @model_validator(mode="before")
@@ -593,6 +605,51 @@ def config_differences(before: dict, after: dict) -> list[str]:
     old, new = flatten(before), flatten(after)
     return [f"{k} ({old.get(k, '-')} -> {new.get(k, '-')})" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k)]
+
+
+def _axolotl_vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's `vllm:` section as (their key, section, field, value) moves into rollout.vllm; the keys of
+    `axolotl vllm-serve`'s server (AXOLOTL_VLLM_SERVER_KEYS), and any other, are errors naming them."""
+    if not isinstance(vllm, dict):
+        raise ValueError(f"vllm: expected a mapping of vLLM settings, got {type(vllm).__name__}")
+    server = [k for k in AXOLOTL_VLLM_SERVER_KEYS
+              if (vllm if k.startswith("vllm.") else trl).get(k.split(".", 1)[1]) is not None]
+    if server:
+        raise ValueError(f"{', '.join(server)}: where `axolotl vllm-serve` (TRL's weight-sync server) listens; "
+                         "posttrain has no such server: rollout.engine vllm (what trl.use_vllm sets) runs vLLM in the "
+                         "run's own process and loads each round's weights itself; vllm_server talks to `vllm serve` "
+                         "OpenAI servers at rollout.vllm.server_url. Remove them")
+    moves = []
+    for key, value in vllm.items():
+        if key in AXOLOTL_VLLM_KEYS:
+            if value is not None:
+                moves.append((f"vllm.{key}", "rollout", f"vllm.{AXOLOTL_VLLM_KEYS[key]}", value))
+        elif key == "device" and value in ("auto", None):
+            continue  # vLLM runs where the run does (a GPU when there is one)
+        elif key == "enable_prefix_caching" and value in (True, None):
+            continue  # vLLM's default, kept: the engine resets the cache when the weights change
+        elif key == "data_parallel_size" and value in (1, None):
+            continue
+        else:
+            hint = {"data_parallel_size": "several engines: rollout.engine: ray_vllm with rollout.ray_vllm.num_engines, "
+                                          "or vllm_server with rollout.vllm.server_urls",
+                    "device": "vLLM runs where the run does",
+                    "enable_prefix_caching": "the engine keeps vLLM's prefix cache on"}.get(key, "not an option posttrain has")
+            raise ValueError(f"vllm.{key}: {value!r} is not honoured here ({hint}); remove it")
+    return moves
+
+
+def _with_value(target: dict, field: str, value, their_key: str, where: str) -> dict:
+    """A section's raw dict with `field` (dotted for a nested section: vllm.dtype) set to `value` from axolotl's
+    `their_key`; a different value already there is an error naming both keys."""
+    head, _, rest = field.partition(".")
+    if rest:
+        inner = _section_dict(target, head)
+        return target if inner is None else {**target, head: _with_value(inner, rest, value, their_key,
+                                                                         f"{where}.{head}")}
+    if head in target and target[head] != value:
+        raise ValueError(f"{their_key} (axolotl's key) and {where}.{head} are the same setting; set one of them")
+    return {**target, head: value}
 
 
 def _section_dict(data: dict, section: str) -> dict | None:

@@ -233,6 +233,15 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
         (["accuracy", "format"], [1.0, 0.2], "none")
     assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the saved translation round-trips
 
+    vllm = tmp_path / "axolotl_vllm.yaml"  # axolotl's vllm: section and TRL's colocate keys
+    vllm.write_text("rl: grpo\nvllm:\n  device: auto\n  tensor_parallel_size: 2\n  dtype: bfloat16\n"
+                    "  max_model_len: 2048\n  enable_prefix_caching: true\n  enforce_eager: false\n"
+                    "trl:\n  use_vllm: true\n  vllm_mode: colocate\n  vllm_gpu_memory_utilization: 0.3\n"
+                    "  vllm_enable_sleep_mode: false\n")
+    options = load_config(vllm).rollout.vllm
+    assert (options.tensor_parallel_size, options.dtype, options.max_model_len, options.enforce_eager,
+            options.gpu_memory_utilization, options.sleep_mode) == (2, "bfloat16", 2048, False, 0.3, False)
+
     dpo = tmp_path / "axolotl_dpo.yaml"
     dpo.write_text("rl: dpo\nlearning_rate: 5.0e-6\nmicro_batch_size: 4\nnum_epochs: 2\nlora_r: 16\n")
     cfg = load_config(dpo)
@@ -241,14 +250,22 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("rl: grpo\ntrl:\n  vllm_gpu_memory_utilization: 0.5\n",
-     r"trl.vllm_gpu_memory_utilization: not an option posttrain has"),
+    ("rl: grpo\ntrl:\n  use_liger_loss: true\n", r"trl.use_liger_loss: not an option posttrain has"),
+    ("rl: grpo\nvllm:\n  host: 0.0.0.0\n  port: 8000\ntrl:\n  use_vllm: true\n  vllm_server_host: 0.0.0.0\n",
+     r"vllm.host, vllm.port, trl.vllm_server_host: where `axolotl vllm-serve` \(TRL's weight-sync server\) listens"),
+    ("rl: grpo\ntrl:\n  use_vllm: true\n  vllm_mode: server\n", r"trl.vllm_mode: 'server': posttrain has no TRL vLLM"),
+    ("rl: grpo\nvllm:\n  data_parallel_size: 2\n", r"vllm.data_parallel_size: 2 is not honoured here \(several "
+                                                   r"engines: rollout.engine: ray_vllm"),
+    ("rl: grpo\nvllm:\n  reasoning_parser: deepseek_r1\n", r"vllm.reasoning_parser: 'deepseek_r1' is not honoured"),
+    ("rl: grpo\nvllm:\n  dtype: float16\nrollout:\n  vllm:\n    dtype: bfloat16\n",
+     r"vllm.dtype \(axolotl's key\) and rollout.vllm.dtype are the same setting"),
     ("rl: grpo\nlearning_rate: 1.0e-5\ngrpo:\n  learning_rate: 2.0e-5\n",
      r"learning_rate \(axolotl's key\) and grpo.learning_rate are the same"),
     ("rl: grpo\nnum_epochs: 2\n", r"num_epochs: GRPO here runs grpo.rounds"),
     ("rl: grpo\nmax_steps: 30\n", r"max_steps: GRPO here runs grpo.rounds rounds"),
     ("output_dir: a\nartifacts_dir: b\n", r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"),
-], ids=["unknown_trl_key", "conflict", "num_epochs_grpo", "max_steps_grpo", "output_dir_conflict"])
+], ids=["unknown_trl_key", "vllm_serve_keys", "vllm_mode_server", "vllm_data_parallel", "vllm_unknown",
+        "vllm_conflict", "conflict", "num_epochs_grpo", "max_steps_grpo", "output_dir_conflict"])
 def test_axolotl_keys_we_cannot_honour_are_errors(tmp_path, text, message):
     path = tmp_path / "axolotl.yaml"
     path.write_text(text)
