@@ -8,8 +8,9 @@ batches from Atropos' API server (`run-api`). As its trainer, posttrain:
 1. starts `run-api` when `rollout.atropos.api_url` is on this host and nothing answers there;
 2. registers with POST /register (batch size, max token length, checkpoint folder, starting step,
    number of steps: the fields of Atropos' example trainer, example_trainer/grpo.py);
-3. serves the current policy to the environments at `rollout.atropos.policy_url` (`PolicyServer`: an
-   OpenAI-compatible /v1/chat/completions in front of the `rollout.engine` -- transformers in process, or
+3. serves the current policy to the environments at `rollout.atropos.policy_url` (`PolicyServer`:
+   /v1/chat/completions, /v1/completions and vLLM's native /generate, so environments with `server_type:
+   openai` or `vllm` both work, in front of the `rollout.engine` -- transformers or vLLM in process, or
    `vllm serve` through the vllm_server engine, the round's LoRA adapter loaded per policy version); its
    answers carry what vLLM's carry with `return_token_ids` (prompt and completion token ids, the sampled
    tokens' log-probs) plus `policy_version`;
@@ -268,15 +269,19 @@ def score(rollouts_path: Path, num_generations: int, scale_rewards: str, out_dir
 # ---- the policy server --------------------------------------------------------------------------------
 
 class PolicyServer:
-    """An OpenAI-compatible /v1/chat/completions for the environments, sampling the current policy with
-    one of our rollout engines (requests that wait for the engine are sampled together in one call). Answers carry vLLM's `prompt_token_ids` and per
-    choice `token_ids` (as with vLLM's `return_token_ids`), the sampled tokens' log-probs with
-    `logprobs: true`, and `policy_version`: the optimize rounds behind the weights that sampled."""
+    """What an Atropos environment calls to sample the current policy, as a vLLM server answers it: OpenAI's
+    /v1/chat/completions (`server_type: openai`) and /v1/completions, and vLLM's native /generate
+    (`server_type: vllm`: token-id prompts in, [{token_id: logprob}] per sampled token out). One of our
+    rollout engines samples; requests that wait for the engine are sampled together in one call. OpenAI
+    answers carry vLLM's `prompt_token_ids` and per choice `token_ids` (as with vLLM's `return_token_ids`),
+    the sampled tokens' log-probs with `logprobs`, and `policy_version`: the optimize rounds behind the
+    weights that sampled."""
 
     def __init__(self, url: str, engine, policy, token: str | None = None):
         """Serve on `url`'s host and port; with `token`, every route but /health answers 401 to a request
         without `Authorization: Bearer <token>`."""
         self.engine, self.policy = engine, policy
+        self._tokenizer = None
         self._lock = threading.Lock()
         self._requests = 0
         self._pending: list[dict] = []  # requests waiting for the engine (see _generate)
@@ -316,12 +321,15 @@ class PolicyServer:
             def do_POST(self):
                 if self._refused():
                     return None
-                if self.path.rstrip("/") != "/v1/chat/completions":
+                routes = {"/v1/chat/completions": server.chat_completion, "/v1/completions": server.completion,
+                          "/generate": server.generate}
+                route = routes.get(self.path.rstrip("/"))
+                if route is None:
                     return self._reply(404, {"error": {"message": f"no route {self.path}; this server has "
-                                                                  "/v1/chat/completions only"}})
+                                                                  f"{', '.join(routes)}"}})
                 try:
                     request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    self._reply(200, server.chat_completion(request))
+                    self._reply(200, route(request))
                 except Exception as e:  # the environment sees why; the run goes on
                     log.warning("atropos policy server: %s: %s", type(e).__name__, e)
                     self._reply(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
@@ -330,15 +338,77 @@ class PolicyServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="atropos-policy-server", daemon=True)
         self.thread.start()
 
-    def chat_completion(self, request: dict) -> dict:
-        messages = [{"role": m["role"], "content": m["content"]} for m in request["messages"]]
+    def _sample(self, prompt, request: dict) -> tuple[int, int, list[dict]]:
+        """(request number, policy version, `n` completions of `prompt`) with the request's max_tokens (or
+        max_completion_tokens, max_new_tokens), temperature and top_p."""
         n = int(request.get("n") or 1)
         with self._lock:
             self._requests += 1
             seed = self._requests
-        settings = (int(request.get("max_tokens") or request.get("max_completion_tokens") or 16),
-                    float(request.get("temperature", 1.0) or 1.0), float(request.get("top_p", 1.0) or 1.0))
-        version, generated = self._generate([messages] * n, settings, seed)
+        max_tokens = request.get("max_tokens") or request.get("max_completion_tokens") or request.get("max_new_tokens")
+        settings = (int(max_tokens or 16), float(request.get("temperature", 1.0) or 1.0),
+                    float(request.get("top_p", 1.0) or 1.0))
+        version, generated = self._generate([prompt] * n, settings, seed)
+        return seed, version, generated
+
+    def _token_prompt(self, prompt) -> dict:
+        """vLLM's prompt forms: token ids ({"prompt_token_ids": [...]} or a list of ints) as they are, or a
+        string, tokenized as vLLM's /v1/completions does (with the tokenizer's special tokens)."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return {"prompt_token_ids": prompt["prompt_token_ids"]}
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return {"prompt_token_ids": prompt}
+        if isinstance(prompt, str) and prompt:
+            return {"prompt_token_ids": self.tokenizer()(prompt)["input_ids"]}
+        raise ValueError("prompt: expected a string, a list of token ids or {prompt_token_ids: [...]}, got "
+                         f"{type(prompt).__name__}")
+
+    def tokenizer(self):
+        """The policy's tokenizer (loaded once), for text prompts."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.policy.base_dir)
+        return self._tokenizer
+
+    def generate(self, request: dict) -> dict:
+        """vLLM's native /generate as atroposlib's VLLMServer calls it (`server_type: vllm`): per completion
+        the sampled tokens as [{token_id: logprob}] entries, the finish reasons and texts."""
+        seed, version, generated = self._sample(self._token_prompt(request.get("prompt")), request)
+        return {"text": [g["completion"] for g in generated],
+                "logprobs": [[[{str(t): float(lp)}] for t, lp in zip(g["completion_token_ids"], g["sampling_logprobs"])]
+                             for g in generated],
+                "finish_reasons": [g["finish_reason"] for g in generated],
+                "token_ids": [list(g["completion_token_ids"]) for g in generated],
+                "prompt_token_ids": list(generated[0]["prompt_token_ids"]) if generated else [],
+                "policy_version": version}
+
+    def completion(self, request: dict) -> dict:
+        """OpenAI's /v1/completions (a text or token-id prompt, no chat template), as vLLM answers it."""
+        seed, version, generated = self._sample(self._token_prompt(request.get("prompt")), request)
+        choices = []
+        for i, gen in enumerate(generated):
+            choice = {"index": i, "text": gen["completion"], "finish_reason": gen["finish_reason"],
+                      "token_ids": list(gen["completion_token_ids"])}
+            if request.get("logprobs") is not None:
+                choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in gen["completion_token_ids"]],
+                                      "token_logprobs": [float(lp) for lp in gen["sampling_logprobs"]],
+                                      "top_logprobs": None, "text_offset": None}
+            choices.append(choice)
+        return self._response("text_completion", seed, version, generated, choices)
+
+    def _response(self, kind: str, seed: int, version: int, generated: list[dict], choices: list[dict]) -> dict:
+        prompt_ids = list(generated[0]["prompt_token_ids"]) if generated else []
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{seed}", "object": kind,
+                "created": int(time.time()), "model": MODEL_NAME, "choices": choices, "prompt_token_ids": prompt_ids,
+                "policy_version": version,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt_ids) + completion_tokens}}
+
+    def chat_completion(self, request: dict) -> dict:
+        messages = [{"role": m["role"], "content": m["content"]} for m in request["messages"]]
+        seed, version, generated = self._sample(messages, request)
         choices = []
         for i, gen in enumerate(generated):
             choice = {"index": i, "message": {"role": "assistant", "content": gen["completion"]},
@@ -348,13 +418,7 @@ class PolicyServer:
                                                    "top_logprobs": []}
                                                   for t, lp in zip(gen["completion_token_ids"], gen["sampling_logprobs"])]}
             choices.append(choice)
-        prompt_ids = list(generated[0]["prompt_token_ids"]) if generated else []
-        completion_tokens = sum(len(c["token_ids"]) for c in choices)
-        return {"id": f"chatcmpl-{seed}", "object": "chat.completion", "created": int(time.time()),
-                "model": MODEL_NAME, "choices": choices, "prompt_token_ids": prompt_ids,
-                "policy_version": version,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt_ids) + completion_tokens}}
+        return self._response("chat.completion", seed, version, generated, choices)
 
     def _generate(self, prompts: list, settings: tuple, seed: int) -> tuple[int, list[dict]]:
         """(policy version, one result per prompt). Requests that arrive while the engine is busy wait

@@ -110,6 +110,52 @@ def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores
         atropos.batch_rows([group], 0, 4, AutoTokenizer.from_pretrained(model))
 
 
+def test_policy_server_answers_atroposlib_vllm_server_clients(tmp_path):
+    """An environment with `server_type: vllm`: atroposlib's own VLLMServer client calls the policy server's
+    /generate (token ids in, [{token_id: logprob}] out) and /v1/completions; the tokens are the policy's
+    samples of that prompt and the log-probs the engine's."""
+    import asyncio
+
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_model
+    from stages import atropos
+    from stages.engines import Policy, Sampling, get_engine
+
+    tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
+                          for i in range(50)])
+    model = tmp_path / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "say 7"}], tokenize=False,
+                                           add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = get_engine("transformers", model, {"batch_size": 8})
+    server = atropos.PolicyServer(url, engine, Policy(model, version=2), token="s3cret")
+    client = VLLMServer(APIServerConfig(model_name="policy", base_url=f"{url}/v1", api_key="s3cret",
+                                        tokenizer_name=str(model), health_check=False, timeout=120))
+    try:
+        got_prompt, tokens, logprobs, finish = asyncio.run(client.tokens_and_logprobs_completion(
+            model="policy", input_ids=prompt_ids, n=3, max_tokens=4, temperature=1.0))
+        completion = asyncio.run(client.completion(model="policy", prompt=prompt, n=2, max_tokens=4, logprobs=0))
+        refused = __import__("httpx").post(f"{url}/generate", json={"prompt": {"prompt_token_ids": prompt_ids}})
+    finally:
+        server.close()
+    assert got_prompt == prompt_ids and len(tokens) == len(logprobs) == len(finish) == 3
+    for ids, lps, why in zip(tokens, logprobs, finish):
+        assert 0 < len(ids) == len(lps) <= 4 and all(lp <= 0 for lp in lps) and why in ("stop", "length")
+    # the same request again is the engine's samples of those token ids (request 1 was seeded 1)
+    again = engine.generate(Policy(model, version=2), [{"prompt_token_ids": prompt_ids}] * 3,
+                            Sampling(max_new_tokens=4, temperature=1.0, seed=1))
+    assert [g["completion_token_ids"] for g in again] == tokens
+    assert [g["sampling_logprobs"] for g in again] == logprobs
+    assert len(completion.choices) == 2 and all(c.text is not None for c in completion.choices)
+    assert refused.status_code == 401
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

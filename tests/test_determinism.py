@@ -66,6 +66,31 @@ def test_samples_are_those_of_the_seeded_global_rng(policy):
         assert [ids for ids, _ in _sample(policy, sampling)] == old
 
 
+def test_token_prompts_sample_as_their_conversations(policy):
+    """A prompt given as its token ids ({"prompt_token_ids": ...}, what the Atropos policy server's /generate
+    sends) samples what the conversation it came from samples; the padded batch is the one tokenizing the
+    chat-templated texts gives."""
+    from stages.engines import prompt_token_ids
+    from stages.policy import load_policy
+
+    _, tokenizer = load_policy(policy / "model", None)
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in _prompts(5)]
+    ids = prompt_token_ids(tokenizer, _prompts(5))
+    by_text = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    by_ids = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
+    assert torch.equal(by_text["input_ids"], by_ids["input_ids"])
+    assert torch.equal(by_text["attention_mask"], by_ids["attention_mask"])
+
+    from stages.engines import Policy
+    from stages.engines.hf import TransformersEngine
+
+    tokens = [{"prompt_token_ids": i} for i in prompt_token_ids(tokenizer, _prompts())]
+    engine, model = TransformersEngine(batch_size=8), Policy(base_dir=policy / "model", adapter_dir=policy / "adapter")
+    assert engine.generate(model, tokens, _sampling()) == engine.generate(model, _prompts(), _sampling())
+    with pytest.raises(ValueError, match="prompt_token_ids, a non-empty list of ints"):
+        prompt_token_ids(tokenizer, [{"prompt_token_ids": []}])
+
+
 def test_rollout_ignores_other_threads(policy):
     """Samples are the same whether or not another thread reseeds, draws from torch's global RNG and loads
     LoRA policies meanwhile (an eval beside a rollout, an optimize round beside a prefetched rollout)."""

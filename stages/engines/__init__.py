@@ -58,12 +58,34 @@ class Sampling:
     seed: int = 0
 
 
+Prompt = list[dict] | dict
+"""A chat conversation (message dicts; the tokenizer's chat template makes the prompt), or
+{"prompt_token_ids": [...]}: the prompt's tokens as they are (vLLM's TokensPrompt; the Atropos policy
+server's /generate and /v1/completions send these)."""
+
+
+def prompt_token_ids(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt's token ids: a conversation chat-templated with the generation prompt and tokenized without
+    added special tokens (the template has them), or the given ids."""
+    out = []
+    for p in prompts:
+        if isinstance(p, dict):
+            ids = p.get("prompt_token_ids")
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"a token prompt needs prompt_token_ids, a non-empty list of ints; got {p!r:.80}")
+            out.append(list(ids))
+        else:
+            text = tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
 class RolloutEngine(Protocol):
     name: str
 
-    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
-        """One completion per prompt (chat message lists), in order."""
+        """One completion per prompt (`Prompt`: a conversation or token ids), in order."""
 
     def close(self) -> None:
         """Free the engine's memory and processes."""

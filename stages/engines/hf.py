@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable
 
-from stages.engines import Policy, Sampling
+from stages.engines import Policy, Prompt, Sampling, prompt_token_ids
 
 
 def repeats(keys: list) -> tuple[list[int], list[int]]:
@@ -35,15 +35,15 @@ def repeats(keys: list) -> tuple[list[int], list[int]]:
     return distinct, index
 
 
-def shared_prompt_cache(model, enc, texts: list[str]):
+def shared_prompt_cache(model, enc, keys: list):
     """The KV cache of every prompt but its last token, computed once per distinct prompt and copied to
     its repeats, or None when no prompt repeats. `generate` then runs only the last prompt token and
     samples from its logits as it would without it."""
     import torch
     from transformers import DynamicCache
 
-    distinct, index = repeats(texts)
-    if len(distinct) == len(texts) or enc["input_ids"].shape[1] < 2:
+    distinct, index = repeats(keys)
+    if len(distinct) == len(keys) or enc["input_ids"].shape[1] < 2:
         return None
     ids = enc["input_ids"][distinct, :-1]
     mask = enc["attention_mask"][distinct, :-1]
@@ -85,7 +85,7 @@ def own_generator(generator):
         _SAMPLER.generator = previous
 
 
-def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, batch_size: int = 256,
+def generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch_size: int = 256,
              on_progress: Callable[[int], None] | None = None) -> list[dict]:
     """One completion per prompt from an already loaded model (see stages.engines for the dict). With
     do_sample, samples from a generator seeded with `sampling.seed` (`own_generator`); greedy uses no RNG."""
@@ -97,7 +97,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, ba
     return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
 
 
-def _generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, batch_size: int,
+def _generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch_size: int,
               on_progress: Callable[[int], None] | None) -> list[dict]:
     import torch
 
@@ -105,12 +105,12 @@ def _generate(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, b
     results = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in chunk]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        ids = prompt_token_ids(tokenizer, chunk)
+        enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
         with torch.no_grad():
             out = model.generate(
                 **enc,
-                past_key_values=shared_prompt_cache(model, enc, texts),
+                past_key_values=shared_prompt_cache(model, enc, [tuple(i) for i in ids]),
                 max_new_tokens=sampling.max_new_tokens,
                 do_sample=sampling.do_sample,
                 temperature=sampling.temperature if sampling.do_sample else None,
@@ -160,7 +160,7 @@ class TransformersEngine:
         self.batch_size = batch_size
         self.devices = devices  # stages.devices.DeviceConfig (None: auto)
 
-    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
         from stages.policy import load_policy
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from stages.engines import Policy, Sampling
+from stages.engines import Policy, Prompt, Sampling
 from stages.ray_cluster import connect, install_code, ship_by_value, source_files
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class RayVLLMEngine:
                 f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU); lower rollout.ray_vllm.num_engines or "
                 "its per-engine resources, add nodes, or raise rollout.ray_vllm.startup_timeout_s")
 
-    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
         """One completion per prompt, in order; the prompts shared out among the engines."""
         import ray

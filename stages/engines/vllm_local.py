@@ -19,7 +19,7 @@
   `reload_weights` through a worker extension that also re-ties a tied lm_head and, on CPU,
   re-packs the GEMMs of the layers vLLM keeps weights for (tested on CPU; the GPU path is the
   same minus the re-pack, not run here).
-- Prompts go in as token ids (chat template as in stages/engines/hf.py), each request with
+- Prompts go in as token ids (stages.engines.prompt_token_ids), each request with
   its own seed (sampling.seed, prompt index), so a call is reproducible.
 """
 
@@ -33,18 +33,12 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
-from stages.engines import Policy, Sampling
+from stages.engines import Policy, Prompt, Sampling, prompt_token_ids
 
 
 def request_seed(seed: int, index: int) -> int:
     """The per-request seed of prompt `index` in a call seeded with `seed` (fits in 63 bits)."""
     return (seed * 1_000_003 + index) % (2**63 - 1)
-
-
-def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
-    """Chat-templated prompt token ids, tokenized exactly as the transformers engine does."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def sampling_params(sampling: Sampling, indices: list[int], eos_token_id: int | None) -> list:
@@ -308,7 +302,7 @@ class VLLMEngine:
         lora_id = self._lora_ids[key]
         return LoRARequest(f"policy-v{version}-{lora_id}", lora_id, str(adapter_dir))
 
-    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None, indices: list[int] | None = None) -> list[dict]:
         """One completion per prompt from `policy` (base, base + LoRA, or full weights), in order.
         `indices`: the prompts' positions in a larger call split across engines (their seeds); default 0..n-1."""

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from stages.engines import Policy, Sampling
-from stages.engines.vllm_local import prompt_token_ids, request_seed
+from stages.engines import Policy, Prompt, Sampling, prompt_token_ids
+from stages.engines.vllm_local import request_seed
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class VLLMServerEngine:
             "finish_reason": "stop" if stopped else "length",
         }
 
-    def generate(self, policy: Policy, prompts: list[list[dict]], sampling: Sampling,
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
         """One completion per prompt from base + the policy's LoRA adapter, in order."""
         if policy.weights_dir is not None:
