@@ -60,8 +60,12 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "multi_objective_aggregation": ("score", "multi_objective_aggregation"),
                     "vllm_gpu_memory_utilization": ("rollout", "vllm.gpu_memory_utilization"),
                     "vllm_tensor_parallel_size": ("rollout", "vllm.tensor_parallel_size"),
-                    "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode")}
+                    "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode"),
+                    "vllm_dtype": ("rollout", "vllm.dtype"), "vllm_max_model_len": ("rollout", "vllm.max_model_len")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+AXOLOTL_TRL_NO_OPS = {("vllm_device", "auto"), ("vllm_enable_prefix_caching", True), ("log_completions", True)}
+"""`trl:` settings that say what posttrain does anyway: vLLM on the run's device, its prefix cache on, sample
+completions logged each round (tracking.completions_per_round)."""
 AXOLOTL_VLLM_KEYS = {"tensor_parallel_size": "tensor_parallel_size", "gpu_memory_utilization": "gpu_memory_utilization",
                      "dtype": "dtype", "max_model_len": "max_model_len", "enforce_eager": "enforce_eager"}
 """axolotl's `vllm:` section keys that are `rollout.vllm` keys of the same name and meaning."""
@@ -272,13 +276,18 @@ class PipelineConfig(BaseModel):
                     raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
                                      "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
                 continue
+            if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
+                continue
+            if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
+                moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
+                continue
             if key == "use_vllm":
                 moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
             elif key in AXOLOTL_TRL_KEYS:
                 moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
             else:
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode); set the posttrain key instead "
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions); set the posttrain key instead "
                                  "or remove it")
         trainer = "dpo" if data.get("rl") in PREFERENCE_RL else "grpo"
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:

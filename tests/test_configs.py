@@ -237,7 +237,9 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
     vllm.write_text("rl: grpo\nvllm:\n  device: auto\n  tensor_parallel_size: 2\n  dtype: bfloat16\n"
                     "  max_model_len: 2048\n  enable_prefix_caching: true\n  enforce_eager: false\n"
                     "trl:\n  use_vllm: true\n  vllm_mode: colocate\n  vllm_gpu_memory_utilization: 0.3\n"
-                    "  vllm_enable_sleep_mode: false\n")
+                    "  vllm_enable_sleep_mode: false\n  vllm_device: auto\n  vllm_enable_prefix_caching: true\n"
+                    "  log_completions: false\n")
+    assert load_config(vllm).tracking.completions_per_round == 0
     options = load_config(vllm).rollout.vllm
     assert (options.tensor_parallel_size, options.dtype, options.max_model_len, options.enforce_eager,
             options.gpu_memory_utilization, options.sleep_mode) == (2, "bfloat16", 2048, False, 0.3, False)
