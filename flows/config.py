@@ -36,13 +36,16 @@ from tasks.publish import TrackingConfig
 
 
 ROUND_METHODS = ("grpo", "gdpo", "ebft")
+DPO_FAMILY = ("dpo", "ipo", "kto", "orpo", "simpo")
+REWARD_MODEL_RUN_UNREAD = ("sft", "rollout", "score", "grpo", "ebft", "dpo", "eval", "promotion")
+"""The sections a `rl: reward_model` run reads nothing of."""
 SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
 AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
                 "revision_of_model": ("model", "revision")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
-PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo")
+PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
 """The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
 AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
                        "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
@@ -162,11 +165,14 @@ class PipelineConfig(BaseModel):
     sft.seed, rollout.seed, grpo.seed, dpo.seed and reward_model.seed. The demo data keep their own
     demo_data.seed, so runs with different seeds evaluate on the same held-out prompts. Unset: each
     section's own seed (all 0 by default)."""
-    rl: Literal["grpo", "gdpo", "ebft", "dpo", "ipo", "kto", "orpo", "simpo"] = "grpo"
+    rl: Literal["grpo", "gdpo", "ebft", "dpo", "ipo", "kto", "orpo", "simpo", "reward_model"] = "grpo"
     """Post-training method (axolotl's `rl`). grpo: rollout/score/optimize rounds (sections rollout,
     score, grpo); gdpo: the same rounds with score.multi_objective_aggregation normalize_then_sum; ebft:
-    the same rounds scored by feature matching against a reference completion (section ebft). The
-    others: one preference-optimization stage on the `preferences` table (section dpo)."""
+    the same rounds scored by feature matching against a reference completion (section ebft). dpo, ipo,
+    kto, orpo, simpo: one preference-optimization stage on the `preferences` table (section dpo).
+    reward_model (axolotl's `reward_model: true` / `process_reward_model: true`): only a reward model
+    (section reward_model) trained from model.path on the preferences, evaluated on their eval split and
+    registered; a GRPO run scores with it as `score.reward_funcs: [reward_model:<its folder>]`."""
     demo_data: DemoDataConfig = Field(default_factory=DemoDataConfig)
     transform: TransformConfig = Field(default_factory=TransformConfig)
     model: BaseModelConfig = Field(default_factory=BaseModelConfig)
@@ -289,7 +295,7 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
                                  f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions); set the posttrain key instead "
                                  "or remove it")
-        trainer = "dpo" if data.get("rl") in PREFERENCE_RL else "grpo"
+        trainer = {"reward_model": "reward_model"}.get(data.get("rl"), "dpo" if data.get("rl") in PREFERENCE_RL else "grpo")
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
             value = data.pop(key)
             field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
@@ -332,6 +338,40 @@ class PipelineConfig(BaseModel):
         data["train"] = train
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_reward_model_flags(cls, data):
+        """axolotl's `reward_model: true` / `process_reward_model: true` (with `model_type`, `num_labels`) mean
+        rl: reward_model (reward_model.kind orm / prm). Defined after the other axolotl validators, so it runs
+        before them (they read `rl`)."""
+        if not isinstance(data, dict):
+            return data
+        flags = [k for k in ("reward_model", "process_reward_model") if isinstance(data.get(k), bool)]
+        if not flags:
+            if data.keys() & {"model_type", "num_labels"}:
+                raise ValueError("model_type / num_labels: axolotl's reward-model keys; they go with reward_model: true "
+                                 "or process_reward_model: true (posttrain builds the head itself)")
+            return data
+        data = dict(data)
+        on = [k for k in flags if data.pop(k)]
+        if len(on) != 1:
+            raise ValueError("reward_model / process_reward_model: set exactly one of them to true (posttrain's "
+                             "reward_model section takes its options)")
+        kind, model_type, labels = {"reward_model": ("orm", "AutoModelForSequenceClassification", 1),
+                                    "process_reward_model": ("prm", "AutoModelForTokenClassification", 2)}[on[0]]
+        for key, wanted in (("model_type", model_type), ("num_labels", labels)):
+            if key in data and data[key] != wanted:
+                raise ValueError(f"{key}: {data[key]!r}; {on[0]}: true trains a {wanted} here ({key}: {wanted} "
+                                 "or leave it out)")
+            data.pop(key, None)
+        if data.get("rl", "reward_model") != "reward_model":
+            raise ValueError(f"{on[0]}: true trains only a reward model (rl: reward_model), but rl is {data['rl']!r}; "
+                             "to use one in GRPO, name it in score.reward_funcs (reward_model, or reward_model:<folder>)")
+        data["rl"] = "reward_model"
+        if kind == "prm":
+            data["reward_model"] = {"kind": "prm"}
+        return data
+
     @model_validator(mode="after")
     def _no_option_ignored(self):
         """Options the chosen method never reads are errors, never dropped in silence (issue 28): under
@@ -358,6 +398,7 @@ class PipelineConfig(BaseModel):
                 "rl: ebft (rewards from feature matching, stages/ebft.py)"
             raise ValueError(f"{', '.join(ignored)}: not read under {source}; remove "
                              f"{'them' if len(ignored) > 1 else 'it'}")
+        self._reward_model_run_reads_its_sections()
         rollout = self.rollout
         if not_default(rollout, ("prefetch_depth",)) and (
                 not rollout.async_prefetch or rollout.prefetch_depth > rollout.max_staleness):
@@ -366,6 +407,22 @@ class PipelineConfig(BaseModel):
                    f"at {rollout.max_staleness}; raise max_staleness or lower prefetch_depth")
             raise ValueError(f"rollout.prefetch_depth {why}")
         return self
+
+    def _reward_model_run_reads_its_sections(self) -> None:
+        """rl: reward_model trains from model.path on the preferences: SFT is skipped (sft.enabled follows) and
+        the policy sections (REWARD_MODEL_RUN_UNREAD) are read by nothing, so a value set there is an error."""
+        if self.rl != "reward_model":
+            return
+        if self.sft.enabled and "enabled" in self.sft.model_fields_set:
+            raise ValueError("sft.enabled: rl: reward_model trains the reward model from model.path, with no SFT "
+                             "stage; remove it (to start from an SFT model, give its folder as model.path)")
+        self.sft = self.sft.model_copy(update={"enabled": False})
+        ignored = [f"{name}.{k}" for name in REWARD_MODEL_RUN_UNREAD
+                   for k in not_default(getattr(self, name), type(getattr(self, name)).model_fields)
+                   if k != "seed" and not (name == "sft" and k == "enabled")]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: not read under rl: reward_model (it trains, evaluates and "
+                             f"registers a reward model only); remove {'them' if len(ignored) > 1 else 'it'}")
 
     @model_validator(mode="after")
     def _machine_has_what_train_asks(self):
@@ -453,7 +510,7 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _method_options_follow_rl(self):
-        if not self.uses_rounds and self.dpo.rl != self.rl:
+        if self.rl in DPO_FAMILY and self.dpo.rl != self.rl:
             self.dpo = self.dpo.model_copy(update={"rl": self.rl})
         if self.rl == "gdpo":  # as axolotl: gdpo means normalize_then_sum, and says so if told otherwise
             if ("multi_objective_aggregation" in self.score.model_fields_set

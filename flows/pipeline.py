@@ -479,6 +479,45 @@ def optimize_preferences(ctx: RunContext, parent: str, policy, lineage_keys: dic
     return trained, metrics, time.perf_counter() - started
 
 
+def reward_model_run(ctx: RunContext, parent: str, run_dir: Path) -> dict:
+    """rl: reward_model: base model -> preferences -> reward model, registered in MLflow; return the results
+    (pairwise or step accuracy on the preferences' eval split before and after training, the model's folder)."""
+    cfg, lineage = ctx.config, ctx.lineage
+    try:
+        _, base, _ = prepare_policy(ctx, parent)  # sft is off: the reward model starts from model.path
+        prefs = log_preferences(ctx, parent, preferences_task(ctx))
+        trained = reward_model_task(ctx, base, prefs)
+        summary = trained.manifest["summary"]
+        accuracy = "eval_step_accuracy" if cfg.reward_model.kind == "prm" else "eval_pairwise_accuracy"
+        for step, key in ((0, f"{accuracy}_before"), (1, accuracy)):
+            if summary.get(key) is not None:
+                lineage.log_metrics(parent, {f"reward_model/{accuracy}": summary[key]}, step=step)
+        version = lineage.register_model(parent, trained.path, cfg.export.model_name)
+        lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
+                                  "reward_model": str(trained.path)})
+        results = {
+            "run_name": run_dir.name, "mlflow_run_id": parent, "experiment": cfg.name, "rl": "reward_model",
+            "reward_model_kind": cfg.reward_model.kind, "reward_model": str(trained.path),
+            "registered_model_version": version,
+            "accuracy_metric": accuracy, "accuracy_before": summary.get(f"{accuracy}_before"),
+            "accuracy_after": summary.get(accuracy),
+            "eval_rows": summary.get("eval_rows" if cfg.reward_model.kind == "prm" else "eval_pairs"),
+            "score_with": f"score.reward_funcs: [reward_model:{trained.path}]",
+            "stages": ctx.reporter.rows, "warnings": ctx.reporter.warnings,
+            "mlflow_ui": ui_command(Path(cfg.artifacts_dir).resolve()),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
+        publish_summary(cfg.name, results, [])
+        lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
+    except BaseException:
+        lineage.finish("FAILED")
+        raise
+    lineage.finish("FINISHED")
+    if not ctx.reporter.quiet:
+        ctx.reporter.summary(results)
+    return results
+
+
 @flow(name="posttrain-prepare-policy", flow_run_name="prepare {config_path}")
 def prepare_policy_flow(config_path: str, overrides: list[str] | dict | None = None, quiet: bool = False) -> str:
     """Materialize (or find cached) the policy a run starts from; return its folder (what serve-vllm serves)."""
@@ -499,6 +538,8 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
     MLflow run id of an unfinished run to continue (see `open_run` for when that happens by itself)."""
     ctx, parent, run_dir = open_run(config_path, overrides, quiet, resume=resume,
                                     allow_config_change=allow_config_change)
+    if ctx.config.rl == "reward_model":
+        return reward_model_run(ctx, parent, run_dir)
     cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
     root = Path(cfg.artifacts_dir).resolve()
     run_name = run_dir.name

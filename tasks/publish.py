@@ -90,14 +90,13 @@ def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None
     """The run's markdown summary and per-round metrics table as Prefect artifacts."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from tasks.reporting import accuracy_notes
+    from tasks.reporting import headline
 
-    lines = [f"# {results['run_name']}", "",
-             f"eval/accuracy: **{results['base_accuracy']:.3f} -> {results['final_accuracy']:.3f}** "
-             f"on {results['eval_prompts']} held-out prompts", "",
-             *[f"{line}  " for line in accuracy_notes(results)], "",
+    model = results.get("reward_model") or results.get("exported_model")
+    lines = [f"# {results['run_name']}", "", *[f"{line}  " for line in headline(results)], "",
              f"- MLflow run: `{results['mlflow_run_id']}` (`{results['mlflow_ui']}`)",
-             f"- exported model: `{results['exported_model']}` (registered version {results['registered_model_version']})"]
+             f"- {'reward' if results.get('rl') == 'reward_model' else 'exported'} model: `{model}` (registered "
+             f"version {results['registered_model_version']})"]
     if results.get("promotion"):
         promotion = results["promotion"]
         lines.append(f"- promotion: {promotion.get('reason', promotion) if isinstance(promotion, dict) else promotion}")

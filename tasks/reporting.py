@@ -76,17 +76,30 @@ class Reporter:
         self.console.print(table)
         computed = sum(r["status"] == "computed" for r in self.rows)
         self.console.print(f"stages computed: {computed} of {len(self.rows)}")
-        self.console.print(
-            f"eval/accuracy  base: {results['base_accuracy']:.3f}   final: {results['final_accuracy']:.3f}   "
-            f"gain: {results['final_accuracy'] - results['base_accuracy']:+.3f}  "
-            f"({results['eval_prompts']} held-out prompts)"
-        )
-        for line in accuracy_notes(results):
+        for line in headline(results):
             warning = line.startswith("WARNING")
             self.console.print(line, soft_wrap=True, markup=False, style="yellow" if warning else None)
         self.console.print(f"MLflow run: {results['mlflow_run_id']}  (experiment {results['experiment']!r})")
-        self.console.print(f"exported model: {results['exported_model']}")
+        if results.get("rl") == "reward_model":
+            self.console.print(f"reward model: {results['reward_model']}", soft_wrap=True, markup=False)
+            self.console.print(f"use it in a GRPO run: {results['score_with']}", soft_wrap=True, markup=False)
+        else:
+            self.console.print(f"exported model: {results['exported_model']}")
         self.console.print(f"open the MLflow UI: {results['mlflow_ui']}")
+
+
+def headline(results: dict) -> list[str]:
+    """The run's result in a line or two: the policy's held-out accuracy base -> final (with the constant
+    baseline notes), or a reward model's accuracy on the preferences' eval split before -> after training."""
+    if results.get("rl") == "reward_model":
+        before, after = results.get("accuracy_before"), results.get("accuracy_after")
+        if after is None:
+            return [f"reward model ({results['reward_model_kind']}): no eval split, no accuracy measured"]
+        return [f"reward_model/{results['accuracy_metric']}  before: {before:.3f}   after: {after:.3f}   "
+                f"({results['eval_rows']} held-out {'rows' if results['reward_model_kind'] == 'prm' else 'pairs'})"]
+    return [f"eval/accuracy  base: {results['base_accuracy']:.3f}   final: {results['final_accuracy']:.3f}   "
+            f"gain: {results['final_accuracy'] - results['base_accuracy']:+.3f}  "
+            f"({results['eval_prompts']} held-out prompts)", *accuracy_notes(results)]
 
 
 BASELINE_MARGIN = 0.05

@@ -4,6 +4,7 @@ function, LoRA is merged into the saved folder, and each kind names the rows it 
 Process reward models (kind: prm): tests/test_prm.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,62 @@ def test_each_kind_names_the_rows_it_cannot_train_on(tiny, tmp_path):
     write_split([stepwise], prefs / "train.parquet")
     with pytest.raises(ValueError, match=r"train-000007 \(stepwise\)"):
         rm.run(rm.RewardModelConfig(), tiny / "model", prefs, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_a_reward_model_run_trains_evaluates_and_registers_one(prefect_harness, tmp_path, monkeypatch):
+    """rl: reward_model written as axolotl writes it (`reward_model: true`, model_type, num_labels, top-level
+    training keys): the run trains an ORM from the base model on the preferences (here the demo pairs),
+    measures pairwise accuracy on their eval split before and after, registers the folder in MLflow and
+    says how a GRPO run scores with it; nothing of the policy sections runs."""
+    from flows.config import load_config
+    from flows.pipeline import posttrain_pipeline
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = tmp_path / "rm.yaml"
+    config.write_text(f"""
+name: test-rm
+output_dir: {tmp_path / 'artifacts'}
+reward_model: true
+model_type: AutoModelForSequenceClassification
+num_labels: 1
+micro_batch_size: 8
+learning_rate: 1.0e-3
+max_steps: 30
+demo_data: {{num_sft: 300, num_train: 64, num_eval: 24}}
+demo_pairs: {{num_train: 128, num_eval: 64}}
+model: {{hidden_size: 64, num_attention_heads: 1, num_key_value_heads: 1, intermediate_size: 128,
+        num_hidden_layers: 2, vocab_size: 300}}
+""")
+    results = posttrain_pipeline(str(config), quiet=True)
+
+    assert [row["stage"] for row in results["stages"]] == ["demo_data", "transform", "base_model", "preferences",
+                                                           "reward_model"]
+    assert results["accuracy_metric"] == "eval_pairwise_accuracy" and results["eval_rows"] == 64
+    assert results["accuracy_after"] > max(results["accuracy_before"], 0.6)
+    folder = results["reward_model"]
+    assert json.loads((Path(folder) / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+    assert results["score_with"] == f"score.reward_funcs: [reward_model:{folder}]"
+    assert str(results["registered_model_version"]) == "1"
+    grpo = tmp_path / "grpo.yaml"  # the way the summary says to use it validates
+    grpo.write_text(f"score:\n  reward_funcs: ['reward_model:{folder}']\n")
+    assert load_config(grpo).score.reward_funcs == [f"reward_model:{folder}"]
+
+
+def test_reward_model_run_config_errors_name_the_key(tmp_path):
+    from flows.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    for text, message in (
+            ("reward_model: true\nrl: dpo\n", "reward_model: true trains only a reward model .* rl is 'dpo'"),
+            ("process_reward_model: true\nnum_labels: 1\n", "num_labels: 1; process_reward_model: true trains a 2"),
+            ("model_type: AutoModelForSequenceClassification\n", "model_type / num_labels: axolotl's reward-model"),
+            ("rl: reward_model\ngrpo:\n  rounds: 3\n", r"grpo.rounds: not read under rl: reward_model"),
+            ("rl: reward_model\nsft:\n  enabled: true\n", "sft.enabled: rl: reward_model trains the reward model "
+                                                         "from model.path")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+    path.write_text("process_reward_model: true\nnum_labels: 2\n")
+    cfg = load_config(path)
+    assert (cfg.rl, cfg.reward_model.kind, cfg.sft.enabled) == ("reward_model", "prm", False)
