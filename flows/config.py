@@ -75,11 +75,24 @@ AXOLOTL_VLLM_KEYS = {"tensor_parallel_size": "tensor_parallel_size", "gpu_memory
 AXOLOTL_VLLM_SERVER_KEYS = ("vllm.host", "vllm.port", "vllm.serve_module", "vllm.worker_extension_cls",
                             "trl.vllm_server_host", "trl.vllm_server_port", "trl.vllm_server_timeout")
 """Where `axolotl vllm-serve` (TRL's weight-sync server) listens and what it runs: posttrain has no such server."""
+AXOLOTL_DPO_KEYS = ("rl_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
+                    "kto_undesirable_weight")
+"""axolotl's top-level DPO-family loss keys: `dpo` keys of the same names (an error under another rl)."""
 AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
                          "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
                          "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
-                         "lr_scheduler", "num_epochs", "max_steps", "adapter")
-"""axolotl's top-level training keys: the method's trainer section (grpo, or dpo for the DPO family) gets them."""
+                         "lr_scheduler", "num_epochs", "max_steps", "adapter", "sequence_len", *AXOLOTL_DPO_KEYS)
+"""axolotl's top-level training keys: the method's trainer section (grpo, dpo for the DPO family, reward_model)
+gets them."""
+AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
+                      "chat_template": ("tokenizer_default", "prompts use the tokenizer's own chat template; give a "
+                                                             "model whose tokenizer has the template you want"),
+                      "eval_steps": (None, "held-out accuracy is measured before and after training (eval.every_rounds "
+                                           "for GRPO), not every N optimizer steps"),
+                      "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
+                      "gradient_checkpointing_kwargs": (None, "train.gradient_checkpointing uses transformers' "
+                                                              "default (use_reentrant: false)")}
+"""axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
 AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
 """axolotl's experiment-tracker keys: dropped with a warning (posttrain tracks every run in MLflow)."""
 AXOLOTL_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
@@ -235,10 +248,8 @@ class PipelineConfig(BaseModel):
             return data
         data, keys = dict(data), dict(AXOLOTL_KEYS)
         if data.get("rl") in PREFERENCE_RL:  # axolotl's datasets are then the preference rows
-            keys.update(datasets=("preferences", "datasets"), test_datasets=("preferences", "test_datasets"))
-            if "val_set_size" in data:
-                raise ValueError(f"val_set_size with rl: {data['rl']}: the preference rows' eval split comes from "
-                                 "test_datasets here (a held-out share of the pairs is not drawn); set test_datasets")
+            keys.update(datasets=("preferences", "datasets"), test_datasets=("preferences", "test_datasets"),
+                        val_set_size=("preferences", "val_set_size"))
         for key, (section, field) in keys.items():
             if key not in data:
                 continue
@@ -255,10 +266,15 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _axolotl_training_keys(cls, data):
         """axolotl's `trl:` section (AXOLOTL_TRL_KEYS) and top-level training keys (AXOLOTL_TRAINING_KEYS: to
-        `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family); `posttrain validate` shows where each went.
-        A key of theirs with no counterpart here is an error naming it."""
+        `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family, to `reward_model`); `posttrain validate` shows
+        where each went. A key of theirs with no counterpart here is an error naming it, as is a value of
+        AXOLOTL_FIXED_KEYS other than the one posttrain honours."""
         if not isinstance(data, dict):
             return data
+        data = dict(data)
+        for key, (honoured, why) in AXOLOTL_FIXED_KEYS.items():
+            if key in data and (value := data.pop(key)) != honoured:
+                raise ValueError(f"{key}: {value!r} is not honoured here ({why}); remove it")
         tracking = [k for k in data if k.startswith(AXOLOTL_LOGGING_PREFIXES)]
         if not (tracking or data.keys() & {"trl", "vllm", "output_dir", *AXOLOTL_TRAINING_KEYS}):
             return data
@@ -273,7 +289,8 @@ class PipelineConfig(BaseModel):
                 raise ValueError("output_dir (axolotl's key) and artifacts_dir are the same setting here (every stage "
                                  "and the exported model go under it); set one of them")
             data["artifacts_dir"] = output_dir
-        moves = _axolotl_vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})  # (their key, section, field, value)
+        # (their key, section, field, value) for each key of theirs that is one of ours
+        moves = _axolotl_vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})
         for key, value in (data.pop("trl", None) or {}).items():
             if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
                 continue  # refused by _axolotl_vllm_moves
@@ -293,9 +310,10 @@ class PipelineConfig(BaseModel):
                 moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
             else:
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions); set the posttrain key instead "
-                                 "or remove it")
-        trainer = {"reward_model": "reward_model"}.get(data.get("rl"), "dpo" if data.get("rl") in PREFERENCE_RL else "grpo")
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions); set "
+                                 "the posttrain key instead or remove it")
+        rl = data.get("rl")
+        trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
         for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
             value = data.pop(key)
             field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
@@ -307,6 +325,14 @@ class PipelineConfig(BaseModel):
                 value = AXOLOTL_OPTIMIZERS[value]
             if key == "adapter" and value not in ("lora", None):
                 raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
+            if key in AXOLOTL_DPO_KEYS and trainer != "dpo":
+                raise ValueError(f"{key}: a DPO-family loss option (rl: dpo, ipo, kto, orpo, simpo); rl is "
+                                 f"{data.get('rl', 'grpo')!r}: remove it")
+            if key == "sequence_len":
+                if trainer == "grpo":
+                    raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
+                                     "vLLM engine's rollout.vllm.max_model_len); set those")
+                field = "max_length"
             if key in ("num_epochs", "max_steps") and trainer == "grpo":
                 raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
                                  "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
@@ -349,8 +375,8 @@ class PipelineConfig(BaseModel):
         flags = [k for k in ("reward_model", "process_reward_model") if isinstance(data.get(k), bool)]
         if not flags:
             if data.keys() & {"model_type", "num_labels"}:
-                raise ValueError("model_type / num_labels: axolotl's reward-model keys; they go with reward_model: true "
-                                 "or process_reward_model: true (posttrain builds the head itself)")
+                raise ValueError("model_type / num_labels: axolotl's reward-model keys; they go with reward_model: "
+                                 "true or process_reward_model: true (posttrain builds the head itself)")
             return data
         data = dict(data)
         on = [k for k in flags if data.pop(k)]
@@ -365,8 +391,9 @@ class PipelineConfig(BaseModel):
                                  "or leave it out)")
             data.pop(key, None)
         if data.get("rl", "reward_model") != "reward_model":
-            raise ValueError(f"{on[0]}: true trains only a reward model (rl: reward_model), but rl is {data['rl']!r}; "
-                             "to use one in GRPO, name it in score.reward_funcs (reward_model, or reward_model:<folder>)")
+            raise ValueError(f"{on[0]}: true trains only a reward model (rl: reward_model), but rl is "
+                             f"{data['rl']!r}; to use one in GRPO, name it in score.reward_funcs (reward_model, or "
+                             "reward_model:<folder>)")
         data["rl"] = "reward_model"
         if kind == "prm":
             data["reward_model"] = {"kind": "prm"}
@@ -697,10 +724,11 @@ def _axolotl_vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, obje
         elif key == "data_parallel_size" and value in (1, None):
             continue
         else:
-            hint = {"data_parallel_size": "several engines: rollout.engine: ray_vllm with rollout.ray_vllm.num_engines, "
-                                          "or vllm_server with rollout.vllm.server_urls",
+            hint = {"data_parallel_size": "several engines: rollout.engine: ray_vllm with "
+                                          "rollout.ray_vllm.num_engines, or vllm_server with rollout.vllm.server_urls",
                     "device": "vLLM runs where the run does",
-                    "enable_prefix_caching": "the engine keeps vLLM's prefix cache on"}.get(key, "not an option posttrain has")
+                    "enable_prefix_caching": "the engine keeps vLLM's prefix cache on"}.get(
+                key, "not an option posttrain has")
             raise ValueError(f"vllm.{key}: {value!r} is not honoured here ({hint}); remove it")
     return moves
 

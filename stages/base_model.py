@@ -60,7 +60,8 @@ class BaseModelConfig(BaseModel):
     @model_validator(mode="after")
     def _build_fields_need_no_path(self):
         """A model read from `path` keeps its own architecture: the build fields would be silently ignored."""
-        ignored = sorted(set(BUILD_FIELDS) & self.model_fields_set) if self.path else []
+        fields = type(self).model_fields  # a saved config lists every field: only a value of one's own counts
+        ignored = sorted(f for f in BUILD_FIELDS if getattr(self, f) != fields[f].default) if self.path else []
         if ignored:
             raise ValueError(f"model.{ignored[0]} shapes a model built here, but model.path {self.path!r} is read as "
                              f"it is, with its own architecture; remove {', '.join('model.' + f for f in ignored)}")

@@ -87,6 +87,11 @@ class PreferenceConfig(BaseModel):
     the split train. Instead of `paths`."""
     test_datasets: list[PreferenceSource] | None = key_when_set(None)
     """With `datasets`: the sources of the split eval (axolotl's `test_datasets`)."""
+    val_set_size: float | None = key_when_set(None, ge=0)
+    """With `datasets` and no test_datasets: hold out rows of the datasets as the eval split (axolotl's
+    `val_set_size`): a fraction in (0, 1) of their rows (rounded up), or a row count. 0 or unset: none."""
+    val_set_seed: int | None = key_when_set(None)
+    """Seed of the val_set_size draw (random.Random(seed).sample over all rows); unset: 0."""
     ds_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
     """axolotl's file type; when set, every file's suffix must match it (json covers .jsonl)."""
     on_bad_rows: Literal["fail", "drop"] = "fail"
@@ -164,6 +169,9 @@ class PreferenceConfig(BaseModel):
                              f"one of the two{' (both are set)' if self.paths else ''}")
         if self.test_datasets and not self.datasets:
             raise ValueError("test_datasets needs datasets (the train split's sources)")
+        if self.val_set_size and (self.test_datasets or not self.datasets):
+            raise ValueError("val_set_size holds out rows of datasets as the eval split: it needs datasets, and "
+                             "test_datasets (which make the eval split themselves) unset")
         untyped = [f"{name}.{i}" for name in ("datasets", "test_datasets")
                    for i, source in enumerate(getattr(self, name) or []) if source.type is None]
         if self.type is None and (self.paths or untyped):
@@ -438,6 +446,22 @@ def _nectar(cfg: PreferenceConfig):
     return transform_fn, {"fields": {"prompt": "prompt", "chosen": "answers", "rejected": "answers"}}
 
 
+def _chatml_default(cfg: PreferenceConfig):
+    """axolotl's dpo chatml.default (`type: chatml`): {system?, prompt | input | question | instruction,
+    chosen | chosen_response, rejected | rejected_response}, the first of each present."""
+
+    def first(row: dict, names: tuple[str, ...]) -> str:
+        return next((n for n in names if row.get(n) is not None), names[0])
+
+    def transform_fn(row: dict) -> dict:
+        prompt = first(row, ("prompt", "input", "question", "instruction"))
+        chosen, rejected = first(row, ("chosen", "chosen_response")), first(row, ("rejected", "rejected_response"))
+        return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt)}],
+                "chosen": _text(row, chosen), "rejected": _text(row, rejected)}
+
+    return transform_fn, {"fields": {}}
+
+
 _intel = _strings_pair("question", "chosen", "rejected")
 _prompt_pairs = _strings_pair("prompt", "chosen", "rejected")
 _argilla = _strings_pair("instruction", "chosen_response", "rejected_response")
@@ -448,6 +472,8 @@ BUILTINS: dict[str, Callable] = {
     "chatml.prompt_pairs": _prompt_pairs,  # {system?, prompt, chosen, rejected}
     "chatml.argilla": _argilla,  # {system?, instruction, chosen_response, rejected_response}
     "chatml.icr": _icr,  # {system?, input, chosen, rejected}
+    "chatml.default": _chatml_default,  # {system?, prompt|input|question|instruction, chosen(_response), ...}
+    "chatml": _chatml_default,  # axolotl's `type: chatml` is chatml.default
     "chatml.ultra": _ultra,  # {system?, prompt, chosen: [user, assistant], rejected: [user, assistant]}
     "chat_template.argilla": _ultra,  # ORPO's name for the same rows
     "zephyr.nectar": _nectar,  # {prompt, answers: [{answer, rank}]}
@@ -462,6 +488,8 @@ BUILTINS: dict[str, Callable] = {
     "llama3.prompt_pairs": _prompt_pairs,
     "llama3.argilla": _argilla,
     "llama3.icr": _icr,
+    "llama3.default": _chatml_default,
+    "llama3": _chatml_default,
     "llama3.ultra": _ultra,
     "chatml.argilla_chat": _argilla_chat,
     "llama3.argilla_chat": _argilla_chat,
@@ -487,10 +515,13 @@ def _kto_strings(prompt_field: str):
 
 def _kto_conversation(cfg: PreferenceConfig):
     """{completion: [turn, ..., assistant answer], label} (argilla/kto-mix-15k): the prompt is every turn
-    before the last."""
+    before the last; or, as axolotl's docs show chatml.argilla_chat, {chosen: [prompt turns], completion:
+    [answer], label}."""
 
     def transform_fn(row: dict) -> dict:
         turns = _raw_messages(_present(row, "completion"), "completion", cfg, _role_map(cfg))
+        if len(turns) == 1 and isinstance(row.get("chosen"), list):
+            turns = _raw_messages(row["chosen"], "chosen", cfg, _role_map(cfg)) + turns
         if len(turns) < 2:
             raise _Bad("completion", "needs the prompt turn(s) before the answer")
         if turns[-1]["role"] != "assistant":
@@ -697,6 +728,13 @@ def _raw_parts(cfg: PreferenceConfig) -> dict[str, list[tuple[str, str, Preferen
             prefix = split if len(entries) == 1 else f"{split}-{i}"
             parts.setdefault(split, []).append((f"{name}.{i} {sources.describe(source)}", prefix,
                                                 source_config(cfg, source), sources.load(source)))
+    if cfg.val_set_size:  # eval: a share of the datasets' rows, each keeping its raw index
+        train = parts["train"]
+        kept, held = sources.hold_out([rows for *_, rows in train], cfg.val_set_size, cfg.val_set_seed or 0,
+                                      "preferences.val_set_size")
+        parts = {"train": [(w, p, c, rows) for (w, p, c, _), rows in zip(train, kept) if rows],
+                 "eval": [(w, p.replace("train", "eval", 1), c, rows) for (w, p, c, _), rows in zip(train, held)
+                          if rows]}
     return parts
 
 

@@ -22,7 +22,9 @@ A source's `path` is one of:
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 from pathlib import Path
 from typing import Literal
 
@@ -289,3 +291,22 @@ def load(source: SourceLocation) -> list[tuple[int, dict]]:
     if not rows:
         raise SourceError(f"{describe(source)}: no rows")
     return rows
+
+
+def hold_out(parts: list[list], size: float, seed: int, what: str) -> tuple[list[list], list[list]]:
+    """axolotl's val_set_size: `size` of all the parts' rows (a fraction, rounded up, or a count) drawn with
+    random.Random(seed) over the rows in order; per part, (the rows kept, the rows held out), each in order.
+    `what`: the config key, for the error when nothing or everything would be held out."""
+    total = sum(len(rows) for rows in parts)
+    count = math.ceil(size * total) if size < 1 else int(size)
+    if not 0 < count < total:
+        raise ValueError(f"{what} {size:g}: {count} of the datasets' {total} rows held out; leave at least one row "
+                         "for each of train and eval")
+    held = set(random.Random(seed).sample(range(total), count))
+    kept_parts, held_parts, first = [], [], 0
+    for rows in parts:
+        numbered = list(enumerate(rows, start=first))
+        first += len(rows)
+        kept_parts.append([row for n, row in numbered if n not in held])
+        held_parts.append([row for n, row in numbered if n in held])
+    return kept_parts, held_parts

@@ -15,8 +15,6 @@ rows, in order, are the train split, and `test_datasets` or `val_set_size` gives
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -253,23 +251,11 @@ def dataset_parts(cfg: TransformConfig) -> dict[str, list[Part]]:
 
 
 def hold_out(parts: list[Part], size: float, seed: int) -> tuple[list[Part], list[Part]]:
-    """(train parts, eval parts): `size` of all the parts' rows (a fraction, rounded up, or a count) drawn
-    with random.Random(seed), each part keeping its rows' order; parts left empty are left out."""
-    total = sum(len(p.rows) for p in parts)
-    count = math.ceil(size * total) if size < 1 else int(size)
-    if not 0 < count < total:
-        raise ValueError(f"transform.val_set_size {size:g}: {count} of the datasets' {total} rows held out; leave at "
-                         "least one row for each of train and eval")
-    held = set(random.Random(seed).sample(range(total), count))
-    kept_parts, held_parts, first = [], [], 0
-    for part in parts:
-        numbered = list(enumerate(part.rows, start=first))
-        first += len(part.rows)
-        for chosen, into in ((False, kept_parts), (True, held_parts)):
-            rows = [row for n, row in numbered if (n in held) == chosen]
-            if rows:
-                into.append(Part(part.source, part.cfg, rows, part.key, part.what))
-    return kept_parts, held_parts
+    """(train parts, eval parts): `size` of all the parts' rows held out (sources.hold_out); parts left empty
+    are left out."""
+    kept, held = sources.hold_out([p.rows for p in parts], size, seed, "transform.val_set_size")
+    return ([Part(p.source, p.cfg, rows, p.key, p.what) for p, rows in zip(parts, kept) if rows],
+            [Part(p.source, p.cfg, rows, p.key, p.what) for p, rows in zip(parts, held) if rows])
 
 
 def run(cfg: TransformConfig, raw_files: dict[str, Path] | None, out_dir: Path) -> dict:

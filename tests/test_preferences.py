@@ -90,6 +90,10 @@ PAIR_SAMPLES = {
          "rejected": [user(Q1), assistant(BAD1)]},
         {"prompt": Q2, "chosen": [user(Q2), assistant(GOOD2)], "rejected": [user(Q2), assistant(BAD2)]},
     ]),
+    "chatml": ({}, [  # axolotl's chatml.default: the first of prompt/input/question/instruction, ...
+        {"system": SYSTEM, "input": Q1, "chosen_response": GOOD1, "rejected_response": BAD1},
+        {"instruction": Q2, "chosen": GOOD2, "rejected": BAD2},
+    ]),
     "chat_template.argilla": ({}, [  # ORPO's name (axolotl orpo/chat_template.py reads the same fields)
         {"system": SYSTEM, "prompt": Q1, "chosen": [user(Q1), assistant(GOOD1)],
          "rejected": [user(Q1), assistant(BAD1)]},
@@ -368,6 +372,9 @@ KTO_SAMPLES = {
                           {"system": "", "prompt": Q2, "completion": BAD2, "label": False}]),
     "chatml.argilla_chat": ({}, [{"completion": [system(SYSTEM), user(Q1), assistant(GOOD1)], "label": True},
                                  {"completion": [user(Q2), assistant(BAD2)], "label": False}]),
+    "chatml.argilla_chat/as documented": ({}, [  # axolotl's rlhf docs: the prompt turns under `chosen`
+        {"chosen": [system(SYSTEM), user(Q1)], "completion": [assistant(GOOD1)], "label": True},
+        {"chosen": [user(Q2)], "completion": [assistant(BAD2)], "label": False}]),
     "user_defined.default": ({"type": {"field_prompt": "q", "field_system": "s", "field_completion": "a",
                                        "field_label": "ok"}},
                              [{"s": SYSTEM, "q": Q1, "a": GOOD1, "ok": True}, {"q": Q2, "a": BAD2, "ok": False}]),
@@ -377,7 +384,7 @@ KTO_SAMPLES = {
 @pytest.mark.parametrize("case", list(KTO_SAMPLES))
 def test_kto_formats_normalize_alike(tmp_path, out_dir, case):
     options, rows = KTO_SAMPLES[case]
-    cfg = PreferenceConfig(**{"type": case, "namespace": "kto", "paths": {"train": _file(tmp_path, rows)},
+    cfg = PreferenceConfig(**{"type": case.split("/")[0], "namespace": "kto", "paths": {"train": _file(tmp_path, rows)},
                               **options})
 
     summary = preferences.run(cfg, out_dir)
@@ -642,6 +649,27 @@ def test_datasets_sources_of_different_types_with_slices(tmp_path, out_dir):
         preferences.run(cfg, out_dir)
 
 
+def test_val_set_size_holds_out_pairs_of_the_datasets(tmp_path, out_dir):
+    """axolotl's val_set_size: a seeded share of the datasets' rows is the eval split; each row keeps its raw
+    index, so train and eval ids are disjoint and cover every row."""
+    _, intel = PAIR_SAMPLES["chatml.intel"]
+    path = _file(tmp_path, intel * 5)
+    cfg = PreferenceConfig(type="chatml.intel", datasets=[{"path": path}], val_set_size=0.3)
+
+    summary = preferences.run(cfg, out_dir)
+
+    train, held = _read(out_dir), _read(out_dir, "eval")
+    assert (summary["train"]["kept"], summary["eval"]["kept"]) == (7, 3)
+    indices = sorted(int(r["pair_id"].rsplit("-", 1)[1]) for r in train + held)
+    assert indices == list(range(10)) and all(r["pair_id"].startswith("eval-") for r in held)
+    again = tmp_path / "again"
+    again.mkdir()
+    preferences.run(cfg, again)
+    assert _read(again, "eval") == held  # the same seed holds out the same rows
+    with pytest.raises(ValidationError, match="val_set_size holds out rows of datasets"):
+        PreferenceConfig(type="chatml.intel", paths=path, val_set_size=0.1)
+
+
 def test_datasets_config_errors_name_the_key(tmp_path, out_dir):
     path = _file(tmp_path, PAIR_SAMPLES["chatml.intel"][1])
     with pytest.raises(ValidationError, match="datasets.0 name no type of their own"):
@@ -711,6 +739,6 @@ def test_an_axolotl_kto_config_reads_kto_rows(tmp_path, out_dir):
     config.write_text(json.dumps({"rl": "dpo", "preferences": {"type": "kto", "paths": path, "namespace": "kto"}}))
     with pytest.raises(ConfigError, match="preferences.namespace: 'kto' does not fit rl: dpo"):
         load_config(config)
-    config.write_text(json.dumps({"rl": "kto", "datasets": [{"path": path}], "val_set_size": 0.1}))
-    with pytest.raises(ConfigError, match="val_set_size with rl: kto: .* set test_datasets"):
-        load_config(config)
+    config.write_text(json.dumps({"rl": "kto", "datasets": [{"path": path, "type": "chatml.argilla"}],
+                                  "val_set_size": 1}))
+    assert load_config(config).preferences.val_set_size == 1
