@@ -57,6 +57,7 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "importance_sampling_level": ("grpo", "importance_sampling_level"),
                     "num_generations": ("rollout", "num_generations"),
                     "max_completion_length": ("rollout", "max_completion_length"),
+                    "max_prompt_length": ("rollout", "max_prompt_length"),
                     "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
                     "reward_funcs": ("score", "reward_funcs"), "reward_weights": ("score", "reward_weights"),
                     "scale_rewards": ("score", "scale_rewards"),
@@ -587,6 +588,7 @@ class PipelineConfig(BaseModel):
         problems = {"rollout.engine": (rollout.engine != "transformers", "transformers", sampler),
                     "rollout.source": (rollout.source != "prompts", "prompts", sampler),
                     "rollout.rollout_func": (rollout.rollout_func is not None, "null", sampler),
+                    "rollout.max_prompt_length": (rollout.max_prompt_length is not None, "null", sampler),
                     "rollout.worker_process": (rollout.worker_process, "false", sampler),
                     "grpo.reroll_start_fraction": (self.grpo.reroll_start_fraction < 1.0, "1.0 (off)",
                                                    "does not re-roll blocks (a block's prompt is a document prefix)")}

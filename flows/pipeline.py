@@ -90,6 +90,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/staleness": ("rollout", "staleness"),
     "rollout/tokens_per_s": ("rollout", "tokens_per_s"),
     "rollout/tokens": ("rollout", "tokens"),
+    "rollout/prompts_truncated_frac": ("rollout", "prompts_truncated_frac"),
     "train/replayed_rows": ("optimize", "replayed_rows"),
     # policy collapse, from the round's completions (stages/health.py collapse_metrics)
     "rollout/distinct_completions_per_group": ("score", "rollout/distinct_completions_per_group"),

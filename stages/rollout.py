@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.engines import Policy, Sampling, engine_lock, get_engine
-from stages.keys import not_in_key
+from stages.keys import key_when_set, not_in_key
 from stages.schemas import ROLLOUTS, write_table
 
 
@@ -153,6 +153,10 @@ class RolloutConfig(BaseModel):
     """Prompts drawn from the train split each round (without replacement, cycling)."""
     max_completion_length: int = Field(16, ge=1)
     """Tokens generated at most per completion; longer ones end with finish_reason=length."""
+    max_prompt_length: int | None = key_when_set(None, ge=1)
+    """Tokens of a chat-templated prompt kept, from its end (TRL's former `max_prompt_length`, which cut
+    prompts on the left); the optimize stage trains on the prompt as sampled. Unset: whole prompts. The round's
+    `prompts_truncated_frac` counts the prompts cut."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the optimize stage scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -216,8 +220,11 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_atropos(self) -> "RolloutConfig":
+        if self.max_prompt_length and self.rollout_func:
+            raise ValueError("rollout.max_prompt_length cuts the prompts the engine samples, but rollout.rollout_func "
+                             "samples them itself (it gets the conversations); cut them there, or unset one")
         if self.source == "atropos":
-            clash = [k for k in ("async_prefetch", "worker_process") if getattr(self, k)] + (
+            clash = [k for k in ("async_prefetch", "worker_process", "max_prompt_length") if getattr(self, k)] + (
                 ["rollout_func"] if self.rollout_func else [])
             if clash:
                 raise ValueError(f"rollout.source: atropos does not go with rollout.{', rollout.'.join(clash)}: "
@@ -317,6 +324,17 @@ def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sam
     return results
 
 
+def left_truncated(prompts: list, model_dir: Path, max_tokens: int) -> tuple[list[dict], int]:
+    """The prompts as token prompts ({prompt_token_ids}) of at most their last `max_tokens` chat-templated
+    tokens, and how many were cut."""
+    from transformers import AutoTokenizer
+
+    from stages.engines import prompt_token_ids
+
+    ids = prompt_token_ids(AutoTokenizer.from_pretrained(model_dir), prompts)
+    return [{"prompt_token_ids": i[-max_tokens:]} for i in ids], sum(len(i) > max_tokens for i in ids)
+
+
 def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
         engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
         reroll_prompt_ids: list[str] = ()) -> dict:
@@ -345,6 +363,9 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
     sampling = Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
                         seed=cfg.seed * 100_003 + round_index)
     prompts = [row["prompt"] for row, _ in expanded]
+    cut = 0
+    if cfg.max_prompt_length:
+        prompts, cut = left_truncated(prompts, policy.base_dir, cfg.max_prompt_length)
     with engine_lock(engine):
         started = time.perf_counter()
         if cfg.rollout_func:
@@ -370,6 +391,7 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         "rows": len(records),
         "prompts": len(picked),
         "rerolled_prompts": len(rerolled),
+        "prompts_truncated_frac": cut / len(prompts),
         "completion_length_mean": sum(lengths) / len(lengths),
         "truncated_frac": sum(r["finish_reason"] == "length" for r in records) / len(records),
         "tokens": sum(lengths),

@@ -129,3 +129,25 @@ def test_loading_and_eval_draw_nothing_from_the_global_rng(policy, tmp_path):
     evaluate.run(evaluate.EvalConfig(split="train", max_completion_length=4), policy / "model", policy / "adapter",
                  policy / "prompts" / "train.parquet", tmp_path / "out")
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_max_prompt_length_keeps_the_end_of_each_prompt(policy, tmp_path):
+    """rollout.max_prompt_length: the engine samples from the last N chat-templated prompt tokens (TRL's former
+    left truncation), the rollouts record those tokens, and the round counts the prompts cut."""
+    import pyarrow.parquet as pq
+    from pydantic import ValidationError
+
+    from stages import rollout
+    from stages.engines import Policy, prompt_token_ids
+    from stages.policy import load_policy
+
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=4, max_prompt_length=5)
+    metrics = rollout.run(cfg, Policy(policy / "model"), policy / "prompts" / "train.parquet", 0, tmp_path)
+
+    rows = pq.read_table(tmp_path / "rollouts.parquet").to_pylist()
+    _, tokenizer = load_policy(policy / "model", None)
+    full = prompt_token_ids(tokenizer, [r["prompt"] for r in rows])
+    assert all(len(f) > 5 for f in full) and metrics["prompts_truncated_frac"] == 1.0
+    assert [r["prompt_token_ids"] for r in rows] == [f[-5:] for f in full]
+    with pytest.raises(ValidationError, match="rollout.max_prompt_length cuts the prompts the engine samples"):
+        rollout.RolloutConfig(max_prompt_length=5, rollout_func="mod.fn")
