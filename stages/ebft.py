@@ -15,9 +15,9 @@ SVD of the group's own embeddings). With n completions y_1..y_n of a prompt and 
 
 and the conditional feature-matching distance (paper eq. 2), logged as `ebft/feature_distance`:
 ||mean_j phi(y_j) - phi(y)||^2, averaged over prompts (axolotl's `ebft/cfm_loss`). Advantages:
-`advantage_estimator` rloo (r_j - mean of the other n-1 rewards, axolotl's default), grpo (group
-normalization by score.scale_rewards, stages/score.py `group_advantages`; axolotl's `group_norm`) or
-reinforce (the raw reward). The optimize stage is GRPO's (stages/grpo.py), plus `ce_coef` times the
+`advantage_estimator` rloo (r_j - mean of the other n-1 rewards; the default here, and axolotl's strided
+trainer's), grpo (group normalization by score.scale_rewards, stages/score.py `group_advantages`; axolotl's
+`group_norm`, and what its structured trainer, a TRL GRPOTrainer, computes) or reinforce (the raw reward). The optimize stage is GRPO's (stages/grpo.py), plus `ce_coef` times the
 cross-entropy of the reference completion (the scored rows carry its tokens, `reference_token_ids`).
 
 The scored table is the score stage's: `rewards` holds {alignment, diversity} per row (the lineage shows
@@ -109,8 +109,14 @@ class EBFTConfig(BaseModel):
     """Completions per prompt (the group whose diversity is penalized): sets rollout.num_generations.
     Unset: rollout's. At least 2: diversity and rloo need another sample of the prompt."""
     advantage_estimator: Literal["rloo", "grpo", "reinforce"] = "rloo"
-    """rloo (axolotl's default): A_j = r_j - mean of the other n-1 rewards (unbiased, unscaled). grpo: group
-    mean subtracted, divided by score.scale_rewards' std (axolotl's `group_norm`). reinforce: A_j = r_j."""
+    """rloo (axolotl's strided default): A_j = r_j - mean of the other n-1 rewards (unbiased, unscaled). grpo:
+    group mean subtracted, divided by score.scale_rewards' std (axolotl's `group_norm`, read as grpo; what
+    axolotl's structured EBFT computes, being a TRL GRPOTrainer). reinforce: A_j = r_j."""
+
+    @field_validator("advantage_estimator", mode="before")
+    @classmethod
+    def _axolotl_group_norm(cls, value):
+        return "grpo" if value == "group_norm" else value
 
     @property
     def pooling(self) -> str:

@@ -97,6 +97,8 @@ def test_config_ebft_options(tmp_path):
     cfg = _config(tmp_path, "rl: ebft\nebft: {n_samples_per_prompt: 4, generate_max_len: 12}\n")
     assert cfg.uses_rounds and cfg.rollout.num_generations == 4 and cfg.rollout.max_completion_length == 12
     assert _config(tmp_path, "rl: ebft\nrollout: {num_generations: 6}\n").rollout.num_generations == 6
+    # axolotl's name for group normalization
+    assert _config(tmp_path, "rl: ebft\nebft: {advantage_estimator: group_norm}\n").ebft.advantage_estimator == "grpo"
     with pytest.raises(ConfigError, match="did you mean 'ebft.alignment_coef'"):
         _config(tmp_path, "rl: ebft\nebft: {alignment_cof: 1.0}\n")
     with pytest.raises(ConfigError, match="did you mean 'ebft.n_samples_per_prompt'"):
