@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -573,6 +574,280 @@ def _is_truncated(row: dict) -> bool:
     return row.get("finish_reason") == "length"
 
 
+def _has_signal(row: dict, masked_out: set[str]) -> bool:
+    """The row's loss is not 0: its advantage is not 0 and it is not masked out."""
+    return abs(row["advantage"]) >= ZERO_ADVANTAGE and row["rollout_id"] not in masked_out
+
+
+def _trains(cfg: GRPOConfig, micro_batch: list[dict], masked_out: set[str]) -> bool:
+    """False for a micro-batch with no signal (every row's advantage 0 or its loss masked) that
+    skip_zero_advantage_batches skips."""
+    return not cfg.skip_zero_advantage_batches or any(_has_signal(r, masked_out) for r in micro_batch)
+
+
+def _step_runs(cfg: GRPOConfig, micro_batches: list[list[dict]], masked_out: set[str]) -> list[list[dict]]:
+    """The micro-batches an optimizer step runs forward and backward. dapo with beta 0: the step's rows,
+    less those without signal when skip_zero_advantage_batches is on (their loss and gradient are 0),
+    with a group's rows side by side so that they share one prompt pass (batch_logps), cut again into
+    micro_batch_size: dapo divides by the whole step's token count, so the step's gradient is the same
+    sum over the same rows however they are cut. Other losses normalize per micro-batch: the
+    micro-batches as cut, those without signal skipped."""
+    live = [mb for mb in micro_batches if _trains(cfg, mb, masked_out)]
+    if not (cfg.loss_type == "dapo" and cfg.beta == 0.0) or not live:
+        return live
+    rows = [r for mb in live for r in mb if _has_signal(r, masked_out) or not cfg.skip_zero_advantage_batches]
+    rows.sort(key=lambda r: r["prompt_id"])  # stable: the shuffled order within a group stays
+    return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+
+
+@dataclass
+class RoundPlan:
+    """What every rank makes alike of a round's scored rows (`plan_round`)."""
+
+    rows: list[dict]  # shuffled by the round's seed
+    steps: list[list[list[dict]]]  # steps[s]: the micro-batches of optimizer step s as cut, the same in every pass
+    runs: list[list[list[dict]]]  # runs[s]: the micro-batches step s computes (_step_runs)
+    masked_out: set[str]  # rollout ids whose loss mask_truncated_completions zeroes
+    replayed: list[dict]  # rows the replay buffer put back
+    pi_old_is_step: bool  # pi_old is the round's one step's own forward: no pass of its own
+    steps_per_round: int  # optimizer steps over all num_iterations passes, skipped ones included
+
+
+def plan_round(cfg: GRPOConfig, rows: list[dict], round_index: int) -> RoundPlan:
+    """Shuffle the round's rows, cut them into optimizer steps of gradient_accumulation_steps micro-batches and
+    decide what each step computes and whether pi_old needs a pass of its own."""
+    random.Random(cfg.seed * 100_003 + round_index).shuffle(rows)
+    step_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    steps = [[step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
+             for step_rows in (rows[i : i + step_size] for i in range(0, len(rows), step_size))]
+    masked_out = {r["rollout_id"] for r in rows if cfg.mask_truncated_completions and _is_truncated(r)}
+    replayed = [r for r in rows if r.get("replayed")]
+    # pi_old: the policy at the start of the round, before any update (TRL computes it when a generation batch
+    # spans several optimizer steps or num_iterations > 1, and always when it corrects for vLLM); every pass of
+    # the round is clipped against it. One step of one pass: the step's own forward.
+    pi_old_is_step = (cfg.reuse_sampling_logps and cfg.num_iterations == 1 and len(steps) == 1
+                      and not (replayed and cfg.replay_recompute_logps))
+    return RoundPlan(rows, steps, [_step_runs(cfg, mbs, masked_out) for mbs in steps], masked_out, replayed,
+                     pi_old_is_step, len(steps) * cfg.num_iterations)
+
+
+class RoundTrainer:
+    """The round's trainable policy (and reference), optimizer and placement, on this rank (`run`'s docstring)."""
+
+    def __init__(self, cfg: GRPOConfig, base_dir: Path, prev_adapter_dir: Path | None, round_index: int,
+                 temperature: float, devices=None, group=None):
+        from transformers import AutoTokenizer
+
+        from stages import devices as placement
+        from stages.policy import MODEL_LOADING
+
+        self.cfg, self.round_index, self.temperature, self.devices, self.group = (cfg, round_index, temperature,
+                                                                                  devices, group)
+        self.placement = placement
+        self.tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        # The round's own randomness (round 0's LoRA init, dropout when lora_dropout > 0) comes from torch's
+        # global RNG, seeded here; seeding and construction hold the model lock, so no other thread's load
+        # runs in between. Nothing else in the process draws from it meanwhile: rollouts sample from
+        # generators of their own (stages/engines/hf.py), loads and eval draw nothing (stages/policy.py).
+        with MODEL_LOADING:
+            torch.manual_seed(cfg.seed * 100_003 + round_index)
+            self.model, self.ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir, devices)
+        self.model.train()
+        self.rank, self.world_size = (group.rank, group.world_size) if group is not None else (0, 1)
+        self.sharded = group is not None and group.strategy == "fsdp"
+        if self.sharded:
+            from stages.distributed import shard_model
+
+            shard_model(self.model, group)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(cfg, self.params)
+        self.optimizer_state = _load_optimizer_state(cfg, self.optimizer, prev_adapter_dir, self.sharded)
+        self.scaler = placement.grad_scaler(devices)  # fp16 only
+        # the shared prompt pass needs the KV cache, which gradient checkpointing turns off
+        self.plain_forward = (self.sharded or not cfg.shared_prompt_pass
+                              or (devices is not None and devices.gradient_checkpointing))
+
+    def forward_logps(self, module, batch: dict):
+        """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
+        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off."""
+        with self.placement.autocast(self.devices):
+            if self.plain_forward:
+                return completion_logps(module, *_inputs(batch), self.temperature)
+            return batch_logps(module, batch, self.temperature)
+
+    def collated(self, micro_batch: list[dict], masked_out: set[str], old: dict | None = None) -> dict:
+        """The micro-batch's tensors on the models' device, with its loss mask's per-row `keep` and, given
+        `old` (rollout id -> log-probs), pi_old's log-probs `old_logps`: built on the host, copied once."""
+        batch = collate(micro_batch, self.tokenizer.pad_token_id)
+        batch["keep"] = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
+        if old is not None:
+            batch["old_logps"] = pad([old[r["rollout_id"]] for r in micro_batch], 0.0, "right", torch.float32)
+        return self.placement.to_device(batch, self.devices)
+
+    def rank_share(self, micro_batches: list[list[dict]]) -> tuple[list[list[dict]], int]:
+        """(this rank's micro-batches of a step, how many passes it runs): with fsdp every rank runs as many
+        as the rank with the most; the passes past its own micro-batches are fillers."""
+        mine = micro_batches[self.rank::self.world_size]
+        return mine, (-(-len(micro_batches) // self.world_size) if self.sharded else len(mine))
+
+    def pi_old(self, plan: RoundPlan) -> tuple[dict[str, list[float]], int]:
+        """(pi_old's log-probs of the rows this rank trains, by rollout id; how many came with their rows, summed
+        over ranks): the rows the transformers engine sampled from this very policy bring them
+        (reuse_sampling_logps), the others get a no-grad forward. Nothing when pi_old is the step's own."""
+        old_logps: dict[str, list[float]] = {}
+        reused = 0
+        with torch.no_grad():
+            for run in plan.runs if not plan.pi_old_is_step else []:
+                mine, passes = self.rank_share(run)
+                for slot in range(passes):
+                    chunk = []
+                    for row in mine[slot] if slot < len(mine) else []:
+                        if self._sampled_by_round_start(row):
+                            old_logps[row["rollout_id"]] = list(row["sampling_logprobs"])
+                            reused += 1
+                        else:
+                            chunk.append(row)
+                    if not chunk:
+                        if self.sharded:  # the filler forward the other ranks' passes need
+                            self.forward_logps(self.model, self.collated(run[0][:1], plan.masked_out))
+                        continue
+                    logps, _ = self.forward_logps(self.model, self.collated(chunk, plan.masked_out))
+                    for row, lp in zip(chunk, logps.cpu()):  # one read back per pass
+                        old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
+        if self.group is not None:
+            reused = int(self.group.all_reduce([reused])[0])
+        return old_logps, reused
+
+    def _sampled_by_round_start(self, row: dict) -> bool:
+        """The row's sampling log-probs are pi_old's own (grpo.reuse_sampling_logps)."""
+        return (self.cfg.reuse_sampling_logps and row.get("engine") == "transformers" and not row.get("replayed")
+                and row.get("policy_version") == self.round_index)
+
+    def reference_logps(self, batch: dict):
+        """The reference policy's log-probs, or None when nothing weighs the KL (beta 0, as TRL) or there is
+        no reference (full fine-tuning without one)."""
+        cfg = self.cfg
+        with torch.no_grad():
+            if cfg.beta == 0.0:
+                return None
+            if self.ref_model is not None:
+                return self.forward_logps(self.ref_model, batch)[0]
+            if cfg.adapter == "lora":
+                with self.model.disable_adapter():
+                    return self.forward_logps(self.model, batch)[0]
+            return None
+
+    def accumulate(self, plan: RoundPlan, micro_batches: list[list[dict]], live: list[list[dict]],
+                   old_logps: dict, num_items: float, max_completion_length: int, ce_coef: float) -> dict:
+        """Forward and backward of one optimizer step's micro-batches on this rank (gradients accumulate in
+        the parameters); return the step's statistics, summed over ranks."""
+        cfg = self.cfg
+        step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
+        stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
+
+        def add(key: str, value: torch.Tensor) -> None:
+            stats_sum[key] = stats_sum[key] + value.double() if key in stats_sum else value.double()
+
+        epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        mine, passes = self.rank_share(live)
+        for slot in range(passes):
+            filler = slot >= len(mine)
+            rows_mb = live[0][:1] if filler else mine[slot]
+            batch = self.collated(rows_mb, plan.masked_out, None if plan.pi_old_is_step or filler else old_logps)
+            mask = batch["completion_mask"].float() * batch["keep"].unsqueeze(1)
+            sampling_logps = batch["old_per_token_logps"]
+            logps, entropy = self.forward_logps(self.model, batch)
+            ref_logps = self.reference_logps(batch)
+            if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
+                (logps.sum() * 0.0).backward()
+                continue
+            old = logps.detach() if plan.pi_old_is_step else batch["old_logps"]
+            is_weights = keep_mask = None
+            if cfg.vllm_importance_sampling_correction:
+                is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
+                                                 cfg.vllm_importance_sampling_cap)
+                _track_is(stats_sum, is_weights, mask)
+            if cfg.off_policy_mask_threshold is not None:
+                keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
+                                            cfg.off_policy_mask_threshold)
+            dropped = torch.zeros(len(rows_mb), dtype=torch.bool, device=mask.device)
+            if is_weights is not None:
+                dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
+            if keep_mask is not None:
+                dropped |= keep_mask.squeeze(-1) == 0
+            add("dropped", dropped.sum())
+            loss, stats = grpo_loss(
+                logps, old, ref_logps, batch["advantages"], mask,
+                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
+                max_completion_length=max_completion_length, num_items_in_batch=num_items,
+                gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
+                importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
+                off_policy_keep=keep_mask, stats_as_tensors=True,
+            )
+            if ce_coef:
+                with self.placement.autocast(self.devices):
+                    ce = reference_cross_entropy(self.model, rows_mb, self.tokenizer.pad_token_id)
+                add("ce_loss", ce.detach() / len(micro_batches))
+                loss = loss + ce_coef * ce / len(micro_batches)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            add("loss", loss.detach())
+            for key in ("kl", "clip_ratio", "mean_ratio"):
+                add(key, stats[key].double() * stats["tokens"].double())
+            add("entropy", (entropy * mask).sum())
+            add("tokens", stats["tokens"])
+            step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
+        step_stats.update(read_back(stats_sum))  # the step's one read back from the device
+        if self.group is not None:
+            if not self.sharded:  # FSDP summed them in each backward (reduce-scatter)
+                self.group.sum_gradients(self.params)
+            step_stats = _sum_step_stats(self.group, step_stats, cfg.vllm_importance_sampling_correction,
+                                         bool(ce_coef))
+        return step_stats
+
+    def step(self, learning_rate: float, position: int) -> float:
+        """Clip the accumulated gradient, take the optimizer step at `learning_rate`; return the gradient norm
+        (a non-finite one ends the round, naming the step, unless fp16's scaler skips the step)."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        if self.sharded:
+            from stages.distributed import whole
+
+            grad_norm = whole(grad_norm)
+        if not torch.isfinite(grad_norm) and not self.scaler:  # fp16: the scaler skips the step, lowers its scale
+            raise FloatingPointError(f"round {self.round_index} step {position}: gradient norm is {grad_norm}")
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = learning_rate
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def save(self, out_dir: Path) -> None:
+        """The policy (adapter, or with adapter: none a whole model folder) and the optimizer state, written by
+        rank 0; under fsdp gathered whole first (every rank takes part), so the files are one process's."""
+        weights = optimizer_file = None
+        if self.sharded:
+            from stages.distributed import full_optimizer_state, full_state_dict
+
+            weights, optimizer_file = full_state_dict(self.model), full_optimizer_state(self.optimizer)
+        if self.rank == 0:  # every replica holds the same weights and optimizer state
+            self.model.save_pretrained(out_dir, **({"state_dict": weights} if self.sharded else {}))
+            if self.cfg.adapter == "none":
+                self.tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
+            torch.save({"optim": self.cfg.optim, "state_dict": optimizer_file or self.optimizer.state_dict()},
+                       out_dir / "optimizer.pt")
+        if self.group is not None:
+            self.group.barrier()  # the folder is complete before any rank returns
+
+    def trainable_params(self) -> int:
+        """Trainable weights this rank holds: all of them, or its 1/world_size shard under fsdp."""
+        return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.params)
+
+
 def run(
     cfg: GRPOConfig,
     base_dir: Path,
@@ -604,129 +879,17 @@ def run(
     `devices` (stages/devices.py; None: auto): where the models run and in which precision -- fp32 weights
     and optimizer state, forward and backward under autocast in bf16/fp16 (fp16 with a gradient scaler)."""
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
-    from stages import devices as placement
-    from stages.policy import MODEL_LOADING
-
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    # The round's own randomness (round 0's LoRA init, dropout when lora_dropout > 0) comes from torch's
-    # global RNG, seeded here; seeding and construction hold the model lock, so no other thread's load
-    # runs in between. Nothing else in the process draws from it meanwhile: rollouts sample from
-    # generators of their own (stages/engines/hf.py), loads and eval draw nothing (stages/policy.py).
-    with MODEL_LOADING:
-        torch.manual_seed(cfg.seed * 100_003 + round_index)
-        model, ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir, devices)
-    model.train()
-    rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
-    sharded = group is not None and group.strategy == "fsdp"
-    if sharded:
-        from stages.distributed import shard_model
-
-        shard_model(model, group)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(cfg, params)
-    optimizer_state = _load_optimizer_state(cfg, optimizer, prev_adapter_dir, sharded)
-    scaler = placement.grad_scaler(devices)  # fp16 only
-    # the shared prompt pass needs the KV cache, which gradient checkpointing turns off
-    plain_forward = sharded or not cfg.shared_prompt_pass or (devices is not None and devices.gradient_checkpointing)
-
-    def forward_logps(module, batch: dict):
-        """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
-        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off."""
-        with placement.autocast(devices):
-            if plain_forward:
-                return completion_logps(module, *_inputs(batch), temperature)
-            return batch_logps(module, batch, temperature)
-
-    def collated(micro_batch: list[dict], old: dict | None = None) -> dict:
-        """The micro-batch's tensors on the models' device, with its loss mask's per-row `keep` and, given
-        `old` (rollout id -> log-probs), pi_old's log-probs `old_logps`: built on the host, copied once."""
-        batch = collate(micro_batch, tokenizer.pad_token_id)
-        batch["keep"] = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
-        if old is not None:
-            batch["old_logps"] = pad([old[r["rollout_id"]] for r in micro_batch], 0.0, "right", torch.float32)
-        return placement.to_device(batch, devices)
-
-    def rank_share(micro_batches: list[list[dict]]) -> tuple[list[list[dict]], int]:
-        """(this rank's micro-batches of a step, how many passes it runs): with fsdp every rank runs as many
-        as the rank with the most; the passes past its own micro-batches are fillers."""
-        mine = micro_batches[rank::world_size]
-        return mine, (-(-len(micro_batches) // world_size) if sharded else len(mine))
-
-    rows = pq.read_table(scored_path).to_pylist()
-    random.Random(cfg.seed * 100_003 + round_index).shuffle(rows)
-    step_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    # steps[s]: the micro-batches of optimizer step s, the same in every pass
-    steps = [[step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
-             for step_rows in (rows[i : i + step_size] for i in range(0, len(rows), step_size))]
-    epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    masked_out = {r["rollout_id"] for r in rows if cfg.mask_truncated_completions and _is_truncated(r)}
-
-    def has_signal(row: dict) -> bool:
-        return abs(row["advantage"]) >= ZERO_ADVANTAGE and row["rollout_id"] not in masked_out
-
-    def trains(micro_batch: list[dict]) -> bool:
-        """False for a micro-batch with no signal: every row's advantage 0 or its loss masked."""
-        return not cfg.skip_zero_advantage_batches or any(has_signal(r) for r in micro_batch)
-
-    def step_runs(micro_batches: list[list[dict]]) -> list[list[dict]]:
-        """The micro-batches an optimizer step runs forward and backward. dapo with beta 0: the step's rows,
-        less those without signal when skip_zero_advantage_batches is on (their loss and gradient are 0),
-        with a group's rows side by side so that they share one prompt pass (batch_logps), cut again into
-        micro_batch_size: dapo divides by the whole step's token count, so the step's gradient is the same
-        sum over the same rows however they are cut. Other losses normalize per micro-batch: the
-        micro-batches as cut, those without signal skipped."""
-        live = [mb for mb in micro_batches if trains(mb)]
-        if not (cfg.loss_type == "dapo" and cfg.beta == 0.0) or not live:
-            return live
-        rows = [r for mb in live for r in mb if has_signal(r) or not cfg.skip_zero_advantage_batches]
-        rows.sort(key=lambda r: r["prompt_id"])  # stable: the shuffled order within a group stays
-        return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
-
-    runs = [step_runs(micro_batches) for micro_batches in steps]  # runs[s]: what step s computes
-
-
-    def sampled_by_round_start(row: dict) -> bool:
-        """The row's sampling log-probs are pi_old's own (grpo.reuse_sampling_logps)."""
-        return (cfg.reuse_sampling_logps and row.get("engine") == "transformers" and not row.get("replayed")
-                and row.get("policy_version") == round_index)
-
-    # pi_old: the policy at the start of the round, before any update (TRL computes it when a
-    # generation batch spans several optimizer steps or num_iterations > 1, and always when it corrects
-    # for vLLM); every pass of the round is clipped against it. One step of one pass: the step's own forward.
-    replayed = [r for r in rows if r.get("replayed")]
-    pi_old_is_step = (cfg.reuse_sampling_logps and cfg.num_iterations == 1 and len(steps) == 1
-                      and not (replayed and cfg.replay_recompute_logps))
-    old_logps: dict[str, list[float]] = {}  # of the rows this rank trains
-    reused = 0
-    with torch.no_grad():
-        for run in runs if not pi_old_is_step else []:
-            mine, passes = rank_share(run)
-            for slot in range(passes):
-                chunk = []
-                for row in mine[slot] if slot < len(mine) else []:
-                    if sampled_by_round_start(row):
-                        old_logps[row["rollout_id"]] = list(row["sampling_logprobs"])
-                        reused += 1
-                    else:
-                        chunk.append(row)
-                if not chunk:
-                    if sharded:  # the filler forward the other ranks' passes need
-                        forward_logps(model, collated(run[0][:1]))
-                    continue
-                logps, _ = forward_logps(model, collated(chunk))
-                for row, lp in zip(chunk, logps.cpu()):  # one read back per pass
-                    old_logps[row["rollout_id"]] = lp[: len(row["completion_token_ids"])].tolist()
-    if group is not None:
-        reused = int(group.all_reduce([reused])[0])
+    trainer = RoundTrainer(cfg, base_dir, prev_adapter_dir, round_index, temperature, devices, group)
+    plan = plan_round(cfg, pq.read_table(scored_path).to_pylist(), round_index)
+    old_logps, reused = trainer.pi_old(plan)
     if cfg.replay_recompute_logps:  # the stale sample counts as drawn from pi_old (docstring of the option)
-        for row in replayed:
+        for row in plan.replayed:
             if row["rollout_id"] in old_logps:
                 row["sampling_logprobs"] = old_logps[row["rollout_id"]]
 
     # the learning-rate schedule runs over the whole run's steps: this round's come after round_index rounds
-    steps_per_round = len(steps) * cfg.num_iterations
+    steps_per_round = plan.steps_per_round
     total_steps = cfg.lr_schedule_rounds * steps_per_round if cfg.lr_schedule_rounds is not None else None
     warmup_steps = cfg.warmup_steps or (math.ceil(cfg.warmup_ratio * total_steps) if cfg.warmup_ratio else 0)
 
@@ -737,121 +900,26 @@ def run(
     history = []
     skipped_batches = skipped_steps = trained_rows = 0
     for iteration in range(cfg.num_iterations):
-        for step_index, (micro_batches, live) in enumerate(zip(steps, runs)):
-            position = iteration * len(steps) + step_index
-            skipped_batches += sum(not trains(mb) for mb in micro_batches)
+        for step_index, (micro_batches, live) in enumerate(zip(plan.steps, plan.runs)):
+            position = iteration * len(plan.steps) + step_index
+            skipped_batches += sum(not _trains(cfg, mb, plan.masked_out) for mb in micro_batches)
             trained_rows += sum(len(mb) for mb in live)
-            if not live:  # no signal in the whole step: no optimizer step, no state change
-                skipped_steps += 1
-                if on_step:
-                    on_step(position + 1, steps_per_round)
-                continue
-            num_items = dapo_normalizer(steps, step_index, masked_out)
-            step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
-            stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
-
-            def add(key: str, value: torch.Tensor) -> None:
-                stats_sum[key] = stats_sum[key] + value.double() if key in stats_sum else value.double()
-
-            mine, passes = rank_share(live)
-            for slot in range(passes):
-                filler = slot >= len(mine)
-                rows_mb = live[0][:1] if filler else mine[slot]
-                batch = collated(rows_mb, None if pi_old_is_step or filler else old_logps)
-                mask = batch["completion_mask"].float() * batch["keep"].unsqueeze(1)
-                sampling_logps = batch["old_per_token_logps"]
-                logps, entropy = forward_logps(model, batch)
-                with torch.no_grad():
-                    if cfg.beta == 0.0:  # as TRL: no reference forward and no KL when nothing weighs it
-                        ref_logps = None
-                    elif ref_model is not None:
-                        ref_logps, _ = forward_logps(ref_model, batch)
-                    elif cfg.adapter == "lora":
-                        with model.disable_adapter():
-                            ref_logps, _ = forward_logps(model, batch)
-                    else:
-                        ref_logps = None
-                if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
-                    (logps.sum() * 0.0).backward()
-                    continue
-                old = logps.detach() if pi_old_is_step else batch["old_logps"]
-                is_weights = keep_mask = None
-                if cfg.vllm_importance_sampling_correction:
-                    is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
-                                                     cfg.vllm_importance_sampling_cap)
-                    _track_is(stats_sum, is_weights, mask)
-                if cfg.off_policy_mask_threshold is not None:
-                    keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
-                                                cfg.off_policy_mask_threshold)
-                dropped = torch.zeros(len(rows_mb), dtype=torch.bool, device=mask.device)
-                if is_weights is not None:
-                    dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
-                if keep_mask is not None:
-                    dropped |= keep_mask.squeeze(-1) == 0
-                add("dropped", dropped.sum())
-                loss, stats = grpo_loss(
-                    logps, old, ref_logps, batch["advantages"], mask,
-                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
-                    max_completion_length=max_completion_length, num_items_in_batch=num_items,
-                    gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
-                    importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
-                    off_policy_keep=keep_mask, stats_as_tensors=True,
-                )
-                if ce_coef:
-                    with placement.autocast(devices):
-                        ce = reference_cross_entropy(model, rows_mb, tokenizer.pad_token_id)
-                    add("ce_loss", ce.detach() / len(micro_batches))
-                    loss = loss + ce_coef * ce / len(micro_batches)
-                (scaler.scale(loss) if scaler else loss).backward()
-                add("loss", loss.detach())
-                for key in ("kl", "clip_ratio", "mean_ratio"):
-                    add(key, stats[key].double() * stats["tokens"].double())
-                add("entropy", (entropy * mask).sum())
-                add("tokens", stats["tokens"])
-                step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
-            step_stats.update(read_back(stats_sum))  # the step's one read back from the device
-            if group is not None:
-                if not sharded:  # FSDP summed them in each backward (reduce-scatter)
-                    group.sum_gradients(params)
-                step_stats = _sum_step_stats(group, step_stats, cfg.vllm_importance_sampling_correction, bool(ce_coef))
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            if sharded:
-                from stages.distributed import whole
-
-                grad_norm = whole(grad_norm)
-            if not torch.isfinite(grad_norm) and not scaler:  # fp16: the scaler skips the step, lowers its scale
-                raise FloatingPointError(f"round {round_index} step {position}: gradient norm is {grad_norm}")
-            learning_rate = lr_at(position)
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = learning_rate
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
+            if live:  # else no signal in the whole step: no optimizer step, no state change
+                step_stats = trainer.accumulate(plan, micro_batches, live, old_logps,
+                                                dapo_normalizer(plan.steps, step_index, plan.masked_out),
+                                                max_completion_length, ce_coef)
+                learning_rate = lr_at(position)
+                grad_norm = trainer.step(learning_rate, position)
+                history.append({**_step_metrics(step_stats, grad_norm), "learning_rate": learning_rate})
+                if on_metrics:
+                    on_metrics(history[-1], round_index * steps_per_round + position)
             else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            history.append({**_step_metrics(step_stats, float(grad_norm)), "learning_rate": learning_rate})
-            if on_metrics:
-                on_metrics(history[-1], round_index * steps_per_round + position)
+                skipped_steps += 1
             if on_step:
                 on_step(position + 1, steps_per_round)
+    trainer.save(out_dir)
 
-    weights = optimizer_file = None
-    if sharded:  # gathered whole (every rank takes part), so the files are those of one process
-        from stages.distributed import full_optimizer_state, full_state_dict
-
-        weights, optimizer_file = full_state_dict(model), full_optimizer_state(optimizer)
-    if rank == 0:  # every replica holds the same weights and optimizer state
-        model.save_pretrained(out_dir, **({"state_dict": weights} if sharded else {}))
-        if cfg.adapter == "none":
-            tokenizer.save_pretrained(out_dir)  # a complete model folder: engines and export load it as is
-        torch.save({"optim": cfg.optim, "state_dict": optimizer_file or optimizer.state_dict()},
-                   out_dir / "optimizer.pt")
-    if group is not None:
-        group.barrier()  # the folder is complete before any rank returns
-    lengths = [len(r["completion_token_ids"]) for r in rows]
+    lengths = [len(r["completion_token_ids"]) for r in plan.rows]
     metrics = {}
     if history:  # means over the steps taken
         metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]
@@ -861,17 +929,15 @@ def run(
     metrics.update(completion_length=sum(lengths) / len(lengths), optimizer_steps=len(history),
                    skipped_steps=skipped_steps, skipped_batches=skipped_batches,
                    learning_rate=lr_at(steps_per_round - 1),  # at the round's last step
-                   optimizer_state=optimizer_state, reused_sampling_logps=reused,
-                   pi_old_from_step=int(pi_old_is_step),  # 1: pi_old was the round's one step's own forward
-                   # trainable weights this rank holds: all of them, or its 1/world_size shard under fsdp
-                   trainable_params_per_rank=sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                                 for p in params),
+                   optimizer_state=trainer.optimizer_state, reused_sampling_logps=reused,
+                   pi_old_from_step=int(plan.pi_old_is_step),  # 1: pi_old was the round's one step's own forward
+                   trainable_params_per_rank=trainer.trainable_params(),
                    trained_rows=trained_rows / cfg.num_iterations,  # rows through forward/backward per pass
-                   **placement.describe(devices))
-    if replayed:
-        metrics["replayed_rows"] = len(replayed)
+                   **trainer.placement.describe(devices))
+    if plan.replayed:
+        metrics["replayed_rows"] = len(plan.replayed)
     if cfg.mask_truncated_completions:
-        metrics["truncated_masked"] = len(masked_out)  # completions left out of the loss
+        metrics["truncated_masked"] = len(plan.masked_out)  # completions left out of the loss
     return metrics
 
 
