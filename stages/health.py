@@ -1,6 +1,6 @@
 """Health checks: each GRPO round's metrics against healthy ranges.
 
-After a round's metrics are logged (flows/pipeline.py `grpo_rounds`), `check_round` compares them with
+After a round's metrics are logged (flows/rounds.py `RoundLog`), `check_round` compares them with
 the ranges in `HealthConfig` and returns a `Finding` per value outside its range. The pipeline logs each
 one, tags the MLflow parent run (`health.warning.<metric>`, `health: warnings`) and lists it in the run
 summary; with `health.on_unhealthy: stop` the first unhealthy round ends the run with `TrainingUnhealthy`.
@@ -154,7 +154,7 @@ class TrainingUnhealthy(RuntimeError):
 def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
                 first_entropy: float | None = None, history: Sequence[dict] = (),
                 verifiers: Sequence[str] = ()) -> list[Finding]:
-    """The findings for one round's metrics (parent-run names, as flows/pipeline.py logs them); a
+    """The findings for one round's metrics (parent-run names, as flows/rounds.py logs them); a
     metric the dict lacks is not checked. A NaN/Inf value is a fatal finding, except in the
     per-reward-function statistics, where NaN means the function applied to no completion (TRL's
     `rewards/<name>/mean`). `first_entropy`: the run's first round's train/entropy, which sets the

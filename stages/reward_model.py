@@ -692,6 +692,23 @@ def _step_trainer_class():
     return StepTrainer
 
 
+def _prm_splits(cfg: RewardModelConfig, preferences_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the train split's rows, its stepwise rows as PRM rows, the eval split's stepwise rows as PRM rows; none
+    without eval_split or that split)."""
+    from stages.dpo import read_rows
+
+    train_path = preferences_dir / f"{cfg.split}.parquet"
+    if not train_path.exists():
+        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
+    rows = read_rows(train_path)
+    train_rows = to_prm_rows(rows, cfg.split, cfg.step_separator)
+    eval_rows: list[dict] = []
+    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
+        held_out = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "stepwise"]
+        eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
+    return rows, train_rows, eval_rows
+
+
 def run_prm(
     cfg: RewardModelConfig,
     model_dir: Path,
@@ -720,20 +737,11 @@ def run_prm(
     import torch
     from transformers import AutoTokenizer, TrainingArguments
 
-    from stages.dpo import metrics_callback, quiet_trainer, read_rows, training_args
+    from stages.dpo import metrics_callback, quiet_trainer, training_args
 
     devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
-    train_path = preferences_dir / f"{cfg.split}.parquet"
-    if not train_path.exists():
-        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
-    rows = read_rows(train_path)
-    train_rows = to_prm_rows(rows, cfg.split, cfg.step_separator)
-    eval_rows: list[dict] = []
-    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
-        held_out = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "stepwise"]
-        eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
-
+    rows, train_rows, eval_rows = _prm_splits(cfg, preferences_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_process_reward_model(model_dir, tokenizer, cfg.seed, devices)
     for module in model.modules():  # TRL PRMConfig disable_dropout=True (the head's dropout is 0.1)
@@ -781,12 +789,8 @@ def run_prm(
         _save(trained, tokenizer, cfg, out_dir)
     eval_labels = [label for row in eval_rows for label in row["labels"]]
     return {
-        "kind": cfg.kind,
-        "rows": len(rows),
-        "train_rows": len(features),
-        "steps": result.global_step,
-        "resumed_from_step": resumed_from,
-        "train_loss": result.training_loss,
+        "kind": cfg.kind, "rows": len(rows), "train_rows": len(features), "steps": result.global_step,
+        "resumed_from_step": resumed_from, "train_loss": result.training_loss,
         "final_metrics": logged[-1] if logged else {},
         "eval_rows": len(eval_rows),
         "eval_labelled_steps": len(eval_labels),

@@ -198,18 +198,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
     folder the reward function named `reward_model` scores with (this run's reward_model stage).
     `devices` (stages/devices.py): where the workers run reward models (None: the folder alone, auto)."""
-    sources = {}
-    if "reward_model" in cfg.reward_funcs:
-        if reward_model_dir is None:
-            raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
-                             "(or name a folder: reward_model:/path/to/model)")
-        sources["reward_model"] = reward_model_source(Path(reward_model_dir).resolve(), devices)
-    for name in cfg.reward_funcs:  # a reward model named by its folder: placed the same way
-        if name.startswith(REWARD_MODEL_PREFIX) and devices is not None:
-            sources[name] = reward_model_source(name[len(REWARD_MODEL_PREFIX):], devices)
-    for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
-        if name.startswith(REMOTE_PREFIX):
-            sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])
+    sources = worker_sources(cfg, reward_model_dir, devices)
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     n = len(rows)
@@ -266,23 +255,52 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
         .append_column("errors", pa.array(errors, type=SCORED.field("errors").type))
     )
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
-
     metrics = {
         **reward_spread(totals, num_generations),
         "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
+        **_function_metrics(cfg, matrix), **_worker_metrics(worker_stats, scoring_s, pool if ray else None),
     }
-    for f, name in enumerate(cfg.reward_funcs):  # None (NaN) left out, as TRL's rewards/<name>/mean|std
-        metrics[f"rewards/{metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
-        metrics[f"rewards/{metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
-    # where the scoring ran and how fast (the nested score run in MLflow; not compared between runs)
-    answered = sum(done for done, _ in worker_stats)
-    metrics["workers/count"] = len(worker_stats)
-    metrics["workers/samples_per_s"] = answered / scoring_s if scoring_s else 0.0
-    for slot, (done, busy) in enumerate(worker_stats):
-        metrics[f"workers/{slot}/samples_per_s"] = done / busy if busy else 0.0
-    if ray is not None:
-        metrics["workers/ray_nodes"] = len({node for node, _ in pool.placement()})
     # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for stages/health.py
     metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
                                     [r["answer"] for r in rows] if "answer" in table.column_names else None))
     return metrics
+
+
+def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices) -> dict:
+    """What the reward workers build besides functions they import: reward models (this run's, or named by
+    folder) placed per `devices`, and each remote verifier's client."""
+    sources = {}
+    if "reward_model" in cfg.reward_funcs:
+        if reward_model_dir is None:
+            raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
+                             "(or name a folder: reward_model:/path/to/model)")
+        sources["reward_model"] = reward_model_source(Path(reward_model_dir).resolve(), devices)
+    for name in cfg.reward_funcs:  # a reward model named by its folder: placed the same way
+        if name.startswith(REWARD_MODEL_PREFIX) and devices is not None:
+            sources[name] = reward_model_source(name[len(REWARD_MODEL_PREFIX):], devices)
+    for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
+        if name.startswith(REMOTE_PREFIX):
+            sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])
+    return sources
+
+
+def _function_metrics(cfg: ScoreConfig, matrix) -> dict:
+    """rewards/<name>/mean|std per function, None (NaN) left out, as TRL's."""
+    metrics = {}
+    for f, name in enumerate(cfg.reward_funcs):
+        metrics[f"rewards/{metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
+        metrics[f"rewards/{metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
+    return metrics
+
+
+def _worker_metrics(worker_stats: list, scoring_s: float, ray_pool=None) -> dict:
+    """Where the scoring ran and how fast (the nested score run in MLflow; not compared between runs)."""
+    answered = sum(done for done, _ in worker_stats)
+    metrics = {"workers/count": len(worker_stats), "workers/samples_per_s": answered / scoring_s if scoring_s else 0.0}
+    for slot, (done, busy) in enumerate(worker_stats):
+        metrics[f"workers/{slot}/samples_per_s"] = done / busy if busy else 0.0
+    if ray_pool is not None:
+        metrics["workers/ray_nodes"] = len({node for node, _ in ray_pool.placement()})
+    return metrics
+
+

@@ -1,6 +1,8 @@
 """One Prefect task per stage. Each is thin: compute the content key, return the finished
 artifact if its manifest is there, otherwise run the stage into the store, log the
-nested MLflow run, and report progress. No ML logic here.
+nested MLflow run, and report progress. No ML logic here, and no choice of method: a variant
+stage is its own task (strided_rollout_task, atropos_batch_task, ebft_score_task) that the
+method's recipe (flows/recipes/) calls; eval_task's strided variant is the one exception (its docstring).
 """
 
 from __future__ import annotations
@@ -252,7 +254,9 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
 def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
               adapter: Artifact | None = None, version: int = -1, feature_model: Artifact | None = None) -> Artifact:
     """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round.
-    `feature_model` (rl: ebft, strided): whose features compare continuations; unset: `model`'s."""
+    `feature_model` (rl: ebft, strided): whose features compare continuations; unset: `model`'s. The one
+    variant a task picks from the config: under ebft.mode strided the eval split is raw documents, scored
+    block by block (stages/ebft_strided.py), for every eval (base, periodic, final, the champion's) alike."""
     cfg = ctx.config.eval
     section = key_fields(cfg)
     evaluated = policy_for(ctx, model, adapter, version)
@@ -290,11 +294,12 @@ def _strided_section(ctx: RunContext) -> dict:
 
 
 def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
-    """The sampling policy after `version` optimize rounds (adapter: that round's output)."""
+    """The sampling policy after `version` optimize rounds (adapter: that round's output, or the preference
+    stage's): a LoRA adapter on the starting policy when the folder holds one (PEFT's adapter_config.json), else
+    the folder's full weights (adapter: none)."""
     if adapter is None:
         return Policy(policy.path, version=version)
-    trained_with = ctx.config.grpo if ctx.config.uses_rounds else ctx.config.dpo
-    if trained_with.adapter == "none":
+    if not (adapter.path / "adapter_config.json").exists():
         return Policy(policy.path, weights_dir=adapter.path, version=version)
     return Policy(policy.path, adapter_dir=adapter.path, version=version)
 
@@ -302,6 +307,7 @@ def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, vers
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
 def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                  round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
+    """The round's completions of rollout.prompts_per_round prompts by the rollout engine."""
     cfg = ctx.config.rollout
     section = key_fields(cfg)
     handed = rollout.engine_options(cfg, 0, placement(ctx))  # the vllm options this engine gets
@@ -314,17 +320,6 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
     if reroll_prompt_ids:  # only then: a round without re-rolls has the key it has with re-roll off
         section["reroll_prompt_ids"] = list(reroll_prompt_ids)
     sampler = policy_for(ctx, policy, adapter, policy_version)
-    if strided(ctx):
-        bar = ctx.reporter.progress(f"rollout r{round_index}", "document")
-        keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
-        options = {k: v for k, v in section.items() if k in keep or k in ("round", "policy_version")}
-        return materialize(
-            ctx, "rollout", ebft_strided, {**options, "ebft": _strided_section(ctx)},
-            {"policy": policy, "adapter": adapter, "prompts": prompts},
-            lambda out, _: ebft_strided.rollout(ctx.config.ebft, cfg, sampler, prompts.file("train.parquet"),
-                                                round_index, out, on_progress=bar, devices=placement(ctx)),
-            label=f"rollout r{round_index}",
-        )
     bar = ctx.reporter.progress(f"rollout r{round_index}", "completion")
     options = rollout.engine_options(cfg, ctx.config.grpo.lora_r, placement(ctx))
     run = shared_worker(cfg.worker_cpus, cfg.prefetch_torch_threads).run if cfg.worker_process else rollout.run
@@ -332,6 +327,25 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
         ctx, "rollout", rollout, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
         lambda out, _: run(cfg, sampler, prompts.file("train.parquet"), round_index, out, options, on_progress=bar,
                            reroll_prompt_ids=list(reroll_prompt_ids)),
+        label=f"rollout r{round_index}",
+    )
+
+
+@task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
+def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
+                         round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
+    """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/ebft_strided.py); re-rolls do not
+    apply (flows/config.py refuses them)."""
+    cfg = ctx.config.rollout
+    keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
+    section = {**{k: v for k, v in key_fields(cfg).items() if k in keep}, "round": round_index,
+               "policy_version": policy_version, "ebft": _strided_section(ctx)}
+    sampler = policy_for(ctx, policy, adapter, policy_version)
+    bar = ctx.reporter.progress(f"rollout r{round_index}", "document")
+    return materialize(
+        ctx, "rollout", ebft_strided, section, {"policy": policy, "adapter": adapter, "prompts": prompts},
+        lambda out, _: ebft_strided.rollout(ctx.config.ebft, cfg, sampler, prompts.file("train.parquet"),
+                                            round_index, out, on_progress=bar, devices=placement(ctx)),
         label=f"rollout r{round_index}",
     )
 
@@ -417,13 +431,14 @@ def replay_task(ctx: RunContext, scored: Artifact, replacements: list, round_ind
 
 @task(name="optimize", task_run_name="optimize-r{round_index}", cache_policy=NO_CACHE)
 def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, scored: Artifact,
-                  round_index: int) -> Artifact:
+                  round_index: int, ce_coef: float = 0.0) -> Artifact:
+    """One round of GRPO updates on the scored rows; `ce_coef` (rl: ebft's): add that times the reference
+    completion's cross-entropy to the loss."""
     cfg = ctx.config.grpo
     temperature = ctx.config.rollout.temperature
     max_len = ctx.config.rollout.max_completion_length
     section = runs_model(ctx, {**key_fields(cfg), "round": round_index, "temperature": temperature,
                                "max_completion_length": max_len})
-    ce_coef = ctx.config.ebft.ce_coef if ctx.config.rl == "ebft" else 0.0
     if ce_coef:  # only then: a key without it stays the GRPO one
         section["ce_coef"] = ce_coef
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")

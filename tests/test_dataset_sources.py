@@ -264,7 +264,7 @@ def tracked(tmp_path, monkeypatch):
 def test_a_datasets_config_runs_through_the_prefect_tasks(prefect_harness, files, tracked):
     """prepare_policy with transform.datasets: the real transform task (cached on the second call, recomputed
     when a source file changes), per-source counts as tags on the run, and the base model built on its rows."""
-    from flows.pipeline import prepare_policy
+    from flows.run import prepare_policy
 
     ctx, parent = tracked({
         "datasets": [{"path": str(files["qa"])}, {"path": str(files["chats"]), "type": "messages",

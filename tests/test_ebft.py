@@ -197,7 +197,10 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
             return stage_tasks.ebft_score_task.fn(context(config), rollouts, 0, artifact(feature_model, tmp_path))
         return stage_tasks.score_task.fn(context(config), rollouts, 0)
 
-    optimize_key = lambda config: stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0)  # noqa: E731
+    def optimize_key(config: dict) -> str:  # with the ce_coef flows/recipes/ebft.py hands the task
+        ce_coef = context(config).config.ebft.ce_coef if config.get("rl") == "ebft" else 0.0
+        return stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0, ce_coef)
+
     ebft_run = {"rl": "ebft"}
     keys = {score_key(ebft_run), score_key(ebft_run, "other_policy"), score_key({"rl": "grpo"}),
             score_key({"rl": "ebft", "ebft": {"diversity_coef": 0.5}}),

@@ -245,7 +245,9 @@ def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
                                       lineage=None, reporter=Quiet())
 
     policy, prompts = artifact("sft", tmp_path), artifact("transform", tmp_path)
-    rollout_key = lambda options: stage_tasks.rollout_task.fn(context(options), policy, None, prompts, 0, 0)  # noqa: E731
+    def rollout_key(options: dict) -> str:
+        return stage_tasks.strided_rollout_task.fn(context(options), policy, None, prompts, 0, 0)
+
     keys = {rollout_key({}), rollout_key({"stride": 4}), rollout_key({"context_length": 16}),
             rollout_key({"generate_max_len": 4})}
     assert len(keys) == 4

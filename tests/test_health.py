@@ -206,7 +206,7 @@ def test_identical_groups_finding():
 
 
 def test_collapsed_round_stops_the_run_with_on_unhealthy_stop():
-    """As flows/pipeline.py check_health: with stop, every finding stops the run; the weights are kept."""
+    """As flows/rounds.py RoundLog.check_health: with stop, every finding stops the run; the weights are kept."""
     cfg = HealthConfig(on_unhealthy="stop")
     findings = collapse_findings(round_of([["9", "9", "9", "9"]] * len(GOLD)), cfg)
     stop = [f for f in findings if f.fatal or cfg.on_unhealthy == "stop"]
@@ -285,8 +285,10 @@ def test_pipeline_warns_stops_and_sets_nan_weights_aside(prefect_harness, tmp_pa
     assert failed.info.status == "FAILED" and "health.warning.train/completion_length" in failed.data.tags
 
     # NaN: stops even with warn, and the round's optimize folder is set aside; the policy before it stays
-    real = pipeline.check_round
-    monkeypatch.setattr(pipeline, "check_round",
+    import flows.rounds
+
+    real = flows.rounds.check_round
+    monkeypatch.setattr(flows.rounds, "check_round",
                         lambda m, cfg, n, **kw: real({**m, "train/loss": math.nan}, cfg, n, **kw))
     with pytest.raises(TrainingUnhealthy, match="train/loss = nan") as nan:
         pipeline.posttrain_pipeline(str(config), common + ["health.min_completion_length=0"], quiet=True)

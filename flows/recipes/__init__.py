@@ -1,0 +1,22 @@
+"""One recipe per training method, each reading top to bottom: what it trains from the starting policy and
+how its rounds (if any) go. flows/pipeline.py opens the run, prepares the policy, calls `RECIPES[method]` and
+finishes (export, final eval, registry, promotion, summary). `method` is `rl`, or `atropos` when an Atropos
+setup makes the rollouts (rollout.source: atropos). rl: reward_model trains no policy: its recipe is a whole
+run (`WHOLE_RUNS`).
+"""
+
+from __future__ import annotations
+
+from flows.recipes import atropos, ebft, grpo, preference, reward_model
+
+RECIPES = {"grpo": grpo.train, "gdpo": grpo.train, "ebft": ebft.train, "atropos": atropos.train,
+           **{rl: preference.train for rl in ("dpo", "ipo", "kto", "orpo", "simpo")}}
+"""method -> train(ctx, parent run id, starting policy, prompts) -> flows.rounds.Trained."""
+
+WHOLE_RUNS = {"reward_model": reward_model.run}
+"""rl -> run(ctx, parent run id, run dir) -> the run's results, for the methods that train no policy."""
+
+
+def method(cfg) -> str:
+    """The recipe a config runs: `atropos` under rollout.source: atropos, else `rl`."""
+    return "atropos" if cfg.rollout.source == "atropos" else cfg.rl

@@ -1,0 +1,167 @@
+"""Opening a run and what every method starts from: the config and its MLflow parent run (`open_run`, resumes
+included), the prompts, base model and starting policy (`prepare_policy`), and the datasets logged as the
+parent run's inputs. flows/pipeline.py and the recipes (flows/recipes/) call these; nothing here trains."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import yaml
+from prefect.runtime import flow_run
+
+from flows.config import ConfigError, PipelineConfig, config_differences, load_config
+from tasks.lineage import Lineage, git_commit, process_alive
+from tasks.reporting import Reporter
+from tasks.stage_tasks import RunContext, base_model_task, demo_data_task, sft_task, transform_task
+from tasks.store import ArtifactStore
+
+log = logging.getLogger("posttrain")
+
+
+def normalize_overrides(overrides: list[str] | dict | None) -> list[str]:
+    """Accept ["grpo.rounds=2"] (CLI) or {"grpo.rounds": 2} (Prefect parameters)."""
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in overrides.items()]
+    return list(overrides)
+
+
+EVAL_METRICS = ("accuracy", "constant_baseline", "distinct_answers", "answer_entropy", "format_rate",
+                "feature_distance", "exact_blocks")
+"""eval summary keys (stages/evaluate.py; ebft strided: stages/ebft_strided.py) logged to the parent run as
+eval/<key> at each evaluated step."""
+
+
+def eval_metrics(summary: dict) -> dict:
+    """The parent-run eval/* metrics of one eval artifact's summary."""
+    return {f"eval/{k}": summary[k] for k in EVAL_METRICS if k in summary}
+
+
+def crash_flow_run(previous_id: str, current_id: str) -> None:
+    """Mark the Prefect flow run of an attempt whose process was killed CRASHED: nothing else would, and
+    the Prefect UI would show it running forever. Best effort: a failure here only logs a warning."""
+    if not previous_id or previous_id == current_id:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    try:
+        with get_client(sync_client=True) as client:
+            if client.read_flow_run(previous_id).state.is_running():
+                client.set_flow_run_state(previous_id, Crashed(message=f"its process died; flow run {current_id} "
+                                                                       "continues its pipeline run"), force=True)
+    except Exception as e:  # an old server without that run, a network error: the run itself is not affected
+        logging.getLogger(__name__).warning("could not mark flow run %s crashed: %s", previous_id, e)
+
+
+def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, purpose: str = "train",
+             resume: str | None = None, allow_config_change: bool = False):
+    """Load the config, open (or continue) the MLflow parent run, save the resolved config:
+    (ctx, parent run id, run dir).
+
+    A training run continues an unfinished one instead of opening a new run when `resume` names it
+    (`posttrain resume`), when this Prefect flow run opened it before (`prefect flow-run retry`), or
+    when the newest run of the same config failed or its process died (the same command again).
+    Finished stages and rounds are then cache hits; the parent run goes on where it stopped.
+    """
+    override_list = normalize_overrides(overrides)
+    cfg: PipelineConfig = load_config(config_path, override_list)
+    root = Path(cfg.artifacts_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    lineage = Lineage(root, cfg.name)
+    flow_run_id = str(flow_run.get_id() or "")
+    if purpose == "train" and resume is None:
+        resume = lineage.unfinished_run(cfg.hash(), flow_run_id)
+    if resume:
+        previous = lineage.client.get_run(resume)
+        run_name = previous.info.run_name
+        run_dir = root / "runs" / run_name
+        changed = config_differences(yaml.safe_load((run_dir / "config.yaml").read_text()),
+                                     cfg.model_dump(mode="json"))
+        if changed and not allow_config_change:
+            raise ConfigError(f"resume {run_name}: the config differs from the run's in {', '.join(changed)}; "
+                              "resume with the run's own config, or pass --allow-config-change")
+        lineage.resume(resume, cfg.model_dump(mode="json"), run_dir / "config.yaml")
+        if not process_alive(previous.data.tags.get("posttrain.pid", "")):
+            crash_flow_run(previous.data.tags.get("prefect.flow_run_id", ""), flow_run_id)
+        lineage.set_tags(resume, {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
+                                  **({"posttrain.config_changed": ", ".join(changed)} if changed else {})})
+        if changed:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
+    run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
+    base, n = run_name, 1
+    while True:  # another run of this config started in the same second: <name>-2, -3, ...
+        run_dir = root / "runs" / run_name
+        try:
+            run_dir.mkdir(parents=True)
+            break
+        except FileExistsError:
+            n += 1
+            run_name = f"{base}-{n}"
+    resolved = run_dir / "config.yaml"
+    resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tags = {
+        "prefect.flow_run_id": flow_run_id,
+        "git_commit": git_commit(),
+        "config_hash": cfg.hash(),
+        "config_path": str(config_path),
+        "overrides": " ".join(override_list),
+        "artifact_root": str(root),
+        "posttrain.purpose": purpose,
+        "posttrain.pid": str(os.getpid()),
+    }
+    parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
+    return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
+
+
+def announce(ctx: RunContext, message: str, level: int) -> None:
+    """Log `message` and show it on the console (a warning in yellow) unless the run is quiet."""
+    log.log(level, message)
+    if not ctx.reporter.quiet:
+        ctx.reporter.console.print(message, soft_wrap=True, markup=False,
+                                   style="yellow" if level >= logging.WARNING else None)
+
+
+def prepare_policy(ctx: RunContext, parent: str) -> tuple:
+    """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts."""
+    from flows import retrain
+
+    cfg = ctx.config
+    raw = None if cfg.transform.paths or cfg.transform.datasets else demo_data_task(ctx)
+    prompts = transform_task(ctx, raw)
+    for source in prompts.manifest["summary"].get("sources", []):  # transform.datasets: rows per source
+        splits = ", ".join(f"{split} {rows}" for split, rows in source["splits"].items())
+        message = (f"transform: {source['key']} {source['source']}: {source['rows']} rows ({splits})"
+                   + (f", {source['dropped']} dropped" if source["dropped"] else ""))
+        announce(ctx, message, logging.INFO)
+        ctx.lineage.set_tags(parent, {f"transform.source_rows.{source['key']}": source["rows"],
+                                      f"transform.source.{source['key']}": source["source"]})
+    for split, dropped in prompts.manifest["summary"].get("dropped", {}).items():  # transform.on_bad_rows: drop
+        message = (f"transform: dropped {dropped['rows']} bad row(s) of split {split!r} (transform.on_bad_rows: "
+                   f"drop), rows {dropped['indices'][:10]}: {dropped['reasons'][0]}")
+        announce(ctx, message, logging.WARNING)
+        ctx.lineage.set_tags(parent, {f"transform.dropped_rows.{split}": dropped["rows"]})
+    base = base_model_task(ctx, prompts)
+    champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
+    policy = champion or (sft_task(ctx, base, prompts) if cfg.sft.enabled else base)
+    prompts = retrain.data_version_prompts(ctx, parent, raw, prompts)  # data.version: its rows are the train split
+    for split in ("train", "eval"):
+        meta = prompts.manifest["files"][f"{split}.parquet"]
+        ctx.lineage.log_dataset(parent, f"prompts-{split}", prompts.file(f"{split}.parquet"), meta["sha256"],
+                                context="training" if split == "train" else "evaluation", rows=meta["rows"])
+    return prompts, base, policy
+
+
+def log_preferences(ctx: RunContext, parent: str, prefs):
+    """Record the preference tables as the parent run's dataset inputs; return the artifact."""
+    for name, meta in prefs.manifest["files"].items():
+        if name.endswith(".parquet"):
+            ctx.lineage.log_dataset(parent, f"preferences-{name.removesuffix('.parquet')}", prefs.file(name),
+                                    meta["sha256"], context="training", rows=meta.get("rows", 0))
+    return prefs
