@@ -43,7 +43,7 @@ SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
 AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
-                "revision_of_model": ("model", "revision")}
+                "revision_of_model": ("model", "revision"), "special_tokens": ("model", "special_tokens")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
 PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
 """The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""

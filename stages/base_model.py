@@ -9,11 +9,12 @@ head_dim = hidden_size / num_attention_heads is kept >= 64 so vLLM can load a bu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages import model_source
-from stages.keys import not_in_key
+from stages.keys import key_when_set, not_in_key
 from stages.model_source import ModelSource
 
 # ChatML, as Qwen2 uses. `{% generation %}` marks let TRL compute assistant-only masks.
@@ -56,6 +57,11 @@ class BaseModelConfig(BaseModel):
     max_position_embeddings: int = Field(256, ge=32)
     seed: int = 0
     """Initialization of a model built here. Unused with `path` (set with the top-level `seed` there too)."""
+    special_tokens: dict[Literal["pad_token", "eos_token", "bos_token", "unk_token"], str] | None = \
+        key_when_set(None)
+    """The tokenizer's pad/eos/bos/unk tokens, set to tokens its vocabulary already has (axolotl's top-level
+    `special_tokens`, e.g. {pad_token: "<|end_of_text|>"}); the model's generation config follows eos and pad.
+    A token not in the vocabulary is an error (adding one would need new embedding rows)."""
 
     @model_validator(mode="after")
     def _build_fields_need_no_path(self):
@@ -136,6 +142,11 @@ def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path, source: ModelSour
             pad_token_id=tokenizer.pad_token_id,
         )
         model = AutoModelForCausalLM.from_config(config)
+    for name, token in (cfg.special_tokens or {}).items():
+        if token not in tokenizer.get_vocab():
+            raise ValueError(f"model.special_tokens.{name}: {token!r} is not a token of the model's vocabulary "
+                             f"({len(tokenizer)} tokens); name one it has (adding tokens is not supported)")
+        setattr(tokenizer, name, token)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)

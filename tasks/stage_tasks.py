@@ -191,7 +191,7 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     source = model_source.resolve(cfg.path, cfg.revision) if cfg.path else None
     options = key_fields(cfg)  # a hub id's revision: as the commit it names (below)
     if source:  # the fields that build a model here (sizes, seed) make nothing of a model read from a path
-        options = {"path": cfg.path}
+        options = {"path": cfg.path, **({"special_tokens": cfg.special_tokens} if cfg.special_tokens else {})}
     if source and source.commit:  # a hub id: the commit it resolved to, not the id alone
         section = {**options, "commit": source.commit}
     elif source:  # a folder or .gguf: its files, not the prompts, make the model

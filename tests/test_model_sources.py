@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_model
-from stages import model_source
+from stages import base_model, model_source
 from stages.base_model import CHAT_TEMPLATE, BaseModelConfig
 from stages.model_source import ModelSourceError
 from tasks import stage_tasks
@@ -230,3 +230,22 @@ def test_build_fields_beside_a_model_path_are_refused():
     assert BaseModelConfig(path="HuggingFaceTB/SmolLM2-135M-Instruct", seed=3).seed == 3
     assert BaseModelConfig(hidden_size=512).hidden_size == 512
     assert PipelineConfig.model_validate({"model": {"path": "org/model"}, "seed": 4}).model.seed == 4
+
+
+def test_special_tokens_set_tokens_of_the_vocabulary(folder, tmp_path, monkeypatch):
+    """axolotl's top-level special_tokens: the pad token becomes one the vocabulary has, the key follows it; a
+    token the vocabulary lacks is refused naming it."""
+    from transformers import AutoTokenizer
+
+    from flows.config import PipelineConfig
+
+    cfg = PipelineConfig.model_validate({"base_model": str(folder), "special_tokens": {"pad_token": "<|im_start|>"}})
+    assert cfg.model.special_tokens == {"pad_token": "<|im_start|>"}
+    pad = {"pad_token": "<|im_start|>"}
+    artifact = base_model_stage(tmp_path, monkeypatch, {"path": str(folder), "special_tokens": pad})
+    assert AutoTokenizer.from_pretrained(artifact.path).pad_token == "<|im_start|>"
+    plain = base_model_stage(tmp_path, monkeypatch, {"path": str(folder)})
+    assert plain.key != artifact.key
+    with pytest.raises(ValueError, match=r"model.special_tokens.pad_token: '<pad-not-there>' is not a token"):
+        base_model.run(BaseModelConfig(path=str(folder), special_tokens={"pad_token": "<pad-not-there>"}), [],
+                       tmp_path / "bad")
