@@ -35,6 +35,8 @@ from stages import checkpoints
 from stages import devices as devices_module
 from stages.devices import DeviceConfig
 from stages.keys import not_in_key
+from stages.schemas import read_rows
+from stages.trainer_setup import metrics_callback, quiet_trainer, training_args
 
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
@@ -151,32 +153,6 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
     return {"beta": cfg.rl_beta, "loss_type": "simpo", "simpo_gamma": cfg.simpo_gamma, "cpo_alpha": cfg.cpo_alpha}
 
 
-def training_args(cfg, output_dir: Path, section: str = "dpo", devices: DeviceConfig | None = None) -> dict:
-    """TRL/HF training arguments shared by our TRL-driven stages (dpo, reward_model): the config's
-    schedule, device and precision from `devices` (stages/devices.py trainer_arguments; None: auto),
-    checkpoints every `save_steps` (stages/checkpoints.py), no reporting (metrics go to on_metrics
-    instead). Under a process group (train.num_processes, stages/distributed.py) each rank takes
-    micro_batch_size / world_size rows, so the global batch is the config's."""
-    from stages.distributed import per_device, world_size
-
-    return dict(
-        output_dir=str(output_dir),
-        learning_rate=cfg.learning_rate,
-        num_train_epochs=cfg.num_train_epochs,
-        max_steps=cfg.max_steps if cfg.max_steps is not None else -1,
-        per_device_train_batch_size=per_device(cfg.micro_batch_size, world_size(), f"{section}.micro_batch_size"),
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        max_length=cfg.max_length,
-        logging_steps=cfg.logging_steps,
-        **checkpoints.training_args(cfg.save_steps),
-        report_to=[],
-        seed=cfg.seed,
-        **devices_module.trainer_arguments(devices),
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-
-
 def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path, devices: DeviceConfig | None = None):
     """The TRL config object for `cfg`: loss options plus the training settings of `training_args`."""
     _, config_class = trl_classes(cfg.rl)
@@ -194,13 +170,6 @@ def lora_config(cfg: PreferenceOptimizationConfig):
 
 
 # ---------------------------------------------------------------- data
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a preferences table (stages/schemas.py PREFERENCES)."""
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist()
 
 
 def _messages(value: list[dict]) -> list[dict]:
@@ -327,7 +296,6 @@ def build_trainer(cfg: PreferenceOptimizationConfig, model, ref_model, tokenizer
                   output_dir: Path, callbacks: list | None = None, devices: DeviceConfig | None = None):
     """The TRL trainer for `cfg.rl` on TRL-format rows (see `to_trl_rows`), not yet trained."""
     import datasets
-    import torch
 
     trainer_class, _ = trl_classes(cfg.rl)
     args = build_trl_config(cfg, output_dir, devices)
@@ -338,37 +306,6 @@ def build_trainer(cfg: PreferenceOptimizationConfig, model, ref_model, tokenizer
     elif ref_model is not None:
         raise ValueError(f"rl={cfg.rl!r} uses no reference model")
     return quiet_trainer(trainer_class(**kwargs), cfg)
-
-
-def metrics_callback(prefix: str, on_metrics: Callable[[dict, int], None] | None, logged: list[dict]):
-    """A TrainerCallback passing each log's numeric entries to on_metrics (keys prefixed) and
-    keeping the training ones (those with a loss) in `logged`."""
-    from transformers import TrainerCallback
-
-    class ReportMetrics(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            numeric = {k: float(v) for k, v in (logs or {}).items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if numeric and "loss" in numeric:
-                logged.append(numeric)
-            if on_metrics and numeric:
-                on_metrics({prefix + k: v for k, v in numeric.items()}, state.global_step)
-
-    return ReportMetrics()
-
-
-def quiet_trainer(trainer, cfg):
-    """After building a TRL trainer: no printed metric lines (they go to on_metrics), and the LoRA
-    dropout TRL's disable_dropout zeroed set back to `cfg.lora_dropout`."""
-    import torch
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)
-    if cfg.adapter == "lora" and cfg.lora_dropout > 0:
-        for name, module in trainer.model.named_modules():
-            if ".lora_dropout." in f"{name}." and isinstance(module, torch.nn.Dropout):
-                module.p = cfg.lora_dropout
-    return trainer
 
 
 def reference_kind(cfg: PreferenceOptimizationConfig) -> str:

@@ -118,7 +118,7 @@ def build_trl_config(cfg: RewardModelConfig, output_dir: Path, devices: DeviceCo
     """TRL RewardConfig for `cfg`: the training settings of stages/dpo.py's `training_args`."""
     from trl import RewardConfig
 
-    from stages.dpo import training_args
+    from stages.trainer_setup import training_args
 
     return RewardConfig(**training_args(cfg, output_dir, "reward_model", devices))
 
@@ -585,7 +585,8 @@ def run(
     from transformers import AutoTokenizer
     from trl import RewardTrainer
 
-    from stages.dpo import metrics_callback, quiet_trainer, read_rows
+    from stages.schemas import read_rows
+    from stages.trainer_setup import metrics_callback, quiet_trainer
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
@@ -695,7 +696,7 @@ def _step_trainer_class():
 def _prm_splits(cfg: RewardModelConfig, preferences_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """(the train split's rows, its stepwise rows as PRM rows, the eval split's stepwise rows as PRM rows; none
     without eval_split or that split)."""
-    from stages.dpo import read_rows
+    from stages.schemas import read_rows
 
     train_path = preferences_dir / f"{cfg.split}.parquet"
     if not train_path.exists():
@@ -737,7 +738,7 @@ def run_prm(
     import torch
     from transformers import AutoTokenizer, TrainingArguments
 
-    from stages.dpo import metrics_callback, quiet_trainer, training_args
+    from stages.trainer_setup import metrics_callback, quiet_trainer, training_args
 
     devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)

@@ -87,3 +87,7 @@ def write_table(rows_or_table, path: Path, schema: pa.Schema, extra_ok: bool = F
     pq.write_table(table, path)
     return table
 
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a Parquet table this pipeline wrote (the preferences table, ...), as dicts."""
+    return pq.read_table(path).to_pylist()

@@ -20,6 +20,7 @@ from stages import devices as devices_module
 from stages.devices import DeviceConfig
 from stages.distributed import per_device
 from stages.keys import not_in_key
+from stages.trainer_setup import common_arguments
 
 
 class SFTConfig(BaseModel):
@@ -108,14 +109,10 @@ def run(
         lr_scheduler_type="cosine",
         weight_decay=cfg.weight_decay,
         logging_steps=10,
-        **checkpoints.training_args(cfg.save_steps),
-        report_to=[],
-        seed=cfg.seed,
         # use_cpu, bf16/fp16 autocast, gradient checkpointing: the devices policy, never TRL's defaults (its
         # SFTConfig defaults to bf16, which a CPU without AVX512-BF16/AMX emulates ~25x slower, with rounding
         # that differs between CPU models: hence fp32 stays the CPU default in devices.precision).
-        **devices_module.trainer_arguments(devices),
-        dataloader_num_workers=0,
+        **common_arguments(cfg.seed, cfg.save_steps, devices),
         disable_tqdm=False,
         dataset_kwargs={"skip_prepare_dataset": True} if prepared is not None else None,
     )
