@@ -65,7 +65,8 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "vllm_gpu_memory_utilization": ("rollout", "vllm.gpu_memory_utilization"),
                     "vllm_tensor_parallel_size": ("rollout", "vllm.tensor_parallel_size"),
                     "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode"),
-                    "vllm_dtype": ("rollout", "vllm.dtype"), "vllm_max_model_len": ("rollout", "vllm.max_model_len")}
+                    "vllm_dtype": ("rollout", "vllm.dtype"), "vllm_max_model_len": ("rollout", "vllm.max_model_len"),
+                    "async_prefetch": ("rollout", "async_prefetch")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
 AXOLOTL_TRL_NO_OPS = {("vllm_device", "auto"), ("vllm_enable_prefix_caching", True), ("log_completions", True)}
 """`trl:` settings that say what posttrain does anyway: vLLM on the run's device, its prefix cache on, sample
@@ -91,6 +92,8 @@ AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the 
                       "eval_steps": (None, "held-out accuracy is measured before and after training (eval.every_rounds "
                                            "for GRPO), not every N optimizer steps"),
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
+                      "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
+                                                   "names them); to pick fewer, set lora_target_modules"),
                       "gradient_checkpointing_kwargs": (None, "train.gradient_checkpointing uses transformers' "
                                                               "default (use_reentrant: false)")}
 """axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
@@ -305,13 +308,16 @@ class PipelineConfig(BaseModel):
             if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
                 moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
                 continue
+            if key == "vllm_lora_sync":  # axolotl: adapters to vLLM through files (true) or merged weights (false)
+                moves.append(("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged"))
+                continue
             if key == "use_vllm":
                 moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
             elif key in AXOLOTL_TRL_KEYS:
                 moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
             else:
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions); set "
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, log_completions); set "
                                  "the posttrain key instead or remove it")
         rl = data.get("rl")
         trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
