@@ -13,15 +13,13 @@ rl: reward_model trains no policy: its recipe is the whole run (flows/recipes/re
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import flow
 
 from flows.recipes import RECIPES, WHOLE_RUNS, method
-from flows.run import eval_metrics, open_run, prepare_policy
+from flows.run import eval_metrics, open_run, prepare_policy, save_results
 from tasks.lineage import ui_command
-from tasks.publish import publish_summary
 from tasks.stage_tasks import eval_task, export_task
 
 
@@ -105,9 +103,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "warnings": reporter.warnings,  # e.g. damaged artifact folders that were recomputed
             "mlflow_ui": ui_command(root),
         }
-        (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
-        publish_summary(cfg.name, results, history)
-        lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
+        save_results(ctx, parent, run_dir, results, history)
     except BaseException:
         lineage.finish("FAILED")
         raise

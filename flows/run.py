@@ -165,3 +165,13 @@ def log_preferences(ctx: RunContext, parent: str, prefs):
             ctx.lineage.log_dataset(parent, f"preferences-{name.removesuffix('.parquet')}", prefs.file(name),
                                     meta["sha256"], context="training", rows=meta.get("rows", 0))
     return prefs
+
+
+def save_results(ctx: RunContext, parent: str, run_dir: Path, results: dict, history: list[dict] = ()) -> None:
+    """The run's results as runs/<run>/summary.json, logged to the MLflow parent run, and as Prefect artifacts
+    (the summary, and each round's metrics in `history`)."""
+    from tasks.publish import publish_summary
+
+    (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
+    publish_summary(ctx.config.name, results, list(history))
+    ctx.lineage.client.log_artifact(parent, str(run_dir / "summary.json"))

@@ -6,12 +6,10 @@ scores with the result as score.reward_funcs: [reward_model:<its folder>].
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from flows.run import log_preferences, prepare_policy
+from flows.run import log_preferences, prepare_policy, save_results
 from tasks.lineage import ui_command
-from tasks.publish import publish_summary
 from tasks.stage_tasks import RunContext, preferences_task, reward_model_task
 
 
@@ -42,9 +40,7 @@ def run(ctx: RunContext, parent: str, run_dir: Path) -> dict:
             "stages": ctx.reporter.rows, "warnings": ctx.reporter.warnings,
             "mlflow_ui": ui_command(Path(cfg.artifacts_dir).resolve()),
         }
-        (run_dir / "summary.json").write_text(json.dumps(results, indent=2))
-        publish_summary(cfg.name, results, [])
-        lineage.client.log_artifact(parent, str(run_dir / "summary.json"))
+        save_results(ctx, parent, run_dir, results)
     except BaseException:
         lineage.finish("FAILED")
         raise
