@@ -6,7 +6,7 @@
 For every seed: `posttrain run CONFIG --quiet seed=S` in its own process (benchmarks/quickstart.py
 `run_once`), then, on the held-out eval prompts, `--samples` sampled completions (temperature 1, the
 rollout stage, same seed for both) of the starting policy (the SFT output, also the frozen feature model)
-and of the exported final model, scored by stages/ebft.py against the reference completions
+and of the exported final model, scored by stages/training/ebft.py against the reference completions
 (config's ebft.ground_truth): the feature-matching distance ||mean_j phi(y_j) - phi(y)||^2 averaged over
 prompts (paper eq. 2), the mean alignment and diversity terms, and the sampled accuracy. Prints one row per
 seed, the median and range over seeds, and a few final completions.
@@ -29,9 +29,10 @@ def held_out(cfg, feature_model: Path, policy: Path, eval_prompts: Path, samples
     """Sampled completions of `policy` on every eval prompt, scored against the references."""
     import pyarrow.parquet as pq
 
-    from stages import ebft, rollout
-    from stages.engines import Policy
-    from stages.rewards.math import extract_answer
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
+    from stages.scoring.rewards.math import extract_answer
+    from stages.training import ebft
 
     prompts = pq.read_table(eval_prompts).num_rows
     sampling = rollout.RolloutConfig(num_generations=samples, prompts_per_round=prompts, temperature=1.0,

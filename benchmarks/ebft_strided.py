@@ -4,7 +4,7 @@
                                               [--artifacts DIR] [OVERRIDE ...]
 
 For every seed: `posttrain run CONFIG --quiet seed=S` in its own process (benchmarks/quickstart.py
-`run_once`). Its eval stage (stages/ebft_strided.py `evaluate`) writes greedy blocks at every anchor of the
+`run_once`). Its eval stage (stages/training/ebft_strided.py `evaluate`) writes greedy blocks at every anchor of the
 held-out documents, before (the SFT policy, also the frozen feature model) and after the rounds. From those:
 token accuracy against the documents' own text (and the best constant token's), the feature-matching
 distance, and -- the demo documents' lines end "... is <answer>." -- answer accuracy: every held-out line
@@ -39,7 +39,7 @@ def answers(model_dir: Path, documents: list[str]) -> dict:
     the best constant digit's share (the demo's answers are balanced: about 1/5)."""
     import torch
 
-    from stages.policy import load_policy
+    from stages.training.policy import load_policy
 
     model, tokenizer = load_policy(model_dir)
     right, gold, shown = 0, Counter(), []

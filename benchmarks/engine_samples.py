@@ -28,7 +28,7 @@ from pathlib import Path
 def sample(kind: str, model: Path, prompts: list[list[dict]], samples: int, max_new_tokens: int,
            temperature: float, seed: int) -> list[dict]:
     """`samples` completions of every prompt from engine `kind` (prompts repeated, one request each)."""
-    from stages.engines import Policy, Sampling, get_engine
+    from stages.rollout.engines import Policy, Sampling, get_engine
 
     engine = get_engine(kind, model)
     repeated = [p for p in prompts for _ in range(samples)]
@@ -63,7 +63,7 @@ def total_variation(a: Counter, b: Counter) -> float:
 def main() -> None:
     import pyarrow.parquet as pq
 
-    from stages.rewards import BUILTIN_REWARDS
+    from stages.scoring.rewards import BUILTIN_REWARDS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True)

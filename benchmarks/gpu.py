@@ -11,9 +11,9 @@ for the CPU test (tests/test_gpu.py); its numbers mean nothing.
 
 The model: a random-init Qwen2 with Qwen2.5-0.5B's dimensions (hidden 896, 24 layers, 14 heads, 2 KV heads,
 intermediate 4864, vocab 151936, tied embeddings, max_position_embeddings 4096; 494M parameters), saved in
-fp32 with a byte-level BPE tokenizer trained here (stages.base_model.train_tokenizer; a few hundred tokens:
+fp32 with a byte-level BPE tokenizer trained here (stages.data.base_model.train_tokenizer; a few hundred tokens:
 the model's vocabulary stays 151936, ids past the tokenizer's decode to nothing). `--model PATH`: a
-transformers folder or a .gguf (dequantized once by stages.base_model) instead. The SmolLM2 GGUF of
+transformers folder or a .gguf (dequantized once by stages.data.base_model) instead. The SmolLM2 GGUF of
 configs/smollm2.yaml (artifacts/models/*.gguf) is not on a bare GPU machine: where it is, the JSON names it
 and says to pass it with --model.
 
@@ -21,7 +21,7 @@ Sections, in this order (each is timed and guarded: an error or running past --b
 the next section runs):
 1. environment: GPU name and memory, torch / CUDA / transformers / peft / trl / accelerate versions.
 2. peak: a bf16 matmul of 8192^3 (3 warm-ups, 10 timed, synchronized): TFLOP/s, the MFU denominator.
-3. optimize (`stages.grpo.run`, devices=DeviceConfig(device, precision)) on synthetic scored rows (64
+3. optimize (`stages.training.grpo.run`, devices=DeviceConfig(device, precision)) on synthetic scored rows (64
    prompts x 8 generations, prompts of 128 random token ids, completions of 384, nonzero advantages, one
    optimizer step of micro-batches of 16), full fine-tuning (adapter none, beta 0, loss dapo) and LoRA
    (r 16, all linear layers). A small warm-up round runs first; the timed round's window runs from its
@@ -39,10 +39,10 @@ the next section runs):
      for a no-grad pass; N_body = non-embedding parameters, N_head = the lm_head's. This is the hardware's
      useful work; attention left out here too.
    - peak GPU memory: torch.cuda.max_memory_allocated over the timed round (and max_memory_reserved).
-4. generation: the transformers engine (stages.engines.hf.TransformersEngine(batch_size, devices)) on 64
+4. generation: the transformers engine (stages.rollout.engines.hf.TransformersEngine(batch_size, devices)) on 64
    distinct prompts of ~128 tokens x 256 new tokens at temperature 1 (a random model never stops early): one
    engine call (policy load included, as a round pays it) and `generate` on an already loaded policy;
-   generated tokens / s. vLLM (stages.engines.vllm_local, bf16) is measured only on CUDA and where `vllm`
+   generated tokens / s. vLLM (stages.rollout.engines.vllm_local, bf16) is measured only on CUDA and where `vllm`
    is installed; otherwise recorded as not measured, with why.
 5. vs_trl: one GRPO round against TRL's GRPOTrainer on the same work: the same model folder and prompts (32
    prompts x 8 generations, ~128-token prompts, exactly 128 new tokens -- a random model does not emit EOS --
@@ -190,7 +190,7 @@ def build_model(folder: Path, sizes: dict, device) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from stages.base_model import train_tokenizer
+    from stages.data.base_model import train_tokenizer
 
     tokenizer = train_tokenizer(tokenizer_corpus(), sizes["tokenizer_vocab"])
     dims = dict(sizes["model"])
@@ -217,7 +217,7 @@ def model_folder(args, sizes: dict, work: Path, device) -> tuple[Path, str]:
         return folder, "random-init Qwen2 built here" + (" (tiny)" if args.tiny else " (Qwen2.5-0.5B dimensions)")
     path = Path(args.model)
     if path.suffix == ".gguf":
-        from stages import base_model
+        from stages.data import base_model
 
         folder = work / "model"
         base_model.run(base_model.BaseModelConfig(path=str(path.resolve())), [], folder)
@@ -268,7 +268,7 @@ def digit_prompts(tokenizer, count: int, target_tokens: int, seed: int) -> list[
 def environment(devices) -> dict:
     import torch
 
-    from stages import devices as placement
+    from stages.runtime import devices as placement
 
     def version(name: str):
         try:
@@ -315,13 +315,13 @@ def matmul_peak(device, n: int, warmups: int = 3, repeats: int = 10) -> dict:
 
 def synthetic_scored(path: Path, prompts: int, generations: int, prompt_tokens: int, completion_tokens: int,
                      token_limit: int, model_vocab: int, seed: int = 0, round_index: int = 0) -> list[dict]:
-    """Write a scored Parquet (stages.schemas.SCORED) of `prompts` x `generations` rows: random token ids in
+    """Write a scored Parquet (stages.data.schemas.SCORED) of `prompts` x `generations` rows: random token ids in
     [3, token_limit) (past the special tokens), every completion `completion_tokens` long (finish "length"),
     sampling log-probs of a uniform policy, nonzero advantages of both signs in every group, sampled by the
     transformers engine from the round's starting policy (so the stage may reuse them as pi_old)."""
     import pyarrow as pa
 
-    from stages.schemas import SCORED, write_table
+    from stages.data.schemas import SCORED, write_table
 
     rng = random.Random(seed)
     uniform = -math.log(model_vocab)
@@ -344,7 +344,7 @@ def synthetic_scored(path: Path, prompts: int, generations: int, prompt_tokens: 
 
 
 class ForwardMeter:
-    """Counts what stages.grpo runs through the model during one grpo.run, and times its training window.
+    """Counts what stages.training.grpo runs through the model during one grpo.run, and times its training window.
 
     Wraps grpo.batch_logps and grpo.completion_logps (looked up at call time by the stage): the first call
     (synchronized) starts the window; `on_step` (called by the stage after each optimizer step,
@@ -382,8 +382,8 @@ class ForwardMeter:
     def __enter__(self):
         import torch
 
-        from stages import grpo
-        from stages.engines.hf import repeats
+        from stages.rollout.engines.hf import repeats
+        from stages.training import grpo
 
         self._saved = (grpo.batch_logps, grpo.completion_logps)
         original_batch, original_plain = self._saved
@@ -417,7 +417,7 @@ class ForwardMeter:
         return self
 
     def __exit__(self, *exc):
-        from stages import grpo
+        from stages.training import grpo
 
         grpo.batch_logps, grpo.completion_logps = self._saved
 
@@ -428,7 +428,7 @@ class ForwardMeter:
 
 def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes: dict, completion_tokens: int,
                    rows: int, devices, on_cuda: bool) -> tuple[dict, ForwardMeter, float]:
-    from stages import grpo
+    from stages.training import grpo
 
     micro = min(sizes["micro_batch"], rows)
     cfg = grpo.GRPOConfig(adapter=adapter, beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
@@ -546,7 +546,7 @@ def saved_dtypes(folder: Path) -> dict:
 
 
 def transformers_engine(batch_size: int, devices, on_cuda: bool):
-    from stages.engines.hf import TransformersEngine
+    from stages.rollout.engines.hf import TransformersEngine
 
     return with_devices(TransformersEngine, batch_size=batch_size, devices=devices, on_cuda=on_cuda)
 
@@ -554,9 +554,9 @@ def transformers_engine(batch_size: int, devices, on_cuda: bool):
 def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: bool) -> dict:
     from transformers import AutoTokenizer
 
-    from stages.engines import Policy, Sampling
-    from stages.engines.hf import generate
-    from stages.policy import load_policy
+    from stages.rollout.engines import Policy, Sampling
+    from stages.rollout.engines.hf import generate
+    from stages.training.policy import load_policy
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = digit_prompts(tokenizer, sizes["gen_prompts"], sizes["gen_prompt_tokens"], seed=3)
@@ -607,8 +607,8 @@ def vllm_generation(model_dir: Path, prompts: list, sampling, on_cuda: bool, ski
         return {"measured": False, "why": "vllm not installed"}
     if not on_cuda:
         return {"measured": False, "why": "not on a CUDA device (vLLM on CPU: benchmarks/rollout_engines.py)"}
-    from stages.engines import Policy, Sampling
-    from stages.engines.vllm_local import VLLMEngine
+    from stages.rollout.engines import Policy, Sampling
+    from stages.rollout.engines.vllm_local import VLLMEngine
 
     say("generation: vLLM engine (bf16)")
     max_len = max(len(p[0]["content"]) for p in prompts) + sampling.max_new_tokens + 64
@@ -654,13 +654,13 @@ def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, s
     """Rollout (transformers engine) + score (plain Python, written as scored Parquet) + grpo.run (LoRA)."""
     import pyarrow as pa
 
-    from stages import grpo
-    from stages.engines import Policy, Sampling
-    from stages.schemas import SCORED, write_table
+    from stages.data.schemas import SCORED, write_table
+    from stages.rollout.engines import Policy, Sampling
+    from stages.training import grpo
 
     G, L = sizes["trl_generations"], sizes["trl_new_tokens"]
     folder.mkdir(parents=True)
-    expanded = [p for p in prompts for _ in range(G)]  # a group's rows side by side, as stages.rollout does
+    expanded = [p for p in prompts for _ in range(G)]  # a group's rows side by side, as stages.rollout.rollout does
     engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
     sync()
     started = time.perf_counter()
@@ -703,8 +703,8 @@ def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages import devices as placement
-    from stages.grpo import GRPOConfig as PosttrainGRPO
+    from stages.runtime import devices as placement
+    from stages.training.grpo import GRPOConfig as PosttrainGRPO
 
     G, L, micro = sizes["trl_generations"], sizes["trl_new_tokens"], sizes["trl_micro_batch"]
     P = len(prompt_sets[0])
@@ -875,8 +875,8 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from stages import devices as placement
-    from stages.devices import DeviceConfig
+    from stages.runtime import devices as placement
+    from stages.runtime.devices import DeviceConfig
 
     hf_logging.disable_progress_bar()  # transformers' per-load bars: the progress lines here are enough
     sizes = dict(SIZES["tiny" if args.tiny else "full"])

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/omp_wait.py ARTIFACTS RUN_NAME [--rounds 3 4 5 6 7 8]
         [--settings OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000 GOMP_SPINCOUNT=10000 default]
 
-Reruns `stages.grpo.run` on the given rounds of a finished run (their manifests: config and inputs) in a child
+Reruns `stages.training.grpo.run` on the given rounds of a finished run (their manifests: config and inputs) in a child
 process per setting, with 2 torch threads: once alone, then as two identical processes at once (what a second run,
 a rollout worker process or CI does to the cores), then alone again with each round's rollout (transformers
 engine) run first on another Python thread, as Prefect's thread pool ran it before flows/pipeline.py kept
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rounds_seconds(artifacts: Path, run: str, rounds: list[int], rollout_thread: bool = False) -> list[float]:
-    """Seconds of `stages.grpo.run` for each given round of `run` (after one warm-up call), 2 threads; with
+    """Seconds of `stages.training.grpo.run` for each given round of `run` (after one warm-up call), 2 threads; with
     `rollout_thread`, each round's rollout is generated first on a second Python thread."""
     sys.path.insert(0, str(ROOT))
     import torch
@@ -48,8 +48,8 @@ def rounds_seconds(artifacts: Path, run: str, rounds: list[int], rollout_thread:
             return time.perf_counter() - started
 
     def generate(folder: Path) -> None:
-        from stages import rollout
-        from stages.engines import Policy
+        from stages.rollout import rollout
+        from stages.rollout.engines import Policy
 
         manifest = json.loads((folder / "_manifest.json").read_text())
         config, inputs = manifest["config"], manifest["inputs"]

@@ -18,7 +18,7 @@ Variants:
 - `vllm-base`: the engine with no adapter (a lower bound for vLLM on this model).
 - `transformers`: the transformers engine (`rollout.engine: transformers`), LoRA merged on load.
 - add `@LEN` to a vLLM variant to set `rollout.vllm.max_model_len` (unset: the engine's default).
-- `optimize`: the optimize stage (`stages.grpo.run`, the config's grpo section) on the run's first scored
+- `optimize`: the optimize stage (`stages.training.grpo.run`, the config's grpo section) on the run's first scored
   round, `--repeat` times each with `grpo.reuse_sampling_logps` on (a one-step round takes pi_old from its
   own forward) and off (a no-grad pi_old pass over the rows first, as every vLLM round did before).
 
@@ -54,7 +54,7 @@ def inputs(run_dir: Path) -> tuple[Path, Path, list]:
     """(base model folder, adapter folder, the round's 128 chat prompts)."""
     import pyarrow.parquet as pq
 
-    from stages.rollout import select_prompts
+    from stages.rollout.rollout import select_prompts
 
     base = newest(run_dir / "base_model", "config.json")
     adapter = newest(run_dir / "optimize", "adapter_model.safetensors")
@@ -64,10 +64,10 @@ def inputs(run_dir: Path) -> tuple[Path, Path, list]:
 
 
 def optimize_times(run_dir: Path, repeat: int) -> dict:
-    """Seconds of stages.grpo.run on the run's round-0 scored rollouts, pi_old from the step vs its own pass."""
+    """Seconds of stages.training.grpo.run on the run's round-0 scored rollouts, pi_old from the step vs its own pass."""
     import yaml
 
-    from stages import grpo
+    from stages.training import grpo
 
     config = yaml.safe_load((ROOT / "configs" / "smollm2.yaml").read_text())
     base = newest(run_dir / "base_model", "config.json")
@@ -93,7 +93,7 @@ def optimize_times(run_dir: Path, repeat: int) -> dict:
 
 
 def one_variant(variant: str, run_dir: Path, repeat: int) -> dict:
-    from stages.engines import Policy, Sampling, get_engine
+    from stages.rollout.engines import Policy, Sampling, get_engine
 
     if variant == "optimize":
         return optimize_times(run_dir, repeat)

@@ -1,7 +1,7 @@
 """Recompute every optimize round of a finished run, each in a fresh process, and compare with its artifact.
 
 A resumed run recomputes a stage alone in a new process, often on a loaded machine; its bytes must be the
-uninterrupted run's or the final metrics drift (issue 13's chaos benchmark). This reruns `stages.grpo.run`
+uninterrupted run's or the final metrics drift (issue 13's chaos benchmark). This reruns `stages.training.grpo.run`
 with each round's manifest (config, inputs) and reports how many adapters are bit-identical.
 
     .venv/bin/python benchmarks/recompute_optimize.py artifacts
@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rerun(artifacts: Path, folder: Path, out: Path) -> None:
-    """Call `stages.grpo.run` as the optimize round stored in `folder` was called (its manifest's config and
+    """Call `stages.training.grpo.run` as the optimize round stored in `folder` was called (its manifest's config and
     inputs), writing into `out`."""
     sys.path.insert(0, str(ROOT))
-    from stages import grpo
+    from stages.training import grpo
 
     manifest = json.loads((folder / "_manifest.json").read_text())
     config = dict(manifest["config"])

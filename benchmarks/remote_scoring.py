@@ -70,8 +70,8 @@ def main() -> None:
 
     import socket
 
-    from stages.reward_workers import RewardWorkerPool
-    from stages.rewards.remote import RemoteVerifierConfig, remote_source
+    from stages.scoring.reward_workers import RewardWorkerPool
+    from stages.scoring.rewards.remote import RemoteVerifierConfig, remote_source
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,8 +16,8 @@ import sys
 
 import pyarrow.parquet as pq
 
-from stages.evaluate import answer_stats
-from stages.rewards import accuracy_reward, stated_accuracy_reward
+from stages.evaluation.evaluate import answer_stats
+from stages.scoring.rewards import accuracy_reward, stated_accuracy_reward
 
 
 def rescore(path: str) -> dict:

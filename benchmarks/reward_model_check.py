@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 def check(reward_model_dir: Path, prompts_path: Path, limit: int, candidates: range) -> dict:
     import pyarrow.parquet as pq
 
-    from stages.demo_data import format_answer
-    from stages.reward_model import RewardModelScorer
+    from stages.data.demo_data import format_answer
+    from stages.training.reward_model import RewardModelScorer
 
     scorer = RewardModelScorer(reward_model_dir, batch_size=256)
     rows = pq.read_table(prompts_path).to_pylist()[:limit]

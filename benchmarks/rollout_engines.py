@@ -27,8 +27,8 @@ def build_model(root: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from stages.base_model import train_tokenizer
-    from stages.demo_data import DemoDataConfig, run as make_demo
+    from stages.data.base_model import train_tokenizer
+    from stages.data.demo_data import DemoDataConfig, run as make_demo
 
     (root / "demo").mkdir(parents=True)
     make_demo(DemoDataConfig(num_sft=2000, num_train=10, num_eval=10), root / "demo")
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--no-lora", action="store_true", help="skip the LoRA measurements")
     args = parser.parse_args()
 
-    from stages.engines import Policy, Sampling, get_engine
+    from stages.rollout.engines import Policy, Sampling, get_engine
 
     root = build_model(Path(tempfile.mkdtemp(prefix="posttrain-engines-")))
     from transformers import AutoModelForCausalLM

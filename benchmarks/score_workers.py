@@ -10,7 +10,7 @@ quarter are wrong. Reported per worker count: wall time from creating the pool (
 processes, importing the reward module) to the last score, and the same on the warm pool.
 Overhead: the cheap built-in `format` reward over the same completions through one warm worker,
 minus calling it in this process, divided by the number of calls.
-Backends: `local` (spawned processes) and `ray` (Ray actors, stages/ray_rewards.py, on a local Ray
+Backends: `local` (spawned processes) and `ray` (Ray actors, stages/scoring/ray_rewards.py, on a local Ray
 instance this process starts, or the cluster at RAY_ADDRESS); Ray's start-up is not in its cold time.
 """
 
@@ -53,10 +53,10 @@ def main() -> None:
 
 
 def measure(args, backend: str) -> dict:
-    from stages.reward_workers import RewardWorkerPool, resolve_reward
+    from stages.scoring.reward_workers import RewardWorkerPool, resolve_reward
 
     if backend == "ray":
-        from stages.ray_rewards import RayRewardPool, connect
+        from stages.scoring.ray_rewards import RayRewardPool, connect
 
         started = time.perf_counter()
         connect(None)

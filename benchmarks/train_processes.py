@@ -2,9 +2,9 @@
 
 The optimize stage (one GRPO round) and SFT on a model of the quickstart's size (4 layers, width 128),
 each run several ways: in the flow's process (what `train.num_processes: 1` does), launched with
-torchrun (stages/distributed.py) on 1 and on 2 processes, on 2 processes with `train.strategy: fsdp`
+torchrun (stages/runtime/distributed.py) on 1 and on 2 processes, on 2 processes with `train.strategy: fsdp`
 (optimize only: the HF Trainer stages run ddp), and on 2 Ray Train workers of a local Ray instance
-(`train.backend: ray`, stages/ray_training.py). Reports wall time (the launcher's start and the ranks'
+(`train.backend: ray`, stages/runtime/ray_training.py). Reports wall time (the launcher's start and the ranks'
 imports included), the time inside the stage function (rank 0's), the loss, the trainable weights each
 rank holds (fsdp: a shard), and max |weight difference| against the in-process run.
 
@@ -37,9 +37,10 @@ def setup(root: Path, rows: int, sft_rows: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages import base_model, rollout, transform
-    from stages.engines import Policy
-    from stages.schemas import ROLLOUTS, SCORED, write_table
+    from stages.data import base_model, transform
+    from stages.data.schemas import ROLLOUTS, SCORED, write_table
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
 
     texts = [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>" for i in range(400)]
     base_model.run(base_model.BaseModelConfig(**QUICKSTART_MODEL), texts, root / "model")
@@ -67,7 +68,7 @@ def setup(root: Path, rows: int, sft_rows: int) -> Path:
 
 
 def optimize(root: str, out: str, on_metrics=None, on_step=None, group=None) -> dict:
-    from stages import grpo
+    from stages.training import grpo
 
     started = time.perf_counter()
     summary = grpo.run(grpo.GRPOConfig(**GRPO), Path(root) / "model", None, Path(root) / "scored.parquet", 0, 1.0,
@@ -76,7 +77,7 @@ def optimize(root: str, out: str, on_metrics=None, on_step=None, group=None) -> 
 
 
 def sft(root: str, out: str, on_metrics=None, group=None) -> dict:
-    from stages import sft as stage
+    from stages.training import sft as stage
 
     started = time.perf_counter()
     summary = stage.run(stage.SFTConfig(**SFT), Path(root) / "model", Path(root) / "sft.parquet", Path(out),
@@ -96,7 +97,7 @@ WAYS = {"in-process": None, "torchrun 1": dict(num_processes=1), "torchrun 2": d
 
 def measure(name: str, function, root: Path, loss_key: str, repeat: int, ways: list[str]) -> list[dict]:
     """Each way `repeat` times, interleaved (the host is shared: the fastest of the repeats is reported)."""
-    from stages import distributed
+    from stages.runtime import distributed
 
     results = {how: {"stage": name, "how": how, "walls": []} for how in ways}
     for attempt in range(repeat):

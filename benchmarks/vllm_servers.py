@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def start_servers(model_dir: Path, core_sets: list[str], log_dir: Path) -> tuple[list[str], list, float]:
     """Start one server per core set, all at once; return (urls, processes, seconds until all are healthy)."""
-    from stages.engines.vllm_server import serve_command, wait_until_healthy
+    from stages.rollout.engines.vllm_server import serve_command, wait_until_healthy
 
     started = time.perf_counter()
     urls, procs = [], []
@@ -78,8 +78,8 @@ def main() -> None:
                         help="also time rollout.engine ray_vllm with 1 engine and with one engine per core")
     args = parser.parse_args()
 
-    from stages.engines import Policy, Sampling
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.rollout.engines import Policy, Sampling
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     root = build_model(Path(tempfile.mkdtemp(prefix="posttrain-servers-")))
     policy = Policy(root / "model", adapter_dir=root / "adapter", version=1)
@@ -102,8 +102,8 @@ def main() -> None:
         finally:
             stop(procs)
     if args.ray:
-        from stages.engines.ray_vllm import RayVLLMEngine
-        from stages.ray_cluster import connect
+        from stages.rollout.engines.ray_vllm import RayVLLMEngine
+        from stages.runtime.ray_cluster import connect
 
         started = time.perf_counter()
         connect(None)  # a local Ray instance, all cores

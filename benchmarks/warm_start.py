@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 def behaviour(questions: list[str], answers: list[str], completions: list[str]) -> dict:
     """Rates of what the completions name: the largest, the first, the second largest, any listed number."""
-    from stages.rewards.math import extract_answer
+    from stages.scoring.rewards.math import extract_answer
 
     counts = {"largest": 0, "first": 0, "second": 0, "listed": 0}
     for question, answer, completion in zip(questions, answers, completions):
@@ -45,10 +45,11 @@ def warm_start(config: str, seed: int, overrides: list[str], samples: int, work:
     import torch
 
     from flows.config import load_config
-    from stages import base_model, demo_data, sft, transform
-    from stages.engines import Sampling
-    from stages.engines.hf import generate
-    from stages.policy import load_policy
+    from stages.data import base_model, demo_data, transform
+    from stages.rollout.engines import Sampling
+    from stages.rollout.engines.hf import generate
+    from stages.training import sft
+    from stages.training.policy import load_policy
 
     cfg = load_config(config, [*overrides, f"model.seed={seed}", f"sft.seed={seed}"])
     for name in ("raw", "prompts", "base", "sft"):

@@ -165,9 +165,9 @@ def serve_vllm(cfg, args) -> int:
     from urllib.parse import urlparse
 
     from flows.pipeline import prepare_policy_flow
-    from stages.engines.vllm_server import serve_command
-    from stages.devices import of
-    from stages.rollout import engine_options, vllm_options
+    from stages.rollout.engines.vllm_server import serve_command
+    from stages.rollout.rollout import engine_options, vllm_options
+    from stages.runtime.devices import of
 
     model_dir = prepare_policy_flow(args.config, args.overrides, quiet=args.quiet)
     port = args.port or urlparse(cfg.rollout.vllm.server_url).port or 8000

@@ -17,21 +17,21 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from stages.base_model import BaseModelConfig
-from stages.demo_data import DemoDataConfig
-from stages.distributed import TrainConfig
-from stages.dpo import PreferenceOptimizationConfig
-from stages.ebft import EBFTConfig
-from stages.evaluate import EvalConfig
-from stages.export import ExportConfig
-from stages.grpo import GRPOConfig
-from stages.health import HealthConfig
-from stages.rollout import RolloutConfig
-from stages.score import ScoreConfig
-from stages.sft import SFTConfig
-from stages.preferences import DemoPairsConfig, PreferenceConfig
-from stages.reward_model import RewardModelConfig
-from stages.transform import TransformConfig
+from stages.data.base_model import BaseModelConfig
+from stages.data.demo_data import DemoDataConfig
+from stages.data.preferences import DemoPairsConfig, PreferenceConfig
+from stages.data.transform import TransformConfig
+from stages.evaluation.evaluate import EvalConfig
+from stages.evaluation.health import HealthConfig
+from stages.rollout.rollout import RolloutConfig
+from stages.runtime.distributed import TrainConfig
+from stages.scoring.score import ScoreConfig
+from stages.training.dpo import PreferenceOptimizationConfig
+from stages.training.ebft import EBFTConfig
+from stages.training.export import ExportConfig
+from stages.training.grpo import GRPOConfig
+from stages.training.reward_model import RewardModelConfig
+from stages.training.sft import SFTConfig
 from tasks.publish import TrackingConfig
 
 
@@ -198,7 +198,7 @@ class PipelineConfig(BaseModel):
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     ebft: EBFTConfig = Field(default_factory=EBFTConfig)
-    """rl: ebft: feature-matching rewards from a frozen copy of the starting policy (stages/ebft.py)."""
+    """rl: ebft: feature-matching rewards from a frozen copy of the starting policy (stages/training/ebft.py)."""
     preferences: PreferenceConfig | None = None
     """Your preference data (axolotl's RLHF formats); unset: demo pairs for the built-in task."""
     demo_pairs: DemoPairsConfig = Field(default_factory=DemoPairsConfig)
@@ -429,7 +429,7 @@ class PipelineConfig(BaseModel):
             ignored += [f"rollout.{k}" for k in not_default(self.rollout, ("top_p",))]
         if ignored:
             source = "rollout.source: atropos (the environments sample and score)" if atropos else \
-                "rl: ebft (rewards from feature matching, stages/ebft.py)"
+                "rl: ebft (rewards from feature matching, stages/training/ebft.py)"
             raise ValueError(f"{', '.join(ignored)}: not read under {source}; remove "
                              f"{'them' if len(ignored) > 1 else 'it'}")
         self._reward_model_run_reads_its_sections()
@@ -461,8 +461,8 @@ class PipelineConfig(BaseModel):
     @model_validator(mode="after")
     def _machine_has_what_train_asks(self):
         """train.device / precision / attn_implementation, and grpo.optim adamw_8bit, that this machine cannot
-        run fail here, naming the key, not in the middle of a run (stages/devices.py check_machine)."""
-        from stages import devices
+        run fail here, naming the key, not in the middle of a run (stages/runtime/devices.py check_machine)."""
+        from stages.runtime import devices
 
         devices.check_machine(self.train)
         if self.uses_rounds and self.grpo.optim == "adamw_8bit":
@@ -499,8 +499,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batches_split_across_processes(self):
-        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows (stages/distributed.py)."""
-        from stages.distributed import per_device
+        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows (stages/runtime/distributed.py)."""
+        from stages.runtime.distributed import per_device
 
         n = self.train.num_processes
         if n > 1 and self.sft.enabled:
@@ -584,13 +584,13 @@ class PipelineConfig(BaseModel):
         return self
 
     def _strided_fits(self) -> None:
-        """ebft.mode: strided samples blocks with its own block-parallel generator (stages/ebft_strided.py)."""
+        """ebft.mode: strided samples blocks with its own block-parallel generator (stages/training/ebft_strided.py)."""
         rollout = self.rollout
         if self.ebft.generate_max_len is None:  # axolotl's default 8, unless rollout says otherwise
             length = rollout.max_completion_length if "max_completion_length" in rollout.model_fields_set else 8
             self.ebft = self.ebft.model_copy(update={"generate_max_len": length})
             self.rollout = rollout.model_copy(update={"max_completion_length": length})
-        sampler = "samples its blocks in this process with a strided attention mask (stages/ebft_strided.py)"
+        sampler = "samples its blocks in this process with a strided attention mask (stages/training/ebft_strided.py)"
         problems = {"rollout.engine": (rollout.engine != "transformers", "transformers", sampler),
                     "rollout.source": (rollout.source != "prompts", "prompts", sampler),
                     "rollout.rollout_func": (rollout.rollout_func is not None, "null", sampler),

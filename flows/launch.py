@@ -169,7 +169,7 @@ def report_errors(run: Callable[[], int], debug: bool) -> int:
     """Call run() and return its exit code. A health check that stopped training prints its message
     (exit 3); a bad-input error (`input_errors`) prints its message without a traceback (exit 2), unless
     `debug`. Prefect still records the flow run as failed with the traceback."""
-    from stages.health import TrainingUnhealthy
+    from stages.evaluation.health import TrainingUnhealthy
 
     user_errors = input_errors()
     if not debug:
@@ -193,11 +193,11 @@ def input_errors() -> tuple[type[BaseException], ...]:
     that message, not a traceback."""
     from flows.config import ConfigError
     from flows.retrain import RetrainError
-    from stages.engines.vllm_server import VLLMServerError
-    from stages.model_source import ModelSourceError
-    from stages.reward_workers import RewardFunctionError
-    from stages.sources import SourceError
-    from stages.sources import BadRowError
+    from stages.data.model_source import ModelSourceError
+    from stages.data.sources import SourceError
+    from stages.data.sources import BadRowError
+    from stages.rollout.engines.vllm_server import VLLMServerError
+    from stages.scoring.reward_workers import RewardFunctionError
     from tasks.lineage import StoreBusyError
     from tasks.store import StorageError
 

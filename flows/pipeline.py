@@ -95,7 +95,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
             "registered_model_version": version,
             "promotion": promotion,
             "rounds_wall_s": trained.wall_s,
-            "health": findings,  # the rounds' out-of-range metrics (stages/health.py)
+            "health": findings,  # the rounds' out-of-range metrics (stages/evaluation/health.py)
             "dropped_rows": prompts.manifest["summary"].get("dropped", {}),  # transform.on_bad_rows: drop: per split
             "source_rows": prompts.manifest["summary"].get("sources", []),  # transform.datasets: rows per source
             **trained.results,  # the recipe's own (the DPO family: preference accuracy before and after)

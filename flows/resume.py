@@ -67,7 +67,7 @@ def resume_command(args) -> int:
     server_ready = start_temporary_prefect_server()
     from flows.launch import report_errors
     from flows.pipeline import posttrain_pipeline
-    from stages.engines import import_eagerly
+    from stages.rollout.engines import import_eagerly
 
     import_eagerly(trainers=True)  # while the server boots (~3 s sooner to train): a resumed run computes
 

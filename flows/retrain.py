@@ -83,7 +83,7 @@ def add_data(cfg, file: str | Path) -> tuple[dict, bool]:
 
     The rows are read and put through the config's transform first, so a file that could not train
     fails here, naming the row, not hours later in a scheduled run."""
-    from stages import sources, transform
+    from stages.data import sources, transform
     from tasks.store import sha256_file
 
     file = Path(file)
@@ -173,7 +173,7 @@ def watch_inbox(cfg, interval_s: float = 10.0, settle_s: float = 2.0, once: bool
                 log=print) -> list[dict]:
     """Poll `data.inbox`: register each data file that has not changed for settle_s seconds, announce new
     versions, move the file into <inbox>/registered/ (or <inbox>/rejected/ with a .error.txt beside it)."""
-    from stages.sources import SUFFIXES
+    from stages.data.sources import SUFFIXES
 
     if not cfg.data.inbox:
         raise RetrainError("data watch: the config has no data.inbox folder; set `data: {inbox: path/to/folder}`")
@@ -221,8 +221,8 @@ def _added_line(record: dict, new: bool, event: str | None) -> str:
 def data_version_prompts(ctx, parent: str, raw, prompts):
     """With `data.version`: the prompts artifact whose train split is that version's rows and whose eval
     split is the config's own (the fixed held-out set); else `prompts` unchanged. Tags the parent run."""
-    from stages.demo_data import SPLITS
-    from stages.sources import DatasetSource
+    from stages.data.demo_data import SPLITS
+    from stages.data.sources import DatasetSource
     from tasks.stage_tasks import transform_task
 
     cfg = ctx.config

@@ -10,10 +10,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from stages.engines import close_engines
-from stages.health import TrainingUnhealthy, check_round, quarantine
-from stages.replay import RoundSignals
-from stages.rollout_worker import close_workers
+from stages.evaluation.health import TrainingUnhealthy, check_round, quarantine
+from stages.rollout.engines import close_engines
+from stages.rollout.rollout_worker import close_workers
+from stages.scoring.replay import RoundSignals
 from flows.run import eval_metrics
 from tasks.publish import publish_rounds, sample_completions
 from tasks.stage_tasks import RunContext, eval_task, optimize_task, replay_task, rollout_task
@@ -47,7 +47,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/tokens": ("rollout", "tokens"),
     "rollout/prompts_truncated_frac": ("rollout", "prompts_truncated_frac"),
     "train/replayed_rows": ("optimize", "replayed_rows"),
-    # policy collapse, from the round's completions (stages/health.py collapse_metrics)
+    # policy collapse, from the round's completions (stages/evaluation/health.py collapse_metrics)
     "rollout/distinct_completions_per_group": ("score", "rollout/distinct_completions_per_group"),
     "rollout/frac_identical_groups": ("score", "rollout/frac_identical_groups"),
     "rollout/distinct_answers": ("score", "rollout/distinct_answers"),
@@ -175,7 +175,7 @@ class Trained:
 
 class RoundLog:
     """Each finished round's metrics and sample completions, logged to the parent run (a cached round's waiting
-    to go with the next computed one, in one request), and its health checked (stages/health.py): warnings
+    to go with the next computed one, in one request), and its health checked (stages/evaluation/health.py): warnings
     tag, list and log; NaN/Inf or health.on_unhealthy: stop end the run. `verifiers`: the reward functions
     whose means should rise (health.min_reward_rise)."""
 

@@ -8,17 +8,17 @@ Routes (NeMo Gym resources-server shape, nemo_gym/base_resources_server.py):
   POST /verify_batch, /<function>/verify_batch   {"requests": [...]} -> {"responses": [...]} (our extension)
   GET  /health                   the functions served
 
-The functions run in the same reward worker pool as the score stage (stages/reward_workers.py), with the
+The functions run in the same reward worker pool as the score stage (stages/scoring/reward_workers.py), with the
 config's reward_num_workers, reward_timeout_s and reward_batch_size: a function that raises, hangs or kills
 its worker on a sample costs only that sample, whose reply says so with NeMo Gym's `mask_sample: true` and
 `failure_reason` ("accuracy: TimeoutError after 60 s"); its `reward` then holds score.reward_on_error. The
-client (stages/rewards/remote.py) gives such a sample its own reward_on_error and errors entry.
+client (stages/scoring/rewards/remote.py) gives such a sample its own reward_on_error and errors entry.
 Requests that arrive while the pool is busy are scored together in its next call (batched per function).
 
 Who may call: with a token (`--token`, or the POSTTRAIN_REWARDS_TOKEN environment variable) every route but
 /health answers 401 to a request without `Authorization: Bearer <token>` and scores nothing; a run's
 `remote_verifiers.<name>.token_env` names the variable its workers send. Without a token it listens on
-loopback only: another --host without one is refused (stages/bearer.py).
+loopback only: another --host without one is refused (stages/rollout/bearer.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
-from stages.bearer import authorized, server_token
-from stages.reward_pools import shared_pool
-from stages.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
-from stages.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
+from stages.rollout.bearer import authorized, server_token
+from stages.scoring.reward_pools import shared_pool
+from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
+from stages.scoring.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def create_app(score_cfg, token: str | None = None):
         task = asyncio.create_task(scorer.run())
         yield
         task.cancel()
-        from stages.reward_pools import close_pools
+        from stages.scoring.reward_pools import close_pools
 
         close_pools()
 

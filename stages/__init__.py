@@ -1,1 +1,6 @@
-"""Pure ML stages: no Prefect, no MLflow. Each module has a pydantic config and a `run` function."""
+"""Pure ML stages: no Prefect, no MLflow. Each stage module has a pydantic config and a `run` function.
+
+Grouped by what they do: `data/` (what goes in), `rollout/` (sampling completions), `scoring/` (rewards),
+`training/` (what changes the weights, and export), `evaluation/` (eval and health checks), `runtime/`
+(devices, processes, Ray, checkpoints, imports and cache-key declarations the others use).
+"""

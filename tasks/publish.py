@@ -100,7 +100,7 @@ def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None
     if results.get("promotion"):
         promotion = results["promotion"]
         lines.append(f"- promotion: {promotion.get('reason', promotion) if isinstance(promotion, dict) else promotion}")
-    if results.get("health"):  # stages/health.py findings: metrics outside their healthy ranges
+    if results.get("health"):  # stages/evaluation/health.py findings: metrics outside their healthy ranges
         lines += ["", f"## Health warnings ({len(results['health'])})", ""]
         lines += [f"- round {f['round']}: `{f['metric']}` = {f['value']:.4g} (healthy: {f['range']}): {f['message']}"
                   for f in results["health"]]

@@ -15,35 +15,18 @@ from typing import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages import (
-    atropos,
-    base_model,
-    demo_data,
-    devices,
-    distributed,
-    dpo,
-    ebft,
-    ebft_strided,
-    evaluate,
-    export,
-    grpo,
-    model_source,
-    preferences,
-    ray_training,
-    replay,
-    reward_model,
-    rollout,
-    schemas,
-    score,
-    sft,
-    transform,
-)
-from stages.engines import Policy, import_eagerly
-from stages.imports import user_code
-from stages.keys import key_fields
-from stages.reward_workers import split_reward_funcs
-from stages.rewards import BUILTIN_REWARDS
-from stages.rollout_worker import shared_worker
+from stages.data import base_model, demo_data, model_source, preferences, schemas, transform
+from stages.evaluation import evaluate
+from stages.rollout import atropos, rollout
+from stages.rollout.engines import Policy, import_eagerly
+from stages.rollout.rollout_worker import shared_worker
+from stages.runtime import devices, distributed, ray_training
+from stages.runtime.imports import user_code
+from stages.runtime.keys import key_fields
+from stages.scoring import replay, score
+from stages.scoring.reward_workers import split_reward_funcs
+from stages.scoring.rewards import BUILTIN_REWARDS
+from stages.training import dpo, ebft, ebft_strided, export, grpo, reward_model, sft
 from tasks.lineage import Lineage
 from tasks.reporting import Reporter
 from tasks.store import Artifact, ArtifactStore, code_version, path_digest
@@ -128,7 +111,7 @@ def _pinned_sources(cfg):
     """`cfg` (the transform or preferences section) with each hub dataset of its datasets and test_datasets
     resolved to its commit (the stage reads that commit), and what the key needs of each source: that commit,
     or its local files' digests."""
-    from stages import sources
+    from stages.data import sources
 
     if not cfg.datasets:
         return cfg, None
@@ -168,7 +151,7 @@ def demo_data_task(ctx: RunContext) -> Artifact:
 @task(name="transform", cache_policy=NO_CACHE)
 def transform_task(ctx: RunContext, raw: Artifact | None) -> Artifact:
     cfg, source_versions = _pinned_sources(ctx.config.transform)
-    if cfg.datasets:  # the stage reads the sources (stages/sources.py)
+    if cfg.datasets:  # the stage reads the sources (stages/data/sources.py)
         files = None
     elif cfg.paths:
         files = {split: Path(p) for split, p in cfg.paths.items()}
@@ -223,7 +206,7 @@ LAUNCHERS = {"torchrun": distributed.launch, "ray": ray_training.launch_on_ray}
 def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_metrics, on_step=None,
                  **kwargs) -> dict:
     """A training stage's `function(**kwargs)`: in this process (train.num_processes 1), or data-parallel on
-    train.num_processes ranks (stages/distributed.py; where it trains, not what: train.* is in no key)."""
+    train.num_processes ranks (stages/runtime/distributed.py; where it trains, not what: train.* is in no key)."""
     processes = ctx.config.train.num_processes
     if processes > 1 and ctx.config.train.strategy == "fsdp" and function is not grpo.run:
         logging.getLogger(__name__).warning("%s: train.strategy fsdp shards the optimize stage only; this stage trains with "
@@ -256,11 +239,11 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
     """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round.
     `feature_model` (rl: ebft, strided): whose features compare continuations; unset: `model`'s. The one
     variant a task picks from the config: under ebft.mode strided the eval split is raw documents, scored
-    block by block (stages/ebft_strided.py), for every eval (base, periodic, final, the champion's) alike."""
+    block by block (stages/training/ebft_strided.py), for every eval (base, periodic, final, the champion's) alike."""
     cfg = ctx.config.eval
     section = key_fields(cfg)
     evaluated = policy_for(ctx, model, adapter, version)
-    if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/ebft_strided.py)
+    if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/training/ebft_strided.py)
         bar = ctx.reporter.progress(f"eval {label}", "document")
         features = feature_model or model  # before the rounds: the policy they start from
         return materialize(
@@ -283,7 +266,7 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
 
 
 def strided(ctx: RunContext) -> bool:
-    """rl: ebft with ebft.mode: strided: rollouts and evals on raw documents (stages/ebft_strided.py)."""
+    """rl: ebft with ebft.mode: strided: rollouts and evals on raw documents (stages/training/ebft_strided.py)."""
     return ctx.config.rl == "ebft" and ctx.config.ebft.mode == "strided"
 
 
@@ -334,7 +317,7 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
 def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                          round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
-    """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/ebft_strided.py); re-rolls do not
+    """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/training/ebft_strided.py); re-rolls do not
     apply (flows/config.py refuses them)."""
     cfg = ctx.config.rollout
     keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
@@ -386,7 +369,7 @@ def atropos_score_task(ctx: RunContext, rollouts: Artifact, round_index: int) ->
 
 @task(name="score", task_run_name="ebft-score-r{round_index}", cache_policy=NO_CACHE)
 def ebft_score_task(ctx: RunContext, rollouts: Artifact, round_index: int, feature_model: Artifact) -> Artifact:
-    """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy (stages/ebft.py)."""
+    """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy (stages/training/ebft.py)."""
     n, scale = ctx.config.rollout.num_generations, ctx.config.score.scale_rewards
     section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
                                "scale_rewards": scale})

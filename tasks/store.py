@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from stages.imports import source_digest
+from stages.runtime.imports import source_digest
 
 MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
@@ -80,7 +80,7 @@ _first_versions: dict[str, str] = {}  # module name -> its code version when thi
 
 def code_version(*modules) -> str:
     """Hash of the modules' source and of every project module they import, transitively
-    (stages/imports.py `source_digest`): editing a stage's code, or code it calls, changes its keys.
+    (stages/runtime/imports.py `source_digest`): editing a stage's code, or code it calls, changes its keys.
 
     The code that runs is the code this process imported. Should a module's files change on disk after
     their first use here, the process would store the old code's results under the new code's key, so
@@ -151,7 +151,7 @@ class ArtifactStore:
 
     def work_path(self, stage: str, key: str) -> Path:
         """Where a stage computing `key` keeps what a rerun of the same key resumes from (trainer
-        checkpoints, stages/checkpoints.py). Used only under the key's lock; deleted once the key's
+        checkpoints, stages/runtime/checkpoints.py). Used only under the key's lock; deleted once the key's
         folder is published."""
         return self.root / WORK / stage / key
 

@@ -73,7 +73,7 @@ def out_dir(tmp_path):
 def tiny_model(root, texts: list[str]):
     """A tiny Qwen2 causal LM (2 layers, width 64, vocab 300) with the ChatML template under root/model,
     its tokenizer trained on `texts`."""
-    from stages import base_model
+    from stages.data import base_model
 
     cfg = base_model.BaseModelConfig(vocab_size=300, hidden_size=64, num_attention_heads=1, num_key_value_heads=1,
                                      intermediate_size=128, num_hidden_layers=2)
@@ -85,7 +85,7 @@ def tiny_say_policy(root, num_prompts: int):
     root/prompts/train.parquet (shared by the GRPO tests)."""
     import json
 
-    from stages import transform
+    from stages.data import transform
 
     tiny_model(root, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i * 7}<|im_end|>"
                       for i in range(200)])
@@ -101,8 +101,8 @@ def tiny_round(root, num_prompts: int, prompts_per_round: int) -> list[dict]:
     root/rollouts/rollouts.parquet; returns the rows."""
     import pyarrow.parquet as pq
 
-    from stages import rollout
-    from stages.engines import Policy
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
 
     tiny_say_policy(root, num_prompts)
     (root / "rollouts").mkdir()
@@ -115,7 +115,7 @@ def write_scored(path, rows: list[dict], advantages: list[float]) -> None:
     """Rollout rows written as a scored parquet whose reward and advantage are `advantages` (one toy reward)."""
     import pyarrow as pa
 
-    from stages.schemas import ROLLOUTS, SCORED, write_table
+    from stages.data.schemas import ROLLOUTS, SCORED, write_table
 
     table = (pa.Table.from_pylist(rows, schema=ROLLOUTS)
              .append_column("rewards", pa.array([[("toy", a)] for a in advantages], type=SCORED.field("rewards").type))
@@ -128,8 +128,8 @@ def write_scored(path, rows: list[dict], advantages: list[float]) -> None:
 def tiny_preference_model(root, num_train: int, num_eval: int):
     """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
     under root/prefs (shared by the DPO and reward-model tests)."""
-    from stages.demo_data import DemoDataConfig
-    from stages.preferences import DemoPairsConfig, write_demo_pairs
+    from stages.data.demo_data import DemoDataConfig
+    from stages.data.preferences import DemoPairsConfig, write_demo_pairs
 
     tiny_model(root, [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
                       f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)])

@@ -13,8 +13,8 @@ import time
 from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
 
-from stages.rewards import accuracy_reward
-from stages.rewards.remote import completion_from_response
+from stages.scoring.rewards import accuracy_reward
+from stages.scoring.rewards.remote import completion_from_response
 
 app = FastAPI()
 
@@ -43,8 +43,8 @@ def hangs_on_hang(completions, prompt_id, **kwargs):
 
 def refuses_long(completions, **kwargs):
     """Fails single samples without raising: a SampleError for completions over 10 characters, else 1.0."""
-    from stages.rewards.common import SampleError
-    from stages.rewards import completion_text
+    from stages.scoring.rewards import completion_text
+    from stages.scoring.rewards.common import SampleError
 
     return [SampleError(f"{len(completion_text(c))} characters is too long") if len(completion_text(c)) > 10
             else 1.0 for c in completions]

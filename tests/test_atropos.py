@@ -42,7 +42,7 @@ def test_atropos_options_are_checked(tmp_path):
 
 
 def test_api_that_is_down_and_not_startable_names_url_and_what_to_start(tmp_path):
-    from stages.atropos import AtroposError, AtroposOptions, ensure_api
+    from stages.rollout.atropos import AtroposError, AtroposOptions, ensure_api
 
     opts = AtroposOptions(api_url=f"http://127.0.0.1:{free_port()}", start_api=False)
     with pytest.raises(AtroposError, match=f"no Atropos API answers at {opts.api_url}.*run-api"):
@@ -58,9 +58,9 @@ def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores
     from transformers import AutoTokenizer
 
     from conftest import tiny_model
-    from stages import atropos
-    from stages.engines import Policy, get_engine
-    from stages.schemas import ROLLOUTS, write_table
+    from stages.data.schemas import ROLLOUTS, write_table
+    from stages.rollout import atropos
+    from stages.rollout.engines import Policy, get_engine
 
     tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
                           for i in range(50)])
@@ -122,8 +122,8 @@ def test_policy_server_answers_atroposlib_vllm_server_clients(tmp_path):
     from transformers import AutoTokenizer
 
     from conftest import tiny_model
-    from stages import atropos
-    from stages.engines import Policy, Sampling, get_engine
+    from stages.rollout import atropos
+    from stages.rollout.engines import Policy, Sampling, get_engine
 
     tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
                           for i in range(50)])
@@ -293,9 +293,9 @@ def test_policy_server_with_a_token_answers_only_callers_that_send_it(tmp_path, 
     import httpx
 
     from conftest import tiny_model
-    from stages import atropos
-    from stages.engines import Policy, get_engine
-    from stages.rollout import AtroposOptions
+    from stages.rollout import atropos
+    from stages.rollout.engines import Policy, get_engine
+    from stages.rollout.rollout import AtroposOptions
 
     tiny_model(tmp_path, [f"<|im_start|>user\nsay {i}<|im_end|>\n<|im_start|>assistant\n{i}<|im_end|>"
                           for i in range(50)])

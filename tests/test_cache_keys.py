@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import computed
-from stages.imports import source_digest
+from stages.runtime.imports import source_digest
 from tasks import stage_tasks, store
 from tasks.store import Artifact, code_version
 
@@ -181,15 +181,15 @@ def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch)
 
 
 def test_stage_code_versions_cover_their_imports_without_importing_torch():
-    from stages.imports import local_modules
+    from stages.runtime.imports import local_modules
 
-    assert {"stages.reward_workers", "stages.rewards.math", "stages.reward_model"} <= set(local_modules("stages.score"))
-    assert {"stages.engines.hf", "stages.engines.vllm_local"} <= set(local_modules("stages.rollout"))
-    assert "stages.trainer_setup" in local_modules("stages.reward_model")  # its training_args, as dpo's
-    assert not any(name.startswith(("torch", "transformers", "pydantic")) for name in local_modules("stages.grpo"))
+    assert {"stages.scoring.reward_workers", "stages.scoring.rewards.math", "stages.training.reward_model"} <= set(local_modules("stages.scoring.score"))
+    assert {"stages.rollout.engines.hf", "stages.rollout.engines.vllm_local"} <= set(local_modules("stages.rollout.rollout"))
+    assert "stages.training.trainer_setup" in local_modules("stages.training.reward_model")  # its training_args, as dpo's
+    assert not any(name.startswith(("torch", "transformers", "pydantic")) for name in local_modules("stages.training.grpo"))
     script = ("import sys\nfrom stages import schemas\nfrom tasks.store import code_version\n"
-              "import stages.grpo, stages.rollout, stages.score, stages.reward_model, stages.sft, stages.dpo, "
-              "stages.evaluate, stages.export, stages.base_model, stages.transform, stages.preferences\n"
+              "import stages.training.grpo, stages.rollout.rollout, stages.scoring.score, stages.training.reward_model, stages.training.sft, stages.training.dpo, "
+              "stages.evaluation.evaluate, stages.training.export, stages.data.base_model, stages.data.transform, stages.data.preferences\n"
               "for name in [m for m in sys.modules if m.startswith('stages.')]:\n"
               "    code_version(sys.modules[name], schemas)\n"
               "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported torch'\n")
@@ -260,14 +260,14 @@ RUN_OPTIONS = {
     "rollout.atropos.batch_timeout_s": (5.0, {}, ["atropos"]),
     "rollout.atropos.policy_token_env": ("POLICY_TOKEN", {}, ["atropos"]),
 }
-"""Every field declared `not_in_key` (stages/keys.py), with a value to change it to and the stages it must not
+"""Every field declared `not_in_key` (stages/runtime/keys.py), with a value to change it to and the stages it must not
 change the key of. A field declared so and missing here fails `test_run_options_are_listed`."""
 
 
 def declared_outside_keys() -> set[str]:
     """The option paths of every field whose class declares it outside the key."""
     from flows.config import PipelineConfig
-    from stages.keys import key_rule
+    from stages.runtime.keys import key_rule
 
     found, pending = set(), [("", PipelineConfig)]
     while pending:
@@ -356,7 +356,7 @@ def test_which_options_change_which_stage_key(key_of, tmp_path, path):
 def test_key_fields_leave_out_what_the_class_declares():
     from pydantic import BaseModel
 
-    from stages.keys import key_fields, key_when_set, not_in_key
+    from stages.runtime.keys import key_fields, key_when_set, not_in_key
 
     class Section(BaseModel):
         lr: float = 1e-3

@@ -1,4 +1,4 @@
-"""Checkpoints inside training stages (stages/checkpoints.py): a stage SIGKILLed mid-training continues
+"""Checkpoints inside training stages (stages/runtime/checkpoints.py): a stage SIGKILLed mid-training continues
 from its newest complete checkpoint, redoes no step before it, and ends with the weights of an
 uninterrupted run."""
 
@@ -51,7 +51,7 @@ import json, os, signal, sys
 from pathlib import Path
 import importlib
 spec = json.loads(sys.argv[1])
-module = importlib.import_module("stages." + spec["module"])
+module = importlib.import_module("stages.training." + spec["module"])
 cfg = getattr(module, spec["config"])(**spec["options"])
 kill_at = spec.get("kill_at")
 

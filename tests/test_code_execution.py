@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.rewards import BUILTIN_REWARDS
-from stages.rewards.sandbox import SandboxLimits, code_execution, extract_code, run_tests
+from stages.scoring.rewards import BUILTIN_REWARDS
+from stages.scoring.rewards.sandbox import SandboxLimits, code_execution, extract_code, run_tests
 
 PROJECT_FILE = Path(__file__).resolve().parents[1] / "pyproject.toml"
 FAST = SandboxLimits(cpu_s=1, wall_s=3)

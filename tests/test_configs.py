@@ -106,10 +106,10 @@ def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
     assert "error: transform: 2 bad row(s)" in out.stderr
     assert f"{data} (train) row 1: missing or empty field answer" in out.stderr
     # no traceback through our code (Prefect's own server may log unrelated ones when the machine is busy)
-    assert "stages/transform.py" not in out.stderr and "flows/pipeline.py" not in out.stderr
+    assert "stages/data/transform.py" not in out.stderr and "flows/pipeline.py" not in out.stderr
     debug = subprocess.run([posttrain, "run", str(config), "--quiet", "--debug"], capture_output=True, text=True,
                            cwd=tmp_path, timeout=300)
-    assert debug.returncode != 0 and "stages/transform.py" in debug.stderr
+    assert debug.returncode != 0 and "stages/data/transform.py" in debug.stderr
 
 
 def test_rl_gdpo_sets_normalize_then_sum_and_rejects_the_other():

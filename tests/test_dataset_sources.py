@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.config import ConfigError, PipelineConfig, load_config
-from stages import sources, transform
-from stages.sources import DatasetSource, SourceError
-from stages.transform import BadRowsError, TransformConfig
+from stages.data import sources, transform
+from stages.data.sources import DatasetSource, SourceError
+from stages.data.transform import BadRowsError, TransformConfig
 from tasks import stage_tasks
 from tasks.store import ArtifactStore
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from stages import demo_data
+from stages.data import demo_data
 
 
 def _rows(out_dir, **overrides):

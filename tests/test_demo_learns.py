@@ -37,7 +37,7 @@ def test_trained_policy_beats_the_constant_answer(prefect_harness, tmp_path, mon
         if extra:
             import ray
 
-            from stages import reward_pools
+            from stages.scoring import reward_pools
 
             reward_pools.close_pools()
             ray.shutdown()

@@ -39,8 +39,8 @@ def _prompts(n: int = 24) -> list[list[dict]]:
 
 
 def _sample(root, sampling, adapter=True):
-    from stages.engines import Policy
-    from stages.engines.hf import TransformersEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.hf import TransformersEngine
 
     engine = TransformersEngine(batch_size=8)
     policy = Policy(base_dir=root / "model", adapter_dir=root / "adapter" if adapter else None)
@@ -48,7 +48,7 @@ def _sample(root, sampling, adapter=True):
 
 
 def _sampling(temperature: float = 1.0, top_p: float = 1.0):
-    from stages.engines import Sampling
+    from stages.rollout.engines import Sampling
 
     return Sampling(max_new_tokens=12, do_sample=True, temperature=temperature, top_p=top_p, seed=7)
 
@@ -56,8 +56,8 @@ def _sampling(temperature: float = 1.0, top_p: float = 1.0):
 def test_samples_are_those_of_the_seeded_global_rng(policy):
     """The rollout's own generator gives the tokens that torch.manual_seed(seed) + HF's sampling gave
     (BENCHMARKS.md was measured with that stream)."""
-    from stages.engines.hf import _generate
-    from stages.policy import load_policy
+    from stages.rollout.engines.hf import _generate
+    from stages.training.policy import load_policy
 
     for sampling in (_sampling(), _sampling(temperature=0.7, top_p=0.9)):
         model, tokenizer = load_policy(policy / "model", policy / "adapter")
@@ -70,8 +70,8 @@ def test_token_prompts_sample_as_their_conversations(policy):
     """A prompt given as its token ids ({"prompt_token_ids": ...}, what the Atropos policy server's /generate
     sends) samples what the conversation it came from samples; the padded batch is the one tokenizing the
     chat-templated texts gives."""
-    from stages.engines import prompt_token_ids
-    from stages.policy import load_policy
+    from stages.rollout.engines import prompt_token_ids
+    from stages.training.policy import load_policy
 
     _, tokenizer = load_policy(policy / "model", None)
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in _prompts(5)]
@@ -81,8 +81,8 @@ def test_token_prompts_sample_as_their_conversations(policy):
     assert torch.equal(by_text["input_ids"], by_ids["input_ids"])
     assert torch.equal(by_text["attention_mask"], by_ids["attention_mask"])
 
-    from stages.engines import Policy
-    from stages.engines.hf import TransformersEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.hf import TransformersEngine
 
     tokens = [{"prompt_token_ids": i} for i in prompt_token_ids(tokenizer, _prompts())]
     engine, model = TransformersEngine(batch_size=8), Policy(base_dir=policy / "model", adapter_dir=policy / "adapter")
@@ -94,7 +94,7 @@ def test_token_prompts_sample_as_their_conversations(policy):
 def test_rollout_ignores_other_threads(policy):
     """Samples are the same whether or not another thread reseeds, draws from torch's global RNG and loads
     LoRA policies meanwhile (an eval beside a rollout, an optimize round beside a prefetched rollout)."""
-    from stages.policy import load_policy
+    from stages.training.policy import load_policy
 
     alone = _sample(policy, _sampling())
     stop, disturbances = threading.Event(), []
@@ -120,8 +120,9 @@ def test_rollout_ignores_other_threads(policy):
 def test_loading_and_eval_draw_nothing_from_the_global_rng(policy, tmp_path):
     """load_policy (PEFT would otherwise initialize the adapter's layers randomly before loading them) and
     the greedy eval leave torch's global RNG as it was, so they cannot shift a concurrent optimize round's."""
-    from stages import evaluate, transform  # noqa: F401
-    from stages.policy import load_policy
+    from stages.data import transform# noqa: F401
+    from stages.evaluation import evaluate# noqa: F401
+    from stages.training.policy import load_policy
 
     state = torch.get_rng_state()
     load_policy(policy / "model", policy / "adapter")
@@ -137,9 +138,9 @@ def test_max_prompt_length_keeps_the_end_of_each_prompt(policy, tmp_path):
     import pyarrow.parquet as pq
     from pydantic import ValidationError
 
-    from stages import rollout
-    from stages.engines import Policy, prompt_token_ids
-    from stages.policy import load_policy
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy, prompt_token_ids
+    from stages.training.policy import load_policy
 
     cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=4, max_prompt_length=5)
     metrics = rollout.run(cfg, Policy(policy / "model"), policy / "prompts" / "train.parquet", 0, tmp_path)

@@ -1,4 +1,4 @@
-"""One policy for device and precision (stages/devices.py, issue 26): bf16 on CPU guards the GPU path.
+"""One policy for device and precision (stages/runtime/devices.py, issue 26): bf16 on CPU guards the GPU path.
 
 Every model-running stage is run here with train.precision bf16 on the CPU (bf16 works on CPU, slowly) and the
 dtypes of its weights, optimizer state and saved files are checked; a scan of stages/ holds that no module but
@@ -19,11 +19,13 @@ from conftest import tiny_round, write_scored
 from safetensors import safe_open
 
 from flows.config import ConfigError, load_config
-from stages import devices, ebft, evaluate, export, grpo
-from stages.devices import DeviceConfig
-from stages.engines import Policy, Sampling
-from stages.engines.hf import TransformersEngine
-from stages.policy import load_policy
+from stages.evaluation import evaluate
+from stages.rollout.engines import Policy, Sampling
+from stages.rollout.engines.hf import TransformersEngine
+from stages.runtime import devices
+from stages.runtime.devices import DeviceConfig
+from stages.training import ebft, export, grpo
+from stages.training.policy import load_policy
 
 BF16 = DeviceConfig(device="cpu", precision="bf16")
 FP32 = DeviceConfig(device="cpu", precision="fp32")
@@ -137,7 +139,7 @@ def test_no_stage_places_or_casts_a_model_by_itself():
             continue
         if found := _model_loads(ast.parse(path.read_text())):
             offenders[str(path.relative_to(STAGES.parent))] = found
-    assert not offenders, f"load models through stages/devices.py: {offenders}"
+    assert not offenders, f"load models through stages/runtime/devices.py: {offenders}"
 
 
 def test_the_scan_finds_a_stray_load():
@@ -242,7 +244,7 @@ def test_each_reward_worker_is_its_own_local_rank():
     """A reward model in worker i goes to GPU i % GPUs: workers know their slot as LOCAL_RANK."""
     import sys
 
-    from stages.reward_workers import RewardWorkerPool
+    from stages.scoring.reward_workers import RewardWorkerPool
 
     sys.path.insert(0, str(Path(__file__).parent))
     pool = RewardWorkerPool(["toy_rewards.local_rank"], num_workers=2, timeout_s=30)

@@ -1,4 +1,4 @@
-"""The HF/TRL Trainer stages (sft, dpo, reward_model orm and prm) follow stages/devices.py: with
+"""The HF/TRL Trainer stages (sft, dpo, reward_model orm and prm) follow stages/runtime/devices.py: with
 `DeviceConfig(device="cpu", precision="bf16")` the training forward passes run under bf16 autocast on fp32
 weights, the saved weights and the optimizer's moments are float32, a frozen reference model (and the reward
 scorer) is loaded in bf16, and each summary names the resolved placement. CPU only: bf16 autocast runs on
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import dpo, sft
-from stages import reward_model as rm
-from stages.demo_data import DemoDataConfig
-from stages.devices import DeviceConfig, trainer_arguments
-from stages.preferences import DemoPairsConfig, write_demo_pairs
+from stages.data.demo_data import DemoDataConfig
+from stages.data.preferences import DemoPairsConfig, write_demo_pairs
+from stages.runtime.devices import DeviceConfig, trainer_arguments
+from stages.training import dpo, sft
+from stages.training import reward_model as rm
 from conftest import tiny_preference_model
 
 BF16 = DeviceConfig(device="cpu", precision="bf16")

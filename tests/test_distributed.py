@@ -19,9 +19,11 @@ import torch
 import cluster
 from conftest import tiny_say_policy
 
-from stages import distributed, grpo, ray_training, rollout
-from stages.engines import Policy
-from stages.schemas import ROLLOUTS, SCORED, write_table
+from stages.data.schemas import ROLLOUTS, SCORED, write_table
+from stages.rollout import rollout
+from stages.rollout.engines import Policy
+from stages.runtime import distributed, ray_training
+from stages.training import grpo
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +49,7 @@ CASES = {
                     skip_zero_advantage_batches=False, optim="sgd", learning_rate=0.1),
 }
 WEIGHT_TOLERANCE = {"dapo_adamw": 2e-5}  # others: 1e-6
-# fsdp computes log-probs with a plain forward instead of the shared prompt pass (stages/grpo.py): ~1e-7 apart,
+# fsdp computes log-probs with a plain forward instead of the shared prompt pass (stages/training/grpo.py): ~1e-7 apart,
 # which Adam's first steps (m / sqrt(v) near a zero gradient entry) amplify to ~5e-2 of its learning rate (1e-2)
 FSDP_ADAMW_TOLERANCE = 1e-3
 
@@ -283,8 +285,8 @@ SFT_KILL_AT = 20  # the log of step 20 comes before that step's save: the newest
 
 
 def sft_on_ranks(root: str, out: str, work: str, kill_at: int | None = None, on_metrics=None, group=None) -> dict:
-    """stages.sft.run on 60 rows (15 steps an epoch); rank 0 SIGKILLs itself at the log of step kill_at."""
-    from stages import sft
+    """stages.training.sft.run on 60 rows (15 steps an epoch); rank 0 SIGKILLs itself at the log of step kill_at."""
+    from stages.training import sft
 
     def report(metrics, step):
         if on_metrics:
@@ -347,10 +349,10 @@ PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_ste
 
 
 def preference_stage(module: str, root: str, out: str, rl: str = "dpo", on_metrics=None, group=None) -> dict:
-    """stages.<module>.run (dpo with loss `rl`, or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
+    """stages.training.<module>.run (dpo with loss `rl`, or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
     import importlib
 
-    stage = importlib.import_module(f"stages.{module}")
+    stage = importlib.import_module(f"stages.training.{module}")
     if module == "dpo":
         config = stage.PreferenceOptimizationConfig(**PREFERENCE_OPTIONS, rl=rl)
     else:

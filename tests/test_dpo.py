@@ -1,4 +1,4 @@
-"""Preference optimization (stages/dpo.py): options reach TRL, DPO/IPO losses match their formulas,
+"""Preference optimization (stages/training/dpo.py): options reach TRL, DPO/IPO losses match their formulas,
 a tiny model learns the demo preferences, KTO trains on unpaired rows, and the LoRA reference is the
 adapter-disabled base unless a separate copy is asked for."""
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from peft import PeftModel
 
-from stages import dpo
-from stages.preferences import write_split
-from stages.devices import DeviceConfig
+from stages.data.preferences import write_split
+from stages.runtime.devices import DeviceConfig
+from stages.training import dpo
 from conftest import tiny_preference_model
 
 FAST = dict(micro_batch_size=8, logging_steps=1, lora_r=8, lora_alpha=16)
@@ -134,7 +134,7 @@ def test_dpo_raises_held_out_preference_accuracy(tiny, tmp_path):
     assert (tmp_path / "adapter_config.json").exists() and not (tmp_path / "_trainer").exists()
     from transformers import AutoTokenizer
 
-    from stages.policy import load_policy
+    from stages.training.policy import load_policy
 
     merged, _ = load_policy(tiny / "model", tmp_path, merge=True)  # as the export stage loads it
     eval_rows = dpo.read_rows(tiny / "prefs" / "eval.parquet")
@@ -172,7 +172,7 @@ def test_full_fine_tuning_saves_a_model_folder(tiny, tmp_path):
                                            eval_split=None, **FAST)
     summary = dpo.run(cfg, tiny / "model", tiny / "prefs", tmp_path)
     assert summary["reference"] == "separate_copy" and summary["steps"] == 2
-    from stages.policy import load_policy
+    from stages.training.policy import load_policy
 
     model, tokenizer = load_policy(tmp_path)
     assert tokenizer.chat_template and not (tmp_path / "adapter_config.json").exists()

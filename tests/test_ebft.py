@@ -1,4 +1,4 @@
-"""EBFT (stages/ebft.py): the feature-matching reward against a hand-computed example, the pooling and
+"""EBFT (stages/training/ebft.py): the feature-matching reward against a hand-computed example, the pooling and
 whitening against independent computations, the config's validation, and a tiny run whose reward rises."""
 
 import math
@@ -10,8 +10,9 @@ import torch
 from conftest import tiny_say_policy
 
 from flows.config import ConfigError, load_config
-from stages import ebft, grpo, rollout
-from stages.engines import Policy
+from stages.rollout import rollout
+from stages.rollout.engines import Policy
+from stages.training import ebft, grpo
 
 R2 = math.sqrt(2.0)
 
@@ -125,7 +126,8 @@ def tiny_policy(tmp_path_factory):
     whose `ground_truth` column (the default ebft.ground_truth template reads it) is "7" for every prompt."""
     import json
 
-    from stages import sft, transform
+    from stages.data import transform
+    from stages.training import sft
 
     root = tiny_say_policy(tmp_path_factory.mktemp("ebft"), num_prompts=32)
     raw = [{"question": f"say {i % 32}", "answer": str(i % 32), "teacher_completion": str(i % 32 + i % 2)}

@@ -1,4 +1,4 @@
-"""EBFT strided mode (stages/ebft_strided.py): the strided attention pattern against a hand-written one,
+"""EBFT strided mode (stages/training/ebft_strided.py): the strided attention pattern against a hand-written one,
 block-parallel generation against each block sampled on its own, the config, the document data path,
 and a tiny run whose feature-matching reward rises."""
 
@@ -9,8 +9,8 @@ import torch
 from test_ebft import _config
 
 from flows.config import ConfigError
-from stages import ebft, ebft_strided, grpo
-from stages.engines import Policy
+from stages.rollout.engines import Policy
+from stages.training import ebft, ebft_strided, grpo
 
 
 def test_anchors_leave_room_for_a_whole_block():
@@ -117,7 +117,7 @@ def test_text_transform_and_demo_documents(tmp_path):
     demo_data.records_per_document writes documents whose sft split states the teacher's answers."""
     import json
 
-    from stages import demo_data, transform
+    from stages.data import demo_data, transform
 
     raw = tmp_path / "docs.jsonl"
     raw.write_text(json.dumps({"body": "one two"}) + "\n" + json.dumps({"body": ""}) + "\n")
@@ -151,7 +151,8 @@ def sevens(tmp_path_factory):
 
     from conftest import tiny_model
 
-    from stages import sft, transform
+    from stages.data import transform
+    from stages.training import sft
 
     root = tmp_path_factory.mktemp("strided")
     rng = random.Random(0)
@@ -176,7 +177,7 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     spiked (distance 0.29 at round 4) on an AVX-512 machine, and the last rounds had not recovered. The mean reward is not the yardstick
     here: alignment minus diversity is ~0 both for unrelated samples and for n samples that all equal the
     reference. The rows keep where each block came from (document, anchor, the document's own text)."""
-    from stages.rollout import RolloutConfig
+    from stages.rollout.rollout import RolloutConfig
 
     root = sevens
     model = root / "policy"
@@ -208,7 +209,7 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
 def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
     """Prompt rows without a document column, and documents too short for one block, fail with the file
     and what to change; a short document among others is skipped and counted."""
-    from stages.rollout import RolloutConfig
+    from stages.rollout.rollout import RolloutConfig
 
     policy = Policy(sevens / "policy")
     rollout_cfg = RolloutConfig(num_generations=2, prompts_per_round=10, max_completion_length=4)

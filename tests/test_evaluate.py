@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from stages.evaluate import answer_stats
-from stages.rewards import accuracy_reward
+from stages.evaluation.evaluate import answer_stats
+from stages.scoring.rewards import accuracy_reward
 from tasks.reporting import accuracy_notes
 from tasks.store import MANIFEST
 
@@ -37,7 +37,7 @@ def test_free_text_answers_are_read_whether_or_not_a_period_ends_them():
     one LaTeX expression (a product of its letters) and scored 0 even when it stated the gold answer, which put a
     SmolLM2 run that had learned the task at 0.21 instead of 0.77. Reasoning cut off mid-way is read by its last
     number (the lenient metric); `stated_accuracy` refuses it."""
-    from stages.rewards import stated_accuracy_reward
+    from stages.scoring.rewards import stated_accuracy_reward
 
     completions = ["The largest of the three is 5", "The largest of the six numbers is 5.", "The answer is 5",
                    "To find the largest of 6, 1, 8, 5", "To find the largest of 6, 1, 5, 8"]

@@ -4,7 +4,7 @@ On the GPU (tiny models, as the CPU tests use): the optimize stage (full fine-tu
 reference model, and LoRA), the transformers rollout engine (with a merged LoRA adapter) and SFT, each with
 `DeviceConfig(device="cuda", precision="bf16")`: every tensor of every model is on the GPU, trained weights and
 their optimizer state are float32 with the forward passes under bf16 autocast, frozen weights (a reference, a
-LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/devices.py).
+LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
 On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl` runs end to end and writes
 every section's numbers.
@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from stages.devices import DeviceConfig
+from stages.runtime.devices import DeviceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_BF16 = DeviceConfig(device="cuda", precision="bf16")
@@ -57,9 +57,9 @@ def _placement(model) -> dict:
 
 @contextmanager
 def optimize_models(monkeypatch):
-    """Every model stages.grpo runs a forward of (the trained policy, a reference), as it first runs it:
+    """Every model stages.training.grpo runs a forward of (the trained policy, a reference), as it first runs it:
     {id(model): placement, with whether gradients and autocast (and its dtype) were on}."""
-    from stages import grpo
+    from stages.training import grpo
 
     seen: dict[int, dict] = {}
 
@@ -89,7 +89,7 @@ def optimize_models(monkeypatch):
 def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adapter, beta):
     from transformers import AutoTokenizer
 
-    from stages import grpo
+    from stages.training import grpo
 
     bench = _benchmark()
     scored = tmp_path / "scored.parquet"
@@ -127,9 +127,9 @@ def test_transformers_engine_generates_on_cuda_in_bf16(tiny, tmp_path, monkeypat
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from stages import policy as policy_module
-    from stages.engines import Policy, Sampling
-    from stages.engines.hf import TransformersEngine
+    from stages.rollout.engines import Policy, Sampling
+    from stages.rollout.engines.hf import TransformersEngine
+    from stages.training import policy as policy_module
 
     base = AutoModelForCausalLM.from_pretrained(tiny / "model")
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -186,7 +186,7 @@ def test_sft_trains_on_cuda_in_bf16(tiny, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages import sft
+    from stages.training import sft
 
     rows = [{"prompt": [{"role": "user", "content": f"say {i}"}], "teacher_completion": str(i * 7)} for i in range(16)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft.parquet")

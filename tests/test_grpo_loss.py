@@ -1,4 +1,4 @@
-"""Loss parity between stages/grpo.py and TRL 1.16's GRPOTrainer.
+"""Loss parity between stages/training/grpo.py and TRL 1.16's GRPOTrainer.
 
 A real `trl.GRPOTrainer` is built once (tiny random-init Qwen2, locally trained tokenizer,
 CPU, fp32). On one hand-made micro-batch -- left-padded prompts, right-padded completions
@@ -40,7 +40,7 @@ import math
 import pytest
 import torch
 
-from stages.grpo import LOSS_TYPES, collate, completion_logps, grpo_loss
+from stages.training.grpo import LOSS_TYPES, collate, completion_logps, grpo_loss
 
 TEMPERATURE = 0.7
 BETA = 0.04
@@ -74,7 +74,7 @@ def trainer(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen2Config
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.base_model import train_tokenizer
+    from stages.data.base_model import train_tokenizer
 
     tmp = tmp_path_factory.mktemp("grpo_parity")
     tokenizer = train_tokenizer(["what is 1 + 2 ? 3", "hello world, the answer is 42"] * 4, 64)
@@ -360,7 +360,7 @@ def test_unknown_loss_type_raises():
 def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
     """The sampling correction (TRL's vllm_importance_sampling_*), GSPO's sequence-level ratio and
     DeepSeek-V3.2's off-policy mask give TRL's loss and gradients on the same batch."""
-    from stages.grpo import off_policy_mask, sampling_correction
+    from stages.training.grpo import off_policy_mask, sampling_correction
 
     inputs = dict(batch["inputs"])
     mask = inputs["completion_mask"].float()
@@ -412,7 +412,7 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
 def test_mean_ratio_is_the_token_mean_of_pi_over_pi_old():
     """axolotl's `mean_ratio` (training-stability guide): exp(logp - old_logp) averaged over the completion
     tokens the mask keeps."""
-    from stages.grpo import grpo_loss
+    from stages.training.grpo import grpo_loss
 
     logps = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
     old = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.6, 0.3, 0.1]]))

@@ -16,8 +16,8 @@ import torch
 from conftest import tiny_round, write_scored
 from pydantic import ValidationError
 
-from stages import grpo
-from stages.schemas import REPLAYED, write_table
+from stages.data.schemas import REPLAYED, write_table
+from stages.training import grpo
 
 ROWS = 32  # 8 prompts x 4 generations
 ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
@@ -226,7 +226,7 @@ def test_adafactor_trains_and_its_state_carries_to_the_next_round(tiny, caplog):
     steps = [s["step"] for s in _optimizer_state(r1)["state_dict"]["state"].values()]
     assert steps and all(float(s) == 4 for s in steps)  # 2 steps per round, continued
 
-    with caplog.at_level(logging.WARNING, logger="stages.grpo"):
+    with caplog.at_level(logging.WARNING, logger="stages.training.grpo"):
         switched, _, r2 = _run(root, scored, "adamw_r2", prev=r1, round_index=2, optim="adamw")
     assert switched["optimizer_state"] == "reset" and switched["optimizer_steps"] == 2
     assert "grpo.optim is adamw" in caplog.text and "holds adafactor state" in caplog.text
@@ -247,7 +247,7 @@ def test_adamw_state_from_before_optim_existed_still_loads(tiny):
 def test_adam_betas_and_epsilon_reach_adamw_and_stay_out_of_the_default_key(tiny):
     """TRL/axolotl's adam_beta1, adam_beta2, adam_epsilon: AdamW gets them (its saved param_groups say so);
     unset they are torch's defaults and no key holds them; another optimizer refuses them."""
-    from stages.keys import key_fields
+    from stages.runtime.keys import key_fields
 
     root, rows = tiny
     scored = _scored(root, "betas", rows)

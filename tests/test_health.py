@@ -11,7 +11,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from stages.health import Finding, HealthConfig, TrainingUnhealthy, check_round, collapse_metrics, quarantine
+from stages.evaluation.health import Finding, HealthConfig, TrainingUnhealthy, check_round, collapse_metrics, quarantine
 
 HEALTHY = {  # inside every default range (axolotl's healthy values)
     "train/reward_mean": 0.4, "train/reward_std": 0.3, "train/frac_reward_zero_std": 0.5, "train/entropy": 0.3,
@@ -221,8 +221,8 @@ def test_score_summary_carries_the_collapse_metrics(tmp_path, out_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages import reward_pools, score
-    from stages.schemas import ROLLOUTS
+    from stages.data.schemas import ROLLOUTS
+    from stages.scoring import reward_pools, score
 
     rows = [{"rollout_id": f"r0-p{p}-g{g}", "prompt_id": f"p{p}", "group_index": g,
              "prompt": [{"role": "user", "content": f"Which is the largest of {gold}, 1?"}],

@@ -6,8 +6,10 @@ import pytest
 import torch
 from conftest import tiny_say_policy
 
-from stages import grpo, rollout, score
-from stages.engines import Policy
+from stages.rollout import rollout
+from stages.rollout.engines import Policy
+from stages.scoring import score
+from stages.training import grpo
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +86,8 @@ def _optimize(root, scored_path, out_name, **grpo_kwargs):
 def test_shared_prompt_cache_changes_nothing(tiny_policy, monkeypatch, do_sample):
     """A prompt repeated in a batch (a GRPO group) is prefilled once; the completions and their log-probs are
     those of the plain batched generate (same seed)."""
-    from stages.engines import Sampling, hf
-    from stages.policy import load_policy
+    from stages.rollout.engines import Sampling, hf
+    from stages.training.policy import load_policy
 
     model, tokenizer = load_policy(tiny_policy / "model")
     rows = pq.read_table(tiny_policy / "prompts" / "train.parquet").to_pylist()[:6]
@@ -190,7 +192,7 @@ def test_rollout_worker_process_writes_what_the_flow_process_writes(tiny_policy)
     """rollout.worker_process: same rollouts table (same seeds, same re-rolled prompts), progress
     forwarded, worker errors and a killed worker surface as clear errors, and the next call starts a
     new worker."""
-    from stages.rollout_worker import RolloutWorker, RolloutWorkerError
+    from stages.rollout.rollout_worker import RolloutWorker, RolloutWorkerError
 
     root = tiny_policy
     cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=6)

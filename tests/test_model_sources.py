@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_model
-from stages import base_model, model_source
-from stages.base_model import CHAT_TEMPLATE, BaseModelConfig
-from stages.model_source import ModelSourceError
+from stages.data import base_model, model_source
+from stages.data.base_model import CHAT_TEMPLATE, BaseModelConfig
+from stages.data.model_source import ModelSourceError
 from tasks import stage_tasks
 from tasks.store import Artifact, ArtifactStore
 

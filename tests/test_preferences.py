@@ -1,4 +1,4 @@
-"""Tests for stages/preferences.py: raw preference files -> preferences tables."""
+"""Tests for stages/data/preferences.py: raw preference files -> preferences tables."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from stages import demo_data, preferences
-from stages.demo_data import DemoDataConfig, format_answer
-from stages.preferences import PREFERENCES, BadRowsError, DemoPairsConfig, PreferenceConfig
-from stages.sources import BadRowError
+from stages.data import demo_data, preferences
+from stages.data.demo_data import DemoDataConfig, format_answer
+from stages.data.preferences import PREFERENCES, BadRowsError, DemoPairsConfig, PreferenceConfig
+from stages.data.sources import BadRowError
 
 SYSTEM = "Be brief."
 Q1, GOOD1, BAD1 = "Which is larger, 9.8 or 9.11?", "9.8", "9.11"

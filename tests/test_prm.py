@@ -1,4 +1,4 @@
-"""Process reward models (stages/reward_model.py, kind: prm): labels sit on the last token of each step,
+"""Process reward models (stages/training/reward_model.py, kind: prm): labels sit on the last token of each step,
 a tiny PRM trained on the demo stepwise rows beats the majority class on held-out steps, the saved folder
 scores as a TRL reward function (a right solution above one with a wrong step; min vs last aggregation),
 and LoRA is merged into the saved folder."""
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from stages import base_model
-from stages import reward_model as rm
-from stages.demo_data import DemoDataConfig
-from stages.dpo import read_rows
-from stages.preferences import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs, write_split
+from stages.data import base_model
+from stages.data.demo_data import DemoDataConfig
+from stages.data.preferences import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs, write_split
+from stages.training import reward_model as rm
+from stages.training.dpo import read_rows
 
 # 3 numbers per question: a random-init 2-layer model learns the comparisons in ~80 steps (5 need hundreds)
 DEMO = DemoDataConfig(numbers_per_question=3, num_sft=10, num_train=10, num_eval=10, balanced_answers=False)
@@ -90,7 +90,7 @@ def test_demo_stepwise_rows():
     held_out_questions = {r["prompt"][-1]["content"] for r in held_out}
     assert len(held_out_questions) == 50  # distinct held-out rows
     assert not held_out_questions & {r["prompt"][-1]["content"] for r in train}  # disjoint splits
-    from stages.preferences import demo_eval_questions
+    from stages.data.preferences import demo_eval_questions
 
     assert not set(questions) & demo_eval_questions(DEMO)  # and disjoint from the demo task's eval split
     assert {r["kind"] for r in train} == {"stepwise"}
@@ -202,7 +202,7 @@ def test_prm_lora_is_merged_and_rows_are_checked(tiny, tmp_path):
 
 
 def prm_on_ranks(root: str, out: str, on_metrics=None, group=None) -> dict:
-    """A 20-step PRM run (stages.distributed.launch calls it on each rank)."""
+    """A 20-step PRM run (stages.runtime.distributed.launch calls it on each rank)."""
     from pathlib import Path
 
     return rm.run(rm.RewardModelConfig(max_steps=20, **FAST), Path(root) / "model", Path(root) / "prefs", Path(out),
@@ -213,7 +213,7 @@ def prm_on_ranks(root: str, out: str, on_metrics=None, group=None) -> dict:
 def test_prm_on_two_processes_equals_one(tiny, tmp_path):
     """train.num_processes 2: the same weights, and step_accuracy counted over both ranks' rows (a rank's
     own share would differ from the one-process value)."""
-    from stages import distributed
+    from stages.runtime import distributed
     from test_checkpoints import weights
 
     seen_one, seen_two = [], []

@@ -1,4 +1,4 @@
-"""Reward scoring on Ray actors (`score.backend: ray`, stages/ray_rewards.py) against a real two-node Ray
+"""Reward scoring on Ray actors (`score.backend: ray`, stages/scoring/ray_rewards.py) against a real two-node Ray
 cluster on loopback: a head and a second node started with `ray start` (tests/cluster.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from stages import reward_pools, score  # noqa: E402
-from stages.reward_workers import RewardFunctionError  # noqa: E402
-from stages.score import ScoreConfig  # noqa: E402
+from stages.scoring import reward_pools, score# noqa: E402
+from stages.scoring.reward_workers import RewardFunctionError  # noqa: E402
+from stages.scoring.score import ScoreConfig  # noqa: E402
 from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
 
 
@@ -84,7 +84,7 @@ def test_actor_killed_mid_batch_costs_only_its_samples(ray_cluster, rollouts_pat
 
 
 def test_hanging_function_times_out_on_its_sample_only(ray_cluster, rollouts_path, tmp_path, user_rewards, caplog):
-    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
+    caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.hangs_on_guess"
     cfg = on_ray(ScoreConfig(reward_funcs=[name], reward_timeout_s=2, reward_batch_size=2), ray_cluster)
 
@@ -112,7 +112,7 @@ def test_reward_that_cannot_load_on_an_actor_names_itself(ray_cluster, rollouts_
 
 def test_reward_model_scores_on_actors_as_locally(ray_cluster, rollouts_path, tmp_path):
     from conftest import tiny_preference_model
-    from stages import reward_model as rm
+    from stages.training import reward_model as rm
 
     tiny = tiny_preference_model(tmp_path / "rm", num_train=16, num_eval=4)
     cfg = rm.RewardModelConfig(max_steps=2, adapter="none", micro_batch_size=8, logging_steps=1)

@@ -1,4 +1,4 @@
-"""Remote verifiers (stages/rewards/remote.py) against real servers: `posttrain serve-rewards` in a uvicorn
+"""Remote verifiers (stages/scoring/rewards/remote.py) against real servers: `posttrain serve-rewards` in a uvicorn
 subprocess on a free loopback port, and a NeMo Gym-shaped service that hangs, fails or dies on purpose
 (tests/flaky_verifier.py)."""
 
@@ -21,10 +21,10 @@ import pytest
 from cluster import free_port
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from stages import reward_pools, score
-from stages.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
-from stages.schemas import ROLLOUTS
-from stages.score import ScoreConfig
+from stages.data.schemas import ROLLOUTS
+from stages.scoring import reward_pools, score
+from stages.scoring.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
+from stages.scoring.score import ScoreConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_GENERATIONS = 4
@@ -276,8 +276,8 @@ def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
     from conftest import tiny_say_policy
     from transformers import AutoTokenizer
 
-    from stages import rollout
-    from stages.engines import Policy
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
 
     root = tiny_say_policy(tmp_path, num_prompts=4)
     port = free_port()

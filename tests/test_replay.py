@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from stages import replay
-from stages.replay import CachedGroup, ReplayBuffer, RoundSignals, group_signals
-from stages.rollout import with_rerolls
-from stages.schemas import SCORED, write_table
+from stages.data.schemas import SCORED, write_table
+from stages.rollout.rollout import with_rerolls
+from stages.scoring import replay
+from stages.scoring.replay import CachedGroup, ReplayBuffer, RoundSignals, group_signals
 from tasks.store import MANIFEST
 
 N = 4  # completions per prompt

@@ -1,4 +1,4 @@
-"""Reward models (stages/reward_model.py): a tiny ORM learns the demo preferences with TRL's RewardTrainer,
+"""Reward models (stages/training/reward_model.py): a tiny ORM learns the demo preferences with TRL's RewardTrainer,
 the saved folder loads as a sequence classifier, the scorer ranks held-out answers as a TRL reward
 function, LoRA is merged into the saved folder, and each kind names the rows it cannot train on.
 Process reward models (kind: prm): tests/test_prm.py."""
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import reward_model as rm
-from stages.dpo import read_rows
-from stages.preferences import write_split
-from stages.devices import DeviceConfig
+from stages.data.preferences import write_split
+from stages.runtime.devices import DeviceConfig
+from stages.training import reward_model as rm
+from stages.training.dpo import read_rows
 from conftest import tiny_preference_model
 
 FAST = dict(micro_batch_size=8, logging_steps=1, learning_rate=1e-3, lora_r=8, lora_alpha=16)

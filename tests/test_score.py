@@ -1,4 +1,4 @@
-"""Tests for stages/score.py and the reward worker pool it uses (stages/reward_workers.py)."""
+"""Tests for stages/scoring/score.py and the reward worker pool it uses (stages/scoring/reward_workers.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import pytest
 import yaml
 import torch
 
-from stages import reward_pools, score
-from stages.reward_pools import shared_pool
-from stages.reward_workers import RewardFunctionError
-from stages.schemas import ROLLOUTS, SCORED
-from stages.score import ScoreConfig, gdpo_advantages, group_advantages
+from stages.data.schemas import ROLLOUTS, SCORED
+from stages.scoring import reward_pools, score
+from stages.scoring.reward_pools import shared_pool
+from stages.scoring.reward_workers import RewardFunctionError
+from stages.scoring.score import ScoreConfig, gdpo_advantages, group_advantages
 
 EPS = 1e-4
 
@@ -81,7 +81,7 @@ import signal
 import threading
 import time
 
-from stages.rewards import completion_text
+from stages.scoring.rewards import completion_text
 
 CALLS = []
 
@@ -406,7 +406,7 @@ def test_user_reward_receives_trl_keywords(rollouts_path, out_dir, user_rewards)
 
 
 def test_raising_reward_scores_the_rest_of_its_batch(rollouts_path, out_dir, user_rewards, caplog):
-    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
+    caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.raises_on_done"
     cfg = ScoreConfig(reward_funcs=["format", name], reward_batch_size=2, reward_on_error=-1.0,
                       scale_rewards="none")
@@ -431,7 +431,7 @@ def test_raising_reward_scores_the_rest_of_its_batch(rollouts_path, out_dir, use
 
 @pytest.mark.timeout(60)
 def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewards, caplog):
-    caplog.set_level(logging.WARNING, logger="stages.reward_workers")
+    caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.hangs_on_guess"
     cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=1, reward_batch_size=2)
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
@@ -591,7 +591,7 @@ def test_two_threads_share_one_pool():
     """Async prefetch scores two rounds from two threads on the process-wide pool: calls take turns."""
     import threading
 
-    from stages.reward_pools import shared_pool
+    from stages.scoring.reward_pools import shared_pool
 
     pool = shared_pool(["format"], 2, 30.0)
     jobs = [("format", {"prompts": [[{"role": "user", "content": "?"}]] * 4,

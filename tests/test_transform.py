@@ -1,4 +1,4 @@
-"""Tests for stages/transform.py: raw files -> prompts.parquet."""
+"""Tests for stages/data/transform.py: raw files -> prompts.parquet."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import transform
-from stages.schemas import PROMPTS
-from stages.transform import BadRowError, TransformConfig
+from stages.data import transform
+from stages.data.schemas import PROMPTS
+from stages.data.transform import BadRowError, TransformConfig
 
 RAW = [
     {"question": "What is 2+3?", "answer": "5", "source": "gsm", "level": 1},
@@ -408,8 +408,8 @@ def test_config_rejects_unknown_keys():
 def test_a_transform_may_return_only_a_prompt(tmp_path, out_dir, user_module):
     """No `answer`: the row's answer is null (a format reward or a reward model needs none); an accuracy reward
     and the eval stage refuse such prompts, saying why."""
-    from stages import evaluate
-    from stages.rewards import accuracy_reward
+    from stages.evaluation import evaluate
+    from stages.scoring.rewards import accuracy_reward
 
     name = user_module(USER_TRANSFORM)
     transform.run(TransformConfig(type=f"{name}.prompt_only"),

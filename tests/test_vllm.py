@@ -1,6 +1,6 @@
 """The vLLM engines against real vLLM (no mocks): LoRA versions, full-weight updates in
 place, the vllm_server engine on a real `vllm serve`, and sampling log-probs that agree
-with the trainer's own (stages.grpo.completion_logps) on the same tokens.
+with the trainer's own (stages.training.grpo.completion_logps) on the same tokens.
 
 One tiny Qwen2 (hidden 128, 2 heads of 64, 2 layers) and one engine per module: the engine
 start costs ~30 s and the server start ~1 minute on 2 CPU cores.
@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.base_model import BaseModelConfig, run
+    from stages.data.base_model import BaseModelConfig, run
 
     root = tmp_path_factory.mktemp("vllm")
     texts = [f"<|im_start|>user\nlargest of {i % 10} {i * 7 % 10} {i * 3 % 10}<|im_end|>\n"
@@ -86,7 +86,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from stages.engines.vllm_local import VLLMEngine
+    from stages.rollout.engines.vllm_local import VLLMEngine
 
     eng = VLLMEngine(tiny["base"], gpu_memory_utilization=0.05, kv_cache_space_gib=0.25, max_model_len=128,
                      dtype="float32", tensor_parallel_size=1, enforce_eager=True, max_lora_rank=8,
@@ -96,17 +96,17 @@ def engine(tiny):
 
 
 def sampling(**kw):
-    from stages.engines import Sampling
+    from stages.rollout.engines import Sampling
 
     return Sampling(**{"max_new_tokens": 12, "temperature": TEMPERATURE, "seed": 7, **kw})
 
 
 def trainer_logps(model_dir: Path, adapter_dir: Path | None, rows: list[dict]) -> list[list[float]]:
-    """The optimize stage's log-probs of each row's completion tokens (stages.grpo.completion_logps)."""
+    """The optimize stage's log-probs of each row's completion tokens (stages.training.grpo.completion_logps)."""
     import torch
 
-    from stages.grpo import completion_logps
-    from stages.policy import load_policy
+    from stages.training.grpo import completion_logps
+    from stages.training.policy import load_policy
 
     model, _ = load_policy(model_dir, adapter_dir, merge=False)
     out = []
@@ -144,7 +144,7 @@ def assert_logps_close(rows, expected):
 
 
 def test_lora_versions_and_logprobs(engine, tiny):
-    from stages.engines import Policy
+    from stages.rollout.engines import Policy
 
     base_policy = Policy(tiny["base"])
     v1, v2 = (Policy(tiny["base"], adapter_dir=a, version=i + 1) for i, a in enumerate(tiny["adapters"]))
@@ -167,7 +167,7 @@ def test_lora_versions_and_logprobs(engine, tiny):
 def test_lora_merged_into_the_weights(engine, tiny):
     """lora_sync: merged (auto's choice on CPU): each adapter version is merged once and loaded in place; the
     log-probs are the trainer's for base + adapter, as with vLLM's LoRA kernels; the base comes back after."""
-    from stages.engines import Policy
+    from stages.rollout.engines import Policy
 
     v1, v2 = (Policy(tiny["base"], adapter_dir=a, version=i + 1) for i, a in enumerate(tiny["adapters"]))
     base_policy = Policy(tiny["base"])
@@ -197,7 +197,7 @@ def test_lora_merged_into_the_weights(engine, tiny):
 def test_full_weight_update(engine, tiny):
     """Full fine-tuning: a new weights folder changes the outputs in place (same LLM object, no
     restart), and the log-probs are the new model's."""
-    from stages.engines import Policy
+    from stages.rollout.engines import Policy
 
     in_place = True
 
@@ -227,7 +227,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def serving(base_dir: Path, log: Path):
     """A real `vllm serve` on loopback (from serve_command): yields (url, process); terminated at exit."""
-    from stages.engines.vllm_server import serve_command, wait_until_healthy
+    from stages.rollout.engines.vllm_server import serve_command, wait_until_healthy
 
     port = _free_port()
     argv, env = serve_command(base_dir, port, 8, {"dtype": "float32", "gpu_memory_utilization": 0.05,
@@ -272,8 +272,8 @@ def second_server(tiny, tmp_path_factory):
 
 
 def test_server_engine(server, tiny):
-    from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     eng = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
                            max_lora_rank=8)
@@ -298,8 +298,8 @@ def test_server_engine(server, tiny):
 
 
 def test_server_down_is_a_clear_error(tiny):
-    from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine, VLLMServerError
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine, VLLMServerError
 
     url = f"http://127.0.0.1:{_free_port()}"
     eng = VLLMServerEngine(tiny["base"], server_url=url, server_timeout_s=5, server_adapter_root=None, max_lora_rank=8)
@@ -316,7 +316,7 @@ def test_server_down_is_a_clear_error(tiny):
 
 
 def test_serve_command_and_adapter_root(tiny):
-    from stages.engines.vllm_server import adapter_path, serve_command
+    from stages.rollout.engines.vllm_server import adapter_path, serve_command
 
     argv, env = serve_command(tiny["base"], 8123, 16, {"dtype": "bfloat16", "max_model_len": 64,
                                                        "kv_cache_space_gib": 1.5})
@@ -345,8 +345,8 @@ def _same_completions(got: list[dict], expected: list[dict]) -> None:
 def test_two_servers_give_one_servers_completions(server, second_server, tiny):
     """Data parallel over two replicas: both serve a share, and per-prompt seeds make the result the
     single server's, for every adapter version (each loaded on both servers)."""
-    from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     one = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
     two = VLLMServerEngine(tiny["base"], server_urls=[server, second_server["url"]], server_timeout_s=120,
@@ -370,8 +370,8 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
     """Kill one replica while a round is being generated: the round finishes on the other, with the
     completions one server alone gives, and a warning naming the stopped server. Runs last: the
     second server stays down."""
-    from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     policy = Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1)
     one = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
@@ -386,7 +386,7 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
             _signal_group(second_server["proc"], signal.SIGKILL)  # the server and its engine processes
 
     try:
-        with caplog.at_level(logging.WARNING, logger="stages.engines.vllm_server"):
+        with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.vllm_server"):
             got = two.generate(policy, MANY, sampling(seed=11), on_progress=progress)
         _same_completions(got, expected)
         assert sum(done) == len(MANY)
@@ -395,7 +395,7 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
         assert served[server]["completions"] + served[second_server["url"]]["completions"] == len(MANY)
         assert served[second_server["url"]]["completions"] < len(MANY) - 6
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="stages.engines.vllm_server"):
+        with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.vllm_server"):
             again = two.generate(policy, MANY[:8], sampling(seed=11))  # the next round: on the live server alone
         _same_completions(again, expected[:8])
         assert f"no vLLM server answers at {second_server['url']}" in caplog.text
@@ -428,8 +428,8 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
     """Two vLLM engines in Ray actors: LoRA versions and full weights synced to both, the same completions
     as one in-process engine; an engine killed before a round costs nothing but its share's time, and
     the next round starts a replacement."""
-    from stages.engines import Policy
-    from stages.engines.ray_vllm import RayVLLMEngine
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.ray_vllm import RayVLLMEngine
 
     ray_engine = RayVLLMEngine(tiny["base"], num_engines=2, num_cpus_per_engine=1, gpu_memory_utilization=0.05,
                                kv_cache_space_gib=0.25, max_model_len=128, dtype="float32", tensor_parallel_size=1,
@@ -448,14 +448,14 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
 
         policy = policies[0]
         local_ray.kill(ray_engine.actors[1], no_restart=True)
-        with caplog.at_level(logging.WARNING, logger="stages.engines.ray_vllm"):
+        with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.ray_vllm"):
             got = ray_engine.generate(policy, MANY, sampling(seed=5))
         _same_completions(got, engine.generate(policy, MANY, sampling(seed=5)))
         assert "ray_vllm: an engine was lost" in caplog.text
         assert [(s["completions"], s["lost"]) for s in ray_engine.last_call.values()] == [(len(MANY), False),
                                                                                            (0, True)]
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="stages.engines.ray_vllm"):
+        with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.ray_vllm"):
             ray_engine.generate(policy, MANY[:4], sampling())
         assert "starting 1 engine(s) in place of those lost" in caplog.text
         assert [s["completions"] for s in ray_engine.last_call.values()] == [2, 2]
@@ -464,8 +464,8 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
 
 
 def test_ray_vllm_engine_that_cannot_start_says_why(local_ray, tmp_path):
-    from stages.engines import Policy
-    from stages.engines.ray_vllm import RayVLLMEngine, RayVLLMError
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.ray_vllm import RayVLLMEngine, RayVLLMError
 
     missing = tmp_path / "no-model"
     ray_engine = RayVLLMEngine(missing, num_engines=1, startup_timeout_s=300, max_model_len=128, kv_cache_space_gib=0.25)
@@ -492,9 +492,9 @@ def test_atropos_policy_server_on_a_vllm_server_with_the_round_adapter(server, t
     """rollout.source: atropos with rollout.engine vllm_server: the policy server the environments call
     samples through a real `vllm serve`, with the round's LoRA adapter loaded per policy version; its
     answers' log-probs are the optimize stage's for that adapter."""
-    from stages import atropos
-    from stages.engines import Policy
-    from stages.engines.vllm_server import VLLMServerEngine
+    from stages.rollout import atropos
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     engine = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
                               max_lora_rank=8)
@@ -515,8 +515,8 @@ def test_atropos_policy_server_on_a_vllm_server_with_the_round_adapter(server, t
 def test_atropos_policy_server_serves_full_weights(engine, tiny):
     """grpo.adapter: none under rollout.source: atropos: the policy server samples the round's full weights
     (the in-process vLLM engine takes them in place), and says which version they are."""
-    from stages import atropos
-    from stages.engines import Policy
+    from stages.rollout import atropos
+    from stages.rollout.engines import Policy
 
     url = f"http://127.0.0.1:{_free_port()}"
     policy_server = atropos.PolicyServer(url, engine, Policy(tiny["base"], weights_dir=tiny["full"], version=4))

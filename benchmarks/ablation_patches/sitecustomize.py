@@ -10,7 +10,7 @@ patches named in ABLATION_PATCHES (comma-separated). Only that benchmark puts th
 
 import os
 
-import stages.grpo
+import stages.training.grpo
 
 PATCHES = {name for name in os.environ.get("ABLATION_PATCHES", "").split(",") if name}
 
@@ -21,7 +21,7 @@ def _copy_rows_by_indexing(cache, index):
         layer.values = layer.values[index]
 
 
-_step_normalizer = stages.grpo.dapo_normalizer
+_step_normalizer = stages.training.grpo.dapo_normalizer
 
 
 def _round_mean_normalizer(steps, step_index, masked_out):
@@ -32,6 +32,6 @@ unknown = PATCHES - {"atomic_grad_order", "trl_dapo_normalizer"}
 if unknown:
     raise SystemExit(f"ABLATION_PATCHES: unknown patch(es) {sorted(unknown)}")
 if "atomic_grad_order" in PATCHES:
-    stages.grpo._copy_rows = _copy_rows_by_indexing
+    stages.training.grpo._copy_rows = _copy_rows_by_indexing
 if "trl_dapo_normalizer" in PATCHES:
-    stages.grpo.dapo_normalizer = _round_mean_normalizer
+    stages.training.grpo.dapo_normalizer = _round_mean_normalizer

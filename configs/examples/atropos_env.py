@@ -1,6 +1,6 @@
 """An Atropos environment for posttrain's demo task, "which is the largest of five numbers", procedural and
-offline: the questions of the demo's train split (stages/demo_data.py, same seed), scored with our built-in
-`accuracy` reward. It samples the policy posttrain serves (stages/atropos.py PolicyServer, or any
+offline: the questions of the demo's train split (stages/data/demo_data.py, same seed), scored with our built-in
+`accuracy` reward. It samples the policy posttrain serves (stages/rollout/atropos.py PolicyServer, or any
 OpenAI-compatible server that returns vLLM's `prompt_token_ids` / `token_ids` with `return_token_ids`)
 and sends each group to Atropos' API with the sampled tokens' log-probs and, in `overrides`, the policy
 version that sampled them, its name and the gold answer.
@@ -31,7 +31,7 @@ from pydantic import Field  # noqa: E402
 class LargestNumberConfig(BaseEnvConfig):
     max_completion_tokens: int = Field(default=16, description="Tokens sampled at most per completion")
     temperature: float = Field(default=1.0, description="Sampling temperature")
-    demo_seed: int = Field(default=1234, description="stages/demo_data.py seed (the train split's questions)")
+    demo_seed: int = Field(default=1234, description="stages/data/demo_data.py seed (the train split's questions)")
     num_items: int = Field(default=4000, description="Questions in the cycle (the demo's num_train)")
 
 
@@ -72,7 +72,7 @@ class LargestNumberEnv(BaseEnv):
     async def setup(self):
         import pyarrow.parquet as pq
 
-        from stages import demo_data
+        from stages.data import demo_data
 
         with tempfile.TemporaryDirectory() as d:
             demo_data.run(demo_data.DemoDataConfig(seed=self.config.demo_seed, num_train=self.config.num_items,
@@ -86,7 +86,7 @@ class LargestNumberEnv(BaseEnv):
         return item
 
     async def collect_trajectories(self, item):
-        from stages.rewards import accuracy_reward
+        from stages.scoring.rewards import accuracy_reward
 
         resp = await self.server.chat_completion(
             messages=item["prompt"], n=self.config.group_size, max_tokens=self.config.max_completion_tokens,

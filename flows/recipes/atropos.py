@@ -1,5 +1,5 @@
 """posttrain as an Atropos trainer (rollout.source: atropos): each round pulls one scored batch that Atropos
-environments made by sampling the policy posttrain serves (stages/atropos.py), stores it as the round's rollouts
+environments made by sampling the policy posttrain serves (stages/rollout/atropos.py), stores it as the round's rollouts
 and scores, and optimizes on it with GRPO's loss. The environments sample and score: score.reward_funcs, replay and
 re-rolls are not read (flows/config.py refuses them set).
 
@@ -22,11 +22,11 @@ def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
 
 
 def atropos_rounds(ctx: RunContext, policy, prompts, log_round) -> tuple:
-    """rollout.source: atropos (stages/atropos.py): each round pulls one scored batch from the Atropos API,
+    """rollout.source: atropos (stages/rollout/atropos.py): each round pulls one scored batch from the Atropos API,
     stores it (rollouts, then scored), and optimizes on it; the policy server samples the newest policy."""
-    from stages import atropos
-    from stages.engines import get_engine
-    from stages.rollout import engine_options
+    from stages.rollout import atropos
+    from stages.rollout.engines import get_engine
+    from stages.rollout.rollout import engine_options
 
     cfg = ctx.config
     session = atropos.AtroposSession(

@@ -2,7 +2,7 @@
 score.reward_funcs (verifiers, your functions, remote verifiers, and/or a reward model this run trains first on the
 preferences). gdpo is the same rounds with score.multi_objective_aggregation normalize_then_sum (flows/config.py).
 
-Departures from TRL's GRPOTrainer (stages/grpo.py says more): a round is one generation batch of
+Departures from TRL's GRPOTrainer (stages/training/grpo.py says more): a round is one generation batch of
 rollout.prompts_per_round x num_generations completions, cached as artifacts; pi_old is the policy at the start of
 the round; rollouts may be prefetched rounds ahead (rollout.async_prefetch), and zero-signal groups replaced from a
 replay buffer (grpo.replay_buffer_size) or re-rolled, as axolotl does.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flows.rounds import Trained, logged_rounds, sampled_rounds
 from flows.run import log_preferences
-from stages.score import metric_name
+from stages.scoring.score import metric_name
 from tasks.stage_tasks import RunContext, preferences_task, reward_model_task, score_task
 
 

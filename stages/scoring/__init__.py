@@ -1,0 +1,2 @@
+"""Rewards: the score stage, built-in reward functions, reward worker processes and Ray actors that run them,
+the pools that keep them between rounds, and the replay buffer of groups with signal."""

@@ -1,0 +1,306 @@
+"""score: reward functions over a round's rollouts, weighted total, group-relative advantages.
+
+Rewards run in `reward_num_workers` spawned subprocesses (stages/scoring/reward_workers.py). A reward
+function that raises, hangs past `reward_timeout_s` or kills its worker on a sample does not stop
+the stage: that sample gets `reward_on_error` for that function, the row's `errors` column says
+what happened ("accuracy: TimeoutError after 60 s"), and `score/errors` counts them. A function
+that returns the wrong number of values or a non-number does stop it (a bug, not a flaky sample).
+
+Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
+- `sum_then_normalize` (GRPO): A = r - mean_group(r), divided by (std + 1e-4) where std is the
+  group's (`scale_rewards: group`), the batch's (`batch`), or not at all (`none`, Dr. GRPO), with
+  r the weighted sum of the reward functions.
+- `normalize_then_sum` (GDPO, arXiv 2601.05242): each function is normalized within the group
+  first, then weighted-summed and normalized over the batch (`gdpo_advantages`).
+A reward function may return None for a sample it does not apply to; that sample counts as 0 in
+the weighted sum, as TRL's nansum does, and is left out of GDPO's per-function group statistics
+and of the `rewards/<name>/mean|std` metrics.
+
+The summary also holds the round's collapse metrics (`rollout/top_answer_frac`, distinct answers,
+identical groups; stages/evaluation/health.py `collapse_metrics`), which the health checks read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stages.data.schemas import ROLLOUTS, SCORED, write_table
+from stages.evaluation.health import collapse_metrics
+from stages.runtime.imports import LazyModule
+from stages.runtime.keys import not_in_key
+from stages.scoring.reward_pools import shared_pool
+from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source
+from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
+
+torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
+
+__all__ = ["ScoreConfig", "group_advantages", "gdpo_advantages", "run", "RewardFunctionError"]
+
+
+class RayScoringConfig(BaseModel):
+    """Where `backend: ray` scores (stages/scoring/ray_rewards.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None
+    """Ray cluster to join (`host:6379`, `ray://host:10001`); unset: RAY_ADDRESS, else a local Ray instance."""
+    num_cpus_per_actor: float = Field(1.0, gt=0)
+    """CPUs Ray reserves for each reward actor (`reward_num_workers` actors)."""
+
+
+class ScoreConfig(BaseModel):
+    """Rewards and advantages (names as in TRL's GRPOConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"], min_length=1)
+    """Built-in names (accuracy, format), `module.fn` with TRL's signature, `reward_model` (this run's) or
+    `reward_model:<folder>`, or `remote:<name>`: the HTTP verifier `<name>` of `remote_verifiers`."""
+    remote_verifiers: dict[str, RemoteVerifierConfig] = Field(default_factory=dict)
+    """HTTP verification services by name (NeMo Gym resources-server `/verify`, or `posttrain
+    serve-rewards`), each scoring the completions of `remote:<name>` (stages/scoring/rewards/remote.py). They run
+    inside the reward workers, so reward_timeout_s, reward_on_error and the errors column hold for them."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function; unset: all 1.0."""
+    reward_num_workers: int = Field(2, ge=1)
+    """Workers scoring in parallel: subprocesses, or Ray actors with `backend: ray`."""
+    backend: Literal["local", "ray"] = not_in_key("local")
+    """local: worker subprocesses of this run. ray: actors on a Ray cluster (`ray`), same contract
+    (timeouts, dead workers replaced, reward_on_error); not part of the stage key (same scores)."""
+    ray: RayScoringConfig = not_in_key(default_factory=RayScoringConfig)
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
+    sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
+    false timeouts on slow graders; a hanging function costs up to (1 + batch size / workers) times this."""
+    reward_on_error: float = 0.0
+    """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
+    `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
+    reward_batch_size: int = Field(64, ge=1)
+    """Completions per call of a reward function."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the group's std (GRPO), the batch's std, or nothing (Dr. GRPO).
+    Only for `sum_then_normalize`; `normalize_then_sum` always ends with a batch normalization, as TRL.
+    TRL's booleans are accepted: true is group, false is none."""
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_booleans(cls, value):
+        """TRL's `scale_rewards: true | false` (its older values) as the names it now uses."""
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """TRL's option of the same name. sum_then_normalize (GRPO, TRL's default): weighted sum of the reward
+    functions, then group advantages. normalize_then_sum (GDPO): normalize each function within the group,
+    then weighted sum, then normalize over the batch; keeps e.g. (format 1, correct 0) and (format 0,
+    correct 1) apart where their sums collide. Same result with a single reward function up to the batch
+    normalization."""
+
+    @model_validator(mode="after")
+    def _remote_names_defined(self):
+        check_remote_names(self.reward_funcs, self.remote_verifiers)
+        for name, verifier in self.remote_verifiers.items():
+            worst = verifier.worst_case_s()
+            if worst > self.reward_timeout_s:
+                raise ValueError(
+                    f"remote_verifiers.{name}: timeout_s x (retries + 1) + backoff = {worst:g} s is more than "
+                    f"reward_timeout_s = {self.reward_timeout_s:g} s, so a hanging service would be cut off by the "
+                    "worker pool's timeout instead of its own; lower timeout_s or retries, or raise reward_timeout_s")
+        return self
+
+    @model_validator(mode="after")
+    def _weights_match(self):
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
+            )
+        return self
+
+
+def reward_spread(totals: torch.Tensor, num_generations: int) -> dict[str, float]:
+    """The round's reward statistics, as TRL logs them: `reward_mean`; `reward_std`, the mean over prompt groups
+    of the std within each group (what the advantages see); `reward_std_batch`, the std over all completions;
+    `frac_reward_zero_std`, the share of groups whose completions all got one reward (no gradient)."""
+    grouped = totals.view(-1, num_generations).double()
+    group_std = grouped.std(dim=1)
+    return {"reward_mean": float(totals.mean()), "reward_std": float(group_std.mean()),
+            "reward_std_batch": float(totals.std()), "frac_reward_zero_std": float((group_std < 1e-8).float().mean())}
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out group by group (TRL's GRPOTrainer).
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none").tolist()
+    [0.5, -0.5, 0.0, 0.0]
+    >>> [round(a, 3) for a in group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, "group").tolist()]
+    [0.707, -0.707, 0.0, 0.0]
+    """
+    grouped = rewards.view(-1, num_generations)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "group":
+        std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+    elif scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards)
+    else:
+        return advantages
+    return advantages / (std + 1e-4)
+
+
+def _nanstd(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Unbiased std along dim ignoring NaN (TRL's `nanstd`); NaN where fewer than 2 values."""
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim)
+    squares = torch.nansum((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=keepdim)
+    return torch.sqrt(squares / (count - 1).clamp(min=0))
+
+
+def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO advantages (`multi_objective_aggregation: normalize_then_sum`) for rewards (n, F) laid out
+    group by group; NaN (a None reward) is left out of the group's mean and std and adds 0 to the sum.
+
+    As TRL's GRPOTrainer with `multi_objective_aggregation="normalize_then_sum"` (which axolotl's
+    `rl: gdpo` sets) and the GDPO paper (arXiv 2601.05242), with unbiased stds:
+    A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + 1e-4) for each function k,
+    A = sum_k w_k A_k, then (A - mean_batch(A)) / (std_batch(A) + 1e-4).
+
+    (format, correct) = (1, 0) and (0, 1) have the same sum, hence the same GRPO advantage; not here:
+
+    >>> rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])  # one group of 4
+    >>> [round(a, 3) for a in group_advantages(rewards.sum(dim=1), 4, "group").tolist()]
+    [-0.5, -0.5, -0.5, 1.5]
+    >>> [round(a, 3) for a in gdpo_advantages(rewards, torch.tensor([1.0, 1.0]), 4).tolist()]
+    [-0.398, -0.689, -0.398, 1.486]
+    """
+    # TRL: GRPOTrainer._generate_and_score_completions, branch multi_objective_aggregation == "normalize_then_sum".
+    num_funcs = rewards_per_func.shape[1]
+    grouped = rewards_per_func.reshape(-1, num_generations, num_funcs)
+    per_func = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    summed = torch.nansum(per_func.reshape(-1, num_funcs) * weights.to(per_func.dtype), dim=1)
+    # As TRL 1.16: a row where every function returned None is left out of the batch stats, advantage 0.
+    summed[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    std = _nanstd(summed, dim=0) if summed.numel() > 1 else torch.zeros((), dtype=summed.dtype)
+    return torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)
+
+
+def metric_name(name: str) -> str:
+    """`rewards/<this>/mean`: the function's own name (`pkg.mod.fn` -> fn; a reward model -> reward_model)."""
+    if name == "reward_model" or name.startswith(REWARD_MODEL_PREFIX):
+        return "reward_model"
+    return name.rsplit(".", 1)[-1]
+
+
+def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
+        reward_model_dir: Path | None = None, devices=None) -> dict:
+    """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
+    folder the reward function named `reward_model` scores with (this run's reward_model stage).
+    `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto)."""
+    sources = worker_sources(cfg, reward_model_dir, devices)
+    table = pq.read_table(rollouts_path)
+    rows = table.to_pylist()
+    n = len(rows)
+    if n % num_generations:
+        raise ValueError(f"{rollouts_path}: {n} rows is not a multiple of num_generations={num_generations}")
+    columns = [c for c in table.column_names if c not in ROLLOUTS.names or c in ("prompt_id",)]
+    weights = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
+
+    jobs = []
+    for name in cfg.reward_funcs:
+        for start in range(0, n, cfg.reward_batch_size):
+            chunk = rows[start : start + cfg.reward_batch_size]
+            batch = {
+                "prompts": [r["prompt"] for r in chunk],
+                "completions": [[{"role": "assistant", "content": r["completion"]}] for r in chunk],
+                "completion_ids": [r["completion_token_ids"] for r in chunk],
+                **{c: [r[c] for r in chunk] for c in columns},
+            }
+            jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
+    ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray)
+    worker_stats: list = []
+    started = time.perf_counter()
+    outputs = pool.score(jobs, worker_stats)
+    scoring_s = time.perf_counter() - started
+
+    # Values come back job by job: function by function, then row batch by row batch.
+    per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
+    errors: list[list[str]] = [[] for _ in range(n)]
+    for (name, _, _), (values, failed) in zip(jobs, outputs):
+        for i, v in enumerate(values):
+            row = len(per_function[name])
+            if i in failed:
+                v = cfg.reward_on_error
+                errors[row].append(failed[i])
+            per_function[name].append(float("nan") if v is None else float(v))
+
+    matrix = torch.tensor([per_function[name] for name in cfg.reward_funcs], dtype=torch.float64).T  # (n, F)
+    weights_t = torch.tensor(weights, dtype=torch.float64)
+    totals = torch.nansum(matrix * weights_t, dim=1)
+    if cfg.multi_objective_aggregation == "normalize_then_sum":
+        advantages = gdpo_advantages(matrix, weights_t, num_generations)
+    else:
+        advantages = group_advantages(totals, num_generations, cfg.scale_rewards)
+
+    rewards_column = [
+        [(name, None if math.isnan(matrix[i, f]) else float(matrix[i, f])) for f, name in enumerate(cfg.reward_funcs)]
+        for i in range(n)
+    ]
+    scored = (
+        table.append_column("rewards", pa.array(rewards_column, type=SCORED.field("rewards").type))
+        .append_column("reward", pa.array(totals.tolist(), type=pa.float64()))
+        .append_column("advantage", pa.array(advantages.tolist(), type=pa.float64()))
+        .append_column("errors", pa.array(errors, type=SCORED.field("errors").type))
+    )
+    write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
+    metrics = {
+        **reward_spread(totals, num_generations),
+        "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
+        **_function_metrics(cfg, matrix), **_worker_metrics(worker_stats, scoring_s, pool if ray else None),
+    }
+    # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for stages/evaluation/health.py
+    metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
+                                    [r["answer"] for r in rows] if "answer" in table.column_names else None))
+    return metrics
+
+
+def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices) -> dict:
+    """What the reward workers build besides functions they import: reward models (this run's, or named by
+    folder) placed per `devices`, and each remote verifier's client."""
+    sources = {}
+    if "reward_model" in cfg.reward_funcs:
+        if reward_model_dir is None:
+            raise ValueError("score.reward_funcs: 'reward_model' needs a reward model; this run trains none "
+                             "(or name a folder: reward_model:/path/to/model)")
+        sources["reward_model"] = reward_model_source(Path(reward_model_dir).resolve(), devices)
+    for name in cfg.reward_funcs:  # a reward model named by its folder: placed the same way
+        if name.startswith(REWARD_MODEL_PREFIX) and devices is not None:
+            sources[name] = reward_model_source(name[len(REWARD_MODEL_PREFIX):], devices)
+    for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
+        if name.startswith(REMOTE_PREFIX):
+            sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])
+    return sources
+
+
+def _function_metrics(cfg: ScoreConfig, matrix) -> dict:
+    """rewards/<name>/mean|std per function, None (NaN) left out, as TRL's."""
+    metrics = {}
+    for f, name in enumerate(cfg.reward_funcs):
+        metrics[f"rewards/{metric_name(name)}/mean"] = float(torch.nanmean(matrix[:, f]))
+        metrics[f"rewards/{metric_name(name)}/std"] = float(_nanstd(matrix[:, f], dim=0))
+    return metrics
+
+
+def _worker_metrics(worker_stats: list, scoring_s: float, ray_pool=None) -> dict:
+    """Where the scoring ran and how fast (the nested score run in MLflow; not compared between runs)."""
+    answered = sum(done for done, _ in worker_stats)
+    metrics = {"workers/count": len(worker_stats), "workers/samples_per_s": answered / scoring_s if scoring_s else 0.0}
+    for slot, (done, busy) in enumerate(worker_stats):
+        metrics[f"workers/{slot}/samples_per_s"] = done / busy if busy else 0.0
+    if ray_pool is not None:
+        metrics["workers/ray_nodes"] = len({node for node, _ in ray_pool.placement()})
+    return metrics
+
+

@@ -1,0 +1,805 @@
+"""Reward models on a preferences table: a Bradley-Terry outcome reward model (ORM) with TRL, and a
+process reward model (PRM) trained here as TRL's PRMTrainer did.
+
+Reads `<split>.parquet` written by stages/data/preferences.py.
+
+`kind: orm` trains TRL's RewardTrainer (loss -log sigmoid(r(chosen) - r(rejected))) on the rows of
+kind `pair`, with a scalar head (AutoModelForSequenceClassification, num_labels=1, head `score`)
+initialised from the causal LM folder in model_dir: its transformer body is kept, lm_head is dropped,
+the head starts random. The score of a sequence is the head's output at its last non-pad token.
+
+`kind: prm` trains a token classifier (AutoModelForTokenClassification, num_labels=2: 0 bad, 1 good,
+head `score`) on the rows of kind `stepwise` (axolotl `stepwise_supervised`) with a plain transformers
+Trainer, cross-entropy over the labelled tokens only (-100 elsewhere). TRL 1.16 no longer ships
+PRMTrainer; this follows its `tokenize_row` (each step tokenized on its own, steps joined by
+`step_separator`, one label per step) except that:
+- the prompt is rendered with the chat template plus generation prompt (the steps are the assistant turn);
+- a step's label sits on its own last token and the separator only goes between steps (TRL appends it
+  to every step and labels it), so the scored text is the completion exactly as the policy wrote it,
+  and the tiny model of tests/test_prm.py learns much faster (held-out step accuracy 0.85 vs 0.65,
+  majority class 0.65, after 80 steps);
+- every step is trained (no `train_on_last_step_only`); too-long rows are dropped, as the ORM does.
+A step's score is P(good) at its last token; a sample's score is its weakest step's
+(`step_aggregation: min`) or its last step's.
+
+Device and precision: `devices` (stages/runtime/devices.py), like stages/training/dpo.py: the trained model in fp32 with
+fp32 optimizer state, forward under the Trainer's bf16/fp16 autocast where the precision asks for it;
+the scorer loads a saved folder frozen in the compute dtype. out_dir gets a complete model folder (LoRA
+merged into the weights) with the tokenizer and its chat template, plus `reward_model.json` ({kind,
+step_separator, step_aggregation, max_length}). `RewardModelScorer` loads such a folder once and
+scores (prompt, completion) samples with TRL's reward-function signature, so a trained reward model
+can drive GRPO beside (or instead of) rule-based rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.runtime import checkpoints
+from stages.runtime import devices as devices_module
+from stages.runtime.devices import DeviceConfig
+from stages.runtime.keys import not_in_key
+
+METRIC_PREFIX = "reward_model/"
+KINDS = ("orm", "prm")
+METADATA_FILE = "reward_model.json"
+"""Written beside the weights: {kind, step_separator, step_aggregation, max_length}; the scorer reads it."""
+IGNORE_INDEX = -100
+"""Label of the tokens a PRM is not trained on (torch cross-entropy's ignore_index)."""
+
+
+class RewardModelConfig(BaseModel):
+    """Reward model training (TRL RewardTrainer options; names as in stages/training/dpo.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["orm", "prm"] = "orm"
+    """orm: Bradley-Terry outcome reward model on `pair` rows (TRL RewardTrainer); prm: process reward
+    model on `stepwise` rows (token classification, good/bad label at the end of each step)."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """AdamW learning rate, linear decay (TRL `learning_rate`)."""
+    num_train_epochs: float = Field(1.0, gt=0)
+    """Passes over the training split (TRL `num_train_epochs`); `max_steps` overrides it."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run; unset: as many as `num_train_epochs` take (TRL `max_steps`, -1)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Pairs (orm; each is two sequences) or step sequences (prm) per forward/backward pass
+    (TRL `per_device_train_batch_size`)."""
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step (TRL `gradient_accumulation_steps`)."""
+    max_length: int = Field(1024, ge=8)
+    """Tokens of prompt + completion. Training drops (does not truncate) longer rows (TRL's RewardTrainer
+    does so for pairs; prm does the same for step sequences); the scorer keeps the last `max_length` tokens."""
+    logging_steps: int = Field(10, ge=1)
+    """Optimizer steps between metric reports to `on_metrics` (TRL `logging_steps`)."""
+    save_steps: int | None = not_in_key(100, ge=1)
+    """Optimizer steps between checkpoints a rerun resumes from (TRL `save_steps`; stages/runtime/checkpoints.py);
+    null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
+    adapter: Literal["lora", "none"] = "none"
+    """none: full fine-tuning of the (small) model; lora: PEFT LoRA on `lora_target_modules` with the
+    `score` head (either kind) fully trained (modules_to_save), merged into the saved folder."""
+    lora_r: int = Field(16, ge=1)
+    """LoRA rank (peft LoraConfig.r)."""
+    lora_alpha: int = Field(32, ge=1)
+    """LoRA scaling numerator: updates are scaled by lora_alpha / lora_r (peft LoraConfig.lora_alpha)."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input (peft LoraConfig.lora_dropout); restored after TRL's disable_dropout."""
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Linear layers that get LoRA weights (peft LoraConfig.target_modules)."""
+    split: str = "train"
+    """The preferences split trained on (`<split>.parquet` in the preferences folder)."""
+    eval_split: str | None = "eval"
+    """Held-out split for accuracy before and after training (orm: pairwise accuracy on its `pair` rows;
+    prm: step accuracy on its `stepwise` rows); skipped when unset or absent."""
+    seed: int = 0
+    """Seed for the head's initialization, data order and LoRA initialization (TRL `seed`)."""
+    step_aggregation: Literal["min", "last"] = "min"
+    """prm: how per-step scores P(good) become a sample's score, saved in the model folder for the scorer.
+    min: the weakest step (one bad step sinks the sample; the usual choice for verifying reasoning);
+    last: the last step's (what the model thinks of the whole solution once it has read it)."""
+    step_separator: str = Field("\n", min_length=1)
+    """prm: text between steps (TRL PRMConfig `step_separator`); each step's label sits on its own last
+    token. Saved in the model folder: the scorer splits completions on it, so training steps must
+    not contain it (for multi-line steps use a blank line, "\\n\\n")."""
+
+
+# ---------------------------------------------------------------- TRL config, model, data
+
+
+def build_trl_config(cfg: RewardModelConfig, output_dir: Path, devices: DeviceConfig | None = None):
+    """TRL RewardConfig for `cfg`: the training settings of stages/training/dpo.py's `training_args`."""
+    from trl import RewardConfig
+
+    from stages.training.trainer_setup import training_args
+
+    return RewardConfig(**training_args(cfg, output_dir, "reward_model", devices))
+
+
+def lora_config(cfg: RewardModelConfig):
+    """PEFT LoraConfig for `adapter: lora` (None for `adapter: none`); the `score` head is trained in full."""
+    if cfg.adapter == "none":
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_target_modules, modules_to_save=["score"],
+                      task_type="TOKEN_CLS" if cfg.kind == "prm" else "SEQ_CLS")
+
+
+def load_reward_model(model_dir: Path, tokenizer, seed: int = 0, devices: DeviceConfig | None = None):
+    """AutoModelForSequenceClassification (num_labels=1) from a causal LM or reward model folder, trainable
+    (fp32 on the device of `devices`), with config.pad_token_id set to the tokenizer's (the score is read at
+    the last non-pad token)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.training.policy import MODEL_LOADING
+
+    try:  # silences the expected "score missing / lm_head unexpected" load report
+        from trl.trainer.reward_trainer import suppress_seqcls_warning
+    except ImportError:  # pragma: no cover - other TRL layouts
+        from contextlib import nullcontext as suppress_seqcls_warning
+    torch.manual_seed(seed)  # the new head's initialization
+    with MODEL_LOADING, suppress_seqcls_warning():
+        model = devices_module.load_trainable(AutoModelForSequenceClassification, model_dir, devices, num_labels=1)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _messages(value) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def to_trl_rows(rows: list[dict], split: str = "train") -> list[dict]:
+    """Preferences rows of kind `pair` -> TRL's conversational {prompt, chosen, rejected}; other kinds
+    raise ValueError naming them."""
+    out, unusable = [], []
+    for row in rows:
+        kind = row.get("kind") or "pair"
+        if kind == "pair":
+            out.append({"prompt": _messages(row["prompt"]), "chosen": _messages(row["chosen"]),
+                        "rejected": _messages(row["rejected"])})
+        else:
+            unusable.append((row.get("pair_id"), kind))
+    if unusable:
+        listed = ", ".join(f"{pid} ({kind})" for pid, kind in unusable[:5])
+        raise ValueError(f"preferences split {split!r}: {len(unusable)} row(s) an outcome reward model (kind: orm) "
+                         f"cannot train on (it needs kind pair; stepwise rows train kind: prm): {listed}")
+    if not out:
+        raise ValueError(f"preferences split {split!r} has no rows")
+    return out
+
+
+def check_kind(kind: str) -> None:
+    """Raise ValueError naming the kinds when `kind` is none of them."""
+    if kind not in KINDS:
+        raise ValueError(f"reward_model.kind: unknown {kind!r}; available: {', '.join(KINDS)}")
+
+
+# ---------------------------------------------------------------- PRM model and data
+
+
+@contextmanager
+def _new_token_head():
+    """Silence the expected load report of a token classifier built from a causal LM folder: the
+    `score` head is new (missing) and `lm_head` is not used (unexpected), as TRL does for the ORM."""
+    from transformers.modeling_layers import GenericForTokenClassification as cls
+
+    names = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
+    old = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
+    cls._keys_to_ignore_on_load_missing = list(getattr(cls, names[0], None) or []) + [r"^score\."]
+    cls._keys_to_ignore_on_load_unexpected = list(getattr(cls, names[1], None) or []) + [r"^lm_head\."]
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in old:
+                setattr(cls, name, old[name])
+            else:
+                delattr(cls, name)
+
+
+def load_process_reward_model(model_dir: Path, tokenizer, seed: int = 0, devices: DeviceConfig | None = None):
+    """AutoModelForTokenClassification (num_labels=2: 0 bad, 1 good) from a causal LM or PRM folder, trainable
+    (fp32 on the device of `devices`), with config.pad_token_id set to the tokenizer's."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from stages.training.policy import MODEL_LOADING
+
+    torch.manual_seed(seed)  # the new head's initialization
+    with MODEL_LOADING, _new_token_head():
+        model = devices_module.load_trainable(
+            AutoModelForTokenClassification, model_dir, devices, num_labels=2, id2label={0: "bad", 1: "good"},
+            label2id={"bad": 0, "good": 1})
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def join_steps(prompt_ids: list[int], steps_ids: list[list[int]],
+               separator_ids: list[int]) -> tuple[list[int], list[int]]:
+    """prompt, then the steps with the separator between them -> (input_ids, ends), ends[i] the index of
+    step i's last token (where its label goes; TRL's PRMTrainer put it on a separator appended to every step).
+
+    >>> join_steps([1, 2], [[5, 6], [7]], [9])
+    ([1, 2, 5, 6, 9, 7], [3, 5])
+    """
+    ids, ends = list(prompt_ids), []
+    for i, step in enumerate(steps_ids):
+        if i:
+            ids += list(separator_ids)
+        ids += list(step)
+        ends.append(len(ids) - 1)
+    return ids, ends
+
+
+def step_labels(length: int, ends: list[int], labels: list[bool]) -> list[int]:
+    """Token labels for a PRM: 1 (good) / 0 (bad) at each step's last token, IGNORE_INDEX elsewhere.
+
+    >>> step_labels(6, [3, 5], [True, False])
+    [-100, -100, -100, 1, -100, 0]
+    """
+    if len(ends) != len(labels):
+        raise ValueError(f"step_labels: {len(labels)} labels for {len(ends)} steps")
+    out = [IGNORE_INDEX] * length
+    for end, label in zip(ends, labels):
+        out[end] = int(bool(label))
+    return out
+
+
+def split_steps(completion, step_separator: str) -> list[str]:
+    r"""A completion (a string, or assistant messages as TRL passes conversational completions: their
+    contents joined by the separator) -> its steps: split on `step_separator`, blank pieces left out (a
+    trailing separator adds no step); a completion with no non-blank piece is one step, as it is.
+
+    >>> split_steps("Compare 3 and 8: keep 8\n<answer>8</answer>\n", "\n")
+    ['Compare 3 and 8: keep 8', '<answer>8</answer>']
+    """
+    text = completion if isinstance(completion, str) else step_separator.join(m["content"] for m in completion)
+    steps = [step for step in text.split(step_separator) if step.strip()]
+    return steps or [text]
+
+
+def encode_steps(tokenizer, prompt, steps: list[str], step_separator: str) -> tuple[list[int], list[int]]:
+    """(input_ids, ends) of a chat-templated prompt (with the generation prompt: the steps are the assistant
+    turn) followed by the steps, each tokenized on its own (so a step's last token is its own), the
+    separator's tokens between them: the completion text as the policy wrote it."""
+    prompt_ids = list(tokenizer.apply_chat_template(_as_messages(prompt, "user"), add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"])
+    steps_ids = [tokenizer(step, add_special_tokens=False)["input_ids"] for step in steps]
+    return join_steps(prompt_ids, steps_ids, tokenizer(step_separator, add_special_tokens=False)["input_ids"])
+
+
+def keep_last(ids: list[int], ends: list[int], max_length: int | None) -> tuple[list[int], list[int]]:
+    """The last `max_length` tokens and the step ends still among them (re-indexed)."""
+    if not max_length or len(ids) <= max_length:
+        return ids, ends
+    cut = len(ids) - max_length
+    return ids[cut:], [end - cut for end in ends if end >= cut]
+
+
+def to_prm_rows(rows: list[dict], split: str, step_separator: str) -> list[dict]:
+    """Preferences rows of kind `stepwise` -> {prompt, completions, labels}; other kinds, and steps containing
+    the separator (the scorer could not find their ends), raise ValueError naming the rows."""
+    out, unusable, split_inside = [], [], []
+    for row in rows:
+        kind = row.get("kind") or "pair"
+        if kind != "stepwise":
+            unusable.append((row.get("pair_id"), kind))
+        elif any(step_separator in step for step in row["completions"]):
+            split_inside.append(row.get("pair_id"))
+        else:
+            out.append({"prompt": _messages(row["prompt"]), "completions": list(row["completions"]),
+                        "labels": [bool(v) for v in row["labels"]]})
+    if unusable:
+        listed = ", ".join(f"{pid} ({kind})" for pid, kind in unusable[:5])
+        raise ValueError(f"preferences split {split!r}: {len(unusable)} row(s) a process reward model (kind: prm) "
+                         f"cannot train on (it needs kind stepwise, e.g. preferences.type: stepwise_supervised "
+                         f"or demo_pairs.kind: stepwise): {listed}")
+    if split_inside:
+        raise ValueError(f"preferences split {split!r}: {len(split_inside)} row(s) with a step that contains "
+                         f"reward_model.step_separator {step_separator!r}: {', '.join(split_inside[:5])}; "
+                         f"set a separator the steps do not contain (e.g. '\\n\\n')")
+    if not out:
+        raise ValueError(f"preferences split {split!r} has no rows")
+    return out
+
+
+def prm_features(tokenizer, rows: list[dict], step_separator: str) -> list[dict]:
+    """{input_ids, labels} per stepwise row (to_prm_rows output), labels at step ends (see step_labels)."""
+    out = []
+    for row in rows:
+        ids, ends = encode_steps(tokenizer, row["prompt"], row["completions"], step_separator)
+        out.append({"input_ids": ids, "labels": step_labels(len(ids), ends, row["labels"])})
+    return out
+
+
+def collate_steps(features: list[dict], pad_token_id: int) -> dict:
+    """Right-padded batch: input_ids (pad_token_id), attention_mask, labels (IGNORE_INDEX on padding)."""
+    import torch
+
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(features), width), dtype=torch.long)
+    labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n] = torch.tensor(f["input_ids"])
+        attention[i, :n] = 1
+        labels[i, :n] = torch.tensor(f["labels"])
+    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def _as_messages(value, role: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _messages(value)
+
+
+def encode(tokenizer, prompt, completion, max_length: int | None = None) -> list[int]:
+    """Token ids of prompt + completion with the chat template, as TRL's RewardTrainer tokenizes a
+    conversational pair side (no generation prompt). Plain strings become a user / an assistant message.
+    Longer than `max_length`: the last `max_length` tokens (the score reads the last one)."""
+    messages = _as_messages(prompt, "user") + _as_messages(completion, "assistant")
+    ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    return ids[-max_length:] if max_length else ids
+
+
+def score_ids(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 32) -> list[float]:
+    """Scalar scores of token-id sequences (right-padded batches, no grad, eval mode restored after)."""
+    import torch
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[float] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(sequences), batch_size):
+                chunk = sequences[start : start + batch_size]
+                width = max(len(s) for s in chunk)
+                ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+                attention = torch.zeros((len(chunk), width), dtype=torch.long)
+                for i, s in enumerate(chunk):
+                    ids[i, : len(s)] = torch.tensor(s)
+                    attention[i, : len(s)] = 1
+                logits = model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+                out += logits[:, 0].float().tolist()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def pairwise_accuracy(model, tokenizer, rows: list[dict], max_length: int | None = None,
+                      batch_size: int = 32) -> float:
+    """Fraction of pairs with score(prompt + chosen) > score(prompt + rejected)."""
+    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None]
+    if not pairs:
+        raise ValueError("pairwise_accuracy: no rows with chosen and rejected")
+    chosen = [encode(tokenizer, r["prompt"], r["chosen"], max_length) for r in pairs]
+    rejected = [encode(tokenizer, r["prompt"], r["rejected"], max_length) for r in pairs]
+    scores = score_ids(model, chosen + rejected, model.config.pad_token_id, batch_size)
+    n = len(pairs)
+    return sum(c > r for c, r in zip(scores[:n], scores[n:])) / n
+
+
+def step_scores(model, sequences: list[tuple[list[int], list[int]]], pad_token_id: int,
+                batch_size: int = 32) -> list[list[float]]:
+    """P(good) at each step end of (input_ids, ends) sequences, from a 2-label token classifier
+    (right-padded batches, no grad, eval mode restored after)."""
+    import torch
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[list[float]] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(sequences), batch_size):
+                chunk = sequences[start : start + batch_size]
+                batch = collate_steps([{"input_ids": ids, "labels": [IGNORE_INDEX] * len(ids)} for ids, _ in chunk],
+                                      pad_token_id)
+                logits = model(input_ids=batch["input_ids"].to(device),
+                               attention_mask=batch["attention_mask"].to(device)).logits
+                good = logits.float().softmax(-1)[..., 1].cpu()
+                out += [good[i, ends].tolist() for i, (_, ends) in enumerate(chunk)]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def aggregate_steps(scores: list[float], how: Literal["min", "last"]) -> float:
+    """One score from per-step scores: the weakest step's (min) or the last step's (last).
+
+    >>> aggregate_steps([0.9, 0.2, 0.8], "min"), aggregate_steps([0.9, 0.2, 0.8], "last")
+    (0.2, 0.8)
+    """
+    if not scores:
+        raise ValueError("aggregate_steps: no step scores")
+    if how == "min":
+        return min(scores)
+    if how == "last":
+        return scores[-1]
+    raise ValueError(f"step_aggregation: {how!r}, expected 'min' or 'last'")
+
+
+def step_accuracy(model, tokenizer, rows: list[dict], step_separator: str, max_length: int | None = None,
+                  batch_size: int = 32) -> float:
+    """Fraction of labelled steps of stepwise rows whose prediction (P(good) > 0.5) matches the label."""
+    sequences, labels = [], []
+    for row in rows:
+        ids, ends = encode_steps(tokenizer, row["prompt"], row["completions"], step_separator)
+        ids, kept = keep_last(ids, ends, max_length)
+        sequences.append((ids, kept))
+        labels.append([bool(v) for v in row["labels"]][len(ends) - len(kept):])
+    if not sequences:
+        raise ValueError("step_accuracy: no stepwise rows")
+    scores = step_scores(model, sequences, model.config.pad_token_id, batch_size)
+    hits = [(p > 0.5) == label for ps, ls in zip(scores, labels) for p, label in zip(ps, ls)]
+    return sum(hits) / len(hits)
+
+
+def read_metadata(model_dir: Path) -> dict:
+    """A reward model folder's reward_model.json; without one (a folder saved elsewhere) the kind is read
+    from config.json: a token classifier is a PRM with the default separator, anything else an ORM."""
+    model_dir = Path(model_dir)
+    if (model_dir / METADATA_FILE).exists():
+        return json.loads((model_dir / METADATA_FILE).read_text())
+    config = json.loads((model_dir / "config.json").read_text())
+    token_classifier = any(a.endswith("ForTokenClassification") for a in config.get("architectures") or [])
+    return {"kind": "prm" if token_classifier else "orm"}
+
+
+class RewardModelScorer:
+    """A saved reward model as a TRL reward function: `scorer(prompts, completions, **kwargs) -> list[float]`.
+
+    Loads the folder once, frozen (`devices`, stages/runtime/devices.py: its device, weights in the compute
+    dtype, eval mode; None: auto): an ORM as AutoModelForSequenceClassification, a PRM as
+    AutoModelForTokenClassification (the kind from its reward_model.json, see `read_metadata`). Prompts
+    are chat message lists or strings (a string is a user message); completions are assistant message
+    lists, as TRL passes them for conversational data, or strings (an assistant message). Each sample is
+    rendered with the folder's chat template exactly as in training and scored in batches without grad.
+    ORM: the head's output at the last token. PRM: the completion is split into steps on the folder's
+    step separator, each step scored P(good) at its last token (`step_scores`), and the steps aggregated
+    by `step_aggregation` (unset: the folder's, else min) into a score in [0, 1].
+    """
+
+    def __init__(self, model_dir: Path | str, batch_size: int = 32,
+                 step_aggregation: Literal["min", "last"] | None = None, max_length: int | None = None,
+                 devices: DeviceConfig | None = None, step_separator: str | None = None):
+        from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+
+        from stages.training.policy import MODEL_LOADING
+
+        self.model_dir = Path(model_dir)
+        metadata = read_metadata(self.model_dir)
+        self.kind = metadata.get("kind", "orm")
+        step_aggregation = step_aggregation or metadata.get("step_aggregation") or "min"
+        if step_aggregation not in ("min", "last"):
+            raise ValueError(f"step_aggregation: {step_aggregation!r}, expected 'min' or 'last'")
+        self.batch_size = batch_size
+        self.step_aggregation = step_aggregation
+        self.step_separator = step_separator or metadata.get("step_separator") or "\n"
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        auto_class = AutoModelForTokenClassification if self.kind == "prm" else AutoModelForSequenceClassification
+        with MODEL_LOADING:
+            self.model = devices_module.load_frozen(auto_class, self.model_dir, devices)
+        expected = 2 if self.kind == "prm" else 1
+        if self.model.config.num_labels != expected:
+            raise ValueError(f"{self.model_dir}: num_labels={self.model.config.num_labels}; "
+                             f"a {self.kind.upper()} reward model has {expected}")
+        if self.model.config.pad_token_id is None:
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
+        self.__name__ = "reward_model"
+
+    def score_steps(self, prompts: list, completions: list) -> list[list[float]]:
+        """PRM: P(good) of each step of each sample (steps cut off by max_length are left out)."""
+        if self.kind != "prm":
+            raise ValueError(f"{self.model_dir}: an outcome reward model has no step scores")
+        sequences = []
+        for prompt, completion in zip(prompts, completions):
+            ids, ends = encode_steps(self.tokenizer, prompt, split_steps(completion, self.step_separator),
+                                     self.step_separator)
+            sequences.append(keep_last(ids, ends, self.max_length))
+        return step_scores(self.model, sequences, self.model.config.pad_token_id, self.batch_size)
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        if len(prompts) != len(completions):
+            raise ValueError(f"reward_model: {len(prompts)} prompts but {len(completions)} completions")
+        if self.kind == "prm":
+            return [aggregate_steps(steps, self.step_aggregation) for steps in self.score_steps(prompts, completions)]
+        sequences = [encode(self.tokenizer, p, c, self.max_length) for p, c in zip(prompts, completions)]
+        return score_ids(self.model, sequences, self.model.config.pad_token_id, self.batch_size)
+
+
+def reward_model_function(model_dir: Path | str, batch_size: int = 32,
+                          step_aggregation: Literal["min", "last"] | None = None,
+                          devices: DeviceConfig | None = None) -> Callable[..., list[float]]:
+    """A TRL reward function scoring with the reward model in model_dir (loaded now, once, placed by
+    `devices`: see RewardModelScorer); its `__name__` is "reward_model" (the name TRL and the reports give
+    its column)."""
+    scorer = RewardModelScorer(model_dir, batch_size=batch_size, step_aggregation=step_aggregation, devices=devices)
+
+    def reward_model(prompts: list, completions: list, **kwargs) -> list[float]:
+        return scorer(prompts, completions, **kwargs)
+
+    reward_model.scorer = scorer
+    return reward_model
+
+
+# ---------------------------------------------------------------- training
+
+
+def _save(trained, tokenizer, cfg: RewardModelConfig, out_dir: Path) -> None:
+    """The model folder: weights, tokenizer with its chat template, reward_model.json for the scorer."""
+    trained.config.pad_token_id = tokenizer.pad_token_id
+    trained.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)  # with the chat template the scorer renders samples with
+    metadata = {"kind": cfg.kind, "max_length": cfg.max_length}
+    if cfg.kind == "prm":
+        metadata.update(step_separator=cfg.step_separator, step_aggregation=cfg.step_aggregation)
+    (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def run(
+    cfg: RewardModelConfig,
+    model_dir: Path,
+    preferences_dir: Path,
+    out_dir: Path,
+    on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
+    group=None,
+    devices: DeviceConfig | None = None,
+) -> dict:
+    """Train a reward model from the causal LM in model_dir on preferences_dir/<split>.parquet.
+
+    out_dir gets a complete model folder (LoRA merged) with the tokenizer, chat template and
+    reward_model.json: AutoModelForSequenceClassification for `kind: orm`, AutoModelForTokenClassification
+    for `kind: prm` (see run_prm). `on_metrics` receives each logging step's numeric train metrics, keys
+    prefixed "reward_model/" (orm: loss, accuracy, margin, min_reward, mean_reward, max_reward, ...),
+    and the step. Returns {kind, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
+    eval_pairwise_accuracy_before, eval_pairwise_accuracy, device, precision (, gpu)}; the eval entries
+    are None without an eval split of pairs. Checkpoints go to work_dir and training resumes from the
+    newest complete one there (stages/runtime/checkpoints.py); None: a folder inside out_dir, deleted at the end.
+    `devices` (stages/runtime/devices.py; None: DeviceConfig(), auto): device and precision of the model.
+    """
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import RewardTrainer
+
+    from stages.data.schemas import read_rows
+    from stages.training.trainer_setup import metrics_callback, quiet_trainer
+
+    check_kind(cfg.kind)
+    if cfg.kind == "prm":
+        return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir, group, devices)
+    devices = devices or DeviceConfig()
+    model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
+    train_path = preferences_dir / f"{cfg.split}.parquet"
+    if not train_path.exists():
+        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
+    rows = read_rows(train_path)
+    train_rows = to_trl_rows(rows, cfg.split)
+    eval_pairs: list[dict] = []
+    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
+        eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_reward_model(model_dir, tokenizer, cfg.seed, devices)
+    accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
+
+    logged: list[dict] = []
+    args = build_trl_config(cfg, work_dir or out_dir / "_trainer", devices)
+    trainer = quiet_trainer(RewardTrainer(model=model, args=args,
+                                          train_dataset=datasets.Dataset.from_list(train_rows),
+                                          processing_class=tokenizer, callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
+                                          peft_config=lora_config(cfg)), cfg)
+    if len(trainer.train_dataset) == 0:
+        raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
+
+    trained = trainer.model
+    if cfg.adapter == "lora":
+        trained = trained.merge_and_unload()  # the plain sequence-classification model, score head trained
+    trained.eval()
+    accuracy_after = pairwise_accuracy(trained, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
+    if group is None or group.rank == 0:  # on ranks launched by stages/runtime/distributed.py: rank 0 alone writes
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+        _save(trained, tokenizer, cfg, out_dir)
+    return {
+        "kind": cfg.kind,
+        "rows": len(rows),
+        "train_rows": len(trainer.train_dataset),
+        "steps": result.global_step,
+        "resumed_from_step": resumed_from,
+        "train_loss": result.training_loss,
+        "final_metrics": logged[-1] if logged else {},
+        "eval_pairs": len(eval_pairs),
+        "eval_pairwise_accuracy_before": accuracy_before,
+        "eval_pairwise_accuracy": accuracy_after,
+        **devices_module.describe(devices),
+    }
+
+
+def labelled_token_loss(outputs, labels, num_items_in_batch=None):
+    """Cross-entropy summed over the labelled step-end tokens, divided by the labelled tokens of the whole
+    optimizer step (Trainer's `num_items_in_batch`: every micro-batch of the step, on every rank). So a
+    step's loss weighs every labelled token alike however the rows are cut into micro-batches and ranks,
+    and train.num_processes 2 trains what one process does (a per-rank mean would weigh a rank's tokens
+    by its own count)."""
+    import torch
+
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else (labels != IGNORE_INDEX).sum()
+    return total / count
+
+
+def _step_trainer_class():
+    """transformers Trainer that also reports `step_accuracy` (train steps whose argmax matches the label,
+    over the labelled tokens since the last log), as TRL's RewardTrainer reports `accuracy`."""
+    import torch
+    from transformers import Trainer
+
+    class StepTrainer(Trainer):
+        _correct, _total = 0, 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs["labels"]
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            with torch.no_grad():
+                mask = labels != IGNORE_INDEX
+                self._correct += int((outputs.logits.argmax(-1)[mask] == labels[mask]).sum())
+                self._total += int(mask.sum())
+            return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs, *args, **kwargs):
+            if "loss" in logs:  # every rank logs the loss at the same steps: the counts are summed over ranks
+                from stages.runtime.distributed import world_size
+
+                correct, total = self._correct, self._total
+                if world_size() > 1:
+                    import torch.distributed as dist
+
+                    counts = torch.tensor([correct, total], dtype=torch.float64)
+                    dist.all_reduce(counts)
+                    correct, total = counts.tolist()
+                if total:
+                    logs["step_accuracy"] = correct / total
+                self._correct, self._total = 0, 0
+            super().log(logs, *args, **kwargs)
+
+    return StepTrainer
+
+
+def _prm_splits(cfg: RewardModelConfig, preferences_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the train split's rows, its stepwise rows as PRM rows, the eval split's stepwise rows as PRM rows; none
+    without eval_split or that split)."""
+    from stages.data.schemas import read_rows
+
+    train_path = preferences_dir / f"{cfg.split}.parquet"
+    if not train_path.exists():
+        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
+    rows = read_rows(train_path)
+    train_rows = to_prm_rows(rows, cfg.split, cfg.step_separator)
+    eval_rows: list[dict] = []
+    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
+        held_out = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "stepwise"]
+        eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
+    return rows, train_rows, eval_rows
+
+
+def run_prm(
+    cfg: RewardModelConfig,
+    model_dir: Path,
+    preferences_dir: Path,
+    out_dir: Path,
+    on_metrics: Callable[[dict, int], None] | None = None,
+    work_dir: Path | None = None,
+    group=None,
+    devices: DeviceConfig | None = None,
+) -> dict:
+    """`kind: prm`: train a process reward model on the `stepwise` rows of preferences_dir/<split>.parquet.
+
+    Token classification (0 bad, 1 good) on the last token of each step, cross-entropy over
+    those tokens only (labels -100 elsewhere), with a plain transformers Trainer on the training settings
+    of stages/training/dpo.py's `training_args` (device and precision from `devices`; None: auto); dropout off as
+    TRL's `disable_dropout` (LoRA dropout as configured).
+    `on_metrics` receives each logging step's loss, step_accuracy (train batches), grad_norm and
+    learning_rate, and eval_step_accuracy on the held-out stepwise rows at step 0 and after the last
+    step; keys prefixed "reward_model/". Returns {kind, rows, train_rows, steps, train_loss,
+    final_metrics, eval_rows, eval_labelled_steps, eval_good_step_fraction, eval_step_accuracy_before,
+    eval_step_accuracy, eval_pairs, eval_pairwise_accuracy_before, eval_pairwise_accuracy, device,
+    precision (, gpu)}; the eval
+    entries are None without held-out stepwise rows (the pairwise ones always: a PRM has no pairs).
+    """
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, TrainingArguments
+
+    from stages.training.trainer_setup import metrics_callback, quiet_trainer, training_args
+
+    devices = devices or DeviceConfig()
+    model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
+    rows, train_rows, eval_rows = _prm_splits(cfg, preferences_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_process_reward_model(model_dir, tokenizer, cfg.seed, devices)
+    for module in model.modules():  # TRL PRMConfig disable_dropout=True (the head's dropout is 0.1)
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    features = [f for f in prm_features(tokenizer, train_rows, cfg.step_separator)
+                if len(f["input_ids"]) <= cfg.max_length]
+    if not features:
+        raise ValueError(f"reward_model: every {cfg.split!r} stepwise row is longer than "
+                         f"max_length={cfg.max_length} tokens")
+
+    def held_out_accuracy(m) -> float | None:
+        return step_accuracy(m, tokenizer, eval_rows, cfg.step_separator, cfg.max_length) if eval_rows else None
+
+    accuracy_before = held_out_accuracy(model)
+    if on_metrics and accuracy_before is not None:
+        on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_before}, 0)
+    peft_config = lora_config(cfg)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+
+    logged: list[dict] = []
+    args = {k: v for k, v in training_args(cfg, work_dir or out_dir / "_trainer", "reward_model", devices).items()
+            if k != "max_length"}
+    trainer = quiet_trainer(_step_trainer_class()(
+        model=model, args=TrainingArguments(**args, remove_unused_columns=False),
+        train_dataset=datasets.Dataset.from_list(features),
+        data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
+        compute_loss_func=labelled_token_loss,
+        callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)]), cfg)
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
+
+    trained = trainer.model
+    if cfg.adapter == "lora":
+        trained = trained.merge_and_unload()  # the plain token-classification model, score head trained
+    trained.eval()
+    accuracy_after = held_out_accuracy(trained)
+    if on_metrics and accuracy_after is not None:
+        on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_after}, result.global_step)
+    if group is None or group.rank == 0:  # on ranks launched by stages/runtime/distributed.py: rank 0 alone writes
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+        _save(trained, tokenizer, cfg, out_dir)
+    eval_labels = [label for row in eval_rows for label in row["labels"]]
+    return {
+        "kind": cfg.kind, "rows": len(rows), "train_rows": len(features), "steps": result.global_step,
+        "resumed_from_step": resumed_from, "train_loss": result.training_loss,
+        "final_metrics": logged[-1] if logged else {},
+        "eval_rows": len(eval_rows),
+        "eval_labelled_steps": len(eval_labels),
+        "eval_good_step_fraction": sum(eval_labels) / len(eval_labels) if eval_labels else None,
+        "eval_step_accuracy_before": accuracy_before,
+        "eval_step_accuracy": accuracy_after,
+        "eval_pairs": 0,
+        "eval_pairwise_accuracy_before": None,
+        "eval_pairwise_accuracy": None,
+        **devices_module.describe(devices),
+    }
