@@ -183,13 +183,17 @@ def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch)
 def test_stage_code_versions_cover_their_imports_without_importing_torch():
     from stages.runtime.imports import local_modules
 
-    assert {"stages.scoring.reward_workers", "stages.scoring.rewards.math", "stages.training.reward_model"} <= set(local_modules("stages.scoring.score"))
-    assert {"stages.rollout.engines.hf", "stages.rollout.engines.vllm_local"} <= set(local_modules("stages.rollout.rollout"))
-    assert "stages.training.trainer_setup" in local_modules("stages.training.reward_model")  # its training_args, as dpo's
-    assert not any(name.startswith(("torch", "transformers", "pydantic")) for name in local_modules("stages.training.grpo"))
-    script = ("import sys\nfrom stages import schemas\nfrom tasks.store import code_version\n"
-              "import stages.training.grpo, stages.rollout.rollout, stages.scoring.score, stages.training.reward_model, stages.training.sft, stages.training.dpo, "
-              "stages.evaluation.evaluate, stages.training.export, stages.data.base_model, stages.data.transform, stages.data.preferences\n"
+    assert {"stages.scoring.reward_workers", "stages.scoring.rewards.math",
+            "stages.training.reward_model"} <= set(local_modules("stages.scoring.score"))
+    assert {"stages.rollout.engines.hf",
+            "stages.rollout.engines.vllm_local"} <= set(local_modules("stages.rollout.rollout"))
+    assert "stages.training.trainer_setup" in local_modules("stages.training.reward_model")  # training_args, as dpo's
+    assert not any(name.startswith(("torch", "transformers", "pydantic"))
+                   for name in local_modules("stages.training.grpo"))
+    script = ("import sys\nfrom stages.data import schemas\nfrom tasks.store import code_version\n"
+              "import stages.training.grpo, stages.rollout.rollout, stages.scoring.score, stages.training.reward_model, "
+              "stages.training.sft, stages.training.dpo, stages.evaluation.evaluate, stages.training.export, "
+              "stages.data.base_model, stages.data.transform, stages.data.preferences\n"
               "for name in [m for m in sys.modules if m.startswith('stages.')]:\n"
               "    code_version(sys.modules[name], schemas)\n"
               "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported torch'\n")
