@@ -88,7 +88,8 @@ def main() -> None:
             print(f"    {question!r} -> {completion!r} (gold {answer})")
 
     print_medians(rows, [("wall s", lambda r: r["wall_s"]), ("greedy accuracy before", lambda r: r["base"]),
-                         ("greedy accuracy after", lambda r: r["final"]), ("constant baseline", lambda r: r["baseline"]),
+                         ("greedy accuracy after", lambda r: r["final"]),
+                         ("constant baseline", lambda r: r["baseline"]),
                          ("sampled accuracy before", lambda r: r["before"]["sampled_accuracy"]),
                          ("sampled accuracy after", lambda r: r["after"]["sampled_accuracy"]),
                          ("feature distance before", lambda r: r["before"]["distance"]),

@@ -50,8 +50,10 @@ def summarize(results: list[dict], answers: list[str], samples: int, reward) -> 
         "stopped": statistics.fmean(r["finish_reason"] == "stop" for r in results),
         "mean_length": statistics.fmean(len(r["completion_token_ids"]) for r in results),
         "first_tokens": Counter(r["completion_token_ids"][0] for r in results if r["completion_token_ids"]),
-        "first_tokens_halves": (Counter(r["completion_token_ids"][0] for r in results[0::2] if r["completion_token_ids"]),
-                                Counter(r["completion_token_ids"][0] for r in results[1::2] if r["completion_token_ids"])),
+        "first_tokens_halves": (Counter(r["completion_token_ids"][0] for r in results[0::2]
+                                        if r["completion_token_ids"]),
+                                Counter(r["completion_token_ids"][0] for r in results[1::2]
+                                        if r["completion_token_ids"])),
     }
 
 
@@ -102,7 +104,8 @@ def main() -> None:
         report["first_token_tv"] = total_variation(a["first_tokens"], b["first_tokens"])
         report["first_token_tv_within"] = [total_variation(*s["first_tokens_halves"]) for s in (a, b)]
         names = list(summaries)
-        print(f"reward {names[1]} - {names[0]}: {report['reward_difference']:+.4f} +- {report['reward_difference_se']:.4f} "
+        print(f"reward {names[1]} - {names[0]}: {report['reward_difference']:+.4f} "
+              f"+- {report['reward_difference_se']:.4f} "
               f"(1 s.e.); first-token TV {report['first_token_tv']:.4f} (between halves of one engine: "
               f"{report['first_token_tv_within'][0]:.4f}, {report['first_token_tv_within'][1]:.4f})")
     if args.out:

@@ -64,7 +64,8 @@ def inputs(run_dir: Path) -> tuple[Path, Path, list]:
 
 
 def optimize_times(run_dir: Path, repeat: int) -> dict:
-    """Seconds of stages.training.grpo.run on the run's round-0 scored rollouts, pi_old from the step vs its own pass."""
+    """Seconds of stages.training.grpo.run on the run's round-0 scored rollouts,
+    pi_old from the step vs its own pass."""
     import yaml
 
     from stages.training import grpo
@@ -128,8 +129,8 @@ def one_variant(variant: str, run_dir: Path, repeat: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--variants", nargs="+", default=["vllm-adapter@8192", "vllm-adapter", "vllm-merged", "vllm-base",
-                                                          "transformers"])
+    parser.add_argument("--variants", nargs="+", default=["vllm-adapter@8192", "vllm-adapter", "vllm-merged",
+                                                          "vllm-base", "transformers"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant in this process
     args = parser.parse_args()

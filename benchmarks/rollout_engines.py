@@ -34,7 +34,8 @@ def build_model(root: Path) -> Path:
     make_demo(DemoDataConfig(num_sft=2000, num_train=10, num_eval=10), root / "demo")
     import pyarrow.parquet as pq
 
-    texts = [r["question"] + " " + r["teacher_completion"] for r in pq.read_table(root / "demo" / "sft.parquet").to_pylist()]
+    texts = [r["question"] + " " + r["teacher_completion"]
+             for r in pq.read_table(root / "demo" / "sft.parquet").to_pylist()]
     tokenizer = train_tokenizer(texts, 512)
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -99,7 +100,8 @@ def main() -> None:
         engine = get_engine(kind, root / "model", options)
         report[kind] = time_engine(engine, Policy(root / "model"), prompts, sampling, args.repeats)
         if not args.no_lora:
-            report[f"{kind}+lora"] = time_engine(engine, Policy(root / "model", adapter_dir=root / "adapter", version=1),
+            report[f"{kind}+lora"] = time_engine(engine,
+                                                 Policy(root / "model", adapter_dir=root / "adapter", version=1),
                                                  prompts, sampling, args.repeats)
         engine.close()
     print(json.dumps(report, indent=2))

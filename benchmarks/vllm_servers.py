@@ -1,6 +1,7 @@
 """Data-parallel generation over vLLM servers: one server on all cores vs one server per core.
 
-  .venv/bin/python benchmarks/vllm_servers.py [--sequences 256] [--max-new-tokens 64] [--repeats 3] [--cores 0,1] [--ray]
+  .venv/bin/python benchmarks/vllm_servers.py [--sequences 256] [--max-new-tokens 64] [--repeats 3] [--cores 0,1]
+                                              [--ray]
 
 Builds the ~30M-parameter Qwen2 and LoRA adapter of benchmarks/rollout_engines.py, then times the
 `vllm_server` engine with the adapter (how the pipeline samples a LoRA policy) on
@@ -9,7 +10,8 @@ Builds the ~30M-parameter Qwen2 and LoRA adapter of benchmarks/rollout_engines.p
 - `N servers`: one `vllm serve` per core, the engine's `server_urls` listing them all,
 
 so both setups have the same cores (with `--ray`, also the `ray_vllm` engine: 1 engine of all cores and one
-engine of 1 CPU per core, on a local Ray instance; vLLM's own thread binding there). Reports each setup's server start time, first call, median
+engine of 1 CPU per core, on a local Ray instance; vLLM's own thread binding there). Reports each setup's server
+start time, first call, median
 steady-state tokens per second over `--repeats` calls, and whether the completions equal the
 single server's token for token (they must: every prompt has its own seed). On CPU the
 servers share memory bandwidth; the point here is correctness and overhead, not speed-up.

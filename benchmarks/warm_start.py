@@ -73,7 +73,8 @@ def warm_start(config: str, seed: int, overrides: list[str], samples: int, work:
     sampled = generate(model, tokenizer, [r["prompt"] for r in rows for _ in range(samples)],
                        Sampling(max_new_tokens=16, temperature=1.0, seed=seed), 256)
     greedy_rates = behaviour(questions, answers, [o["completion"] for o in greedy])
-    sampled_rates = behaviour([q for q in questions for _ in range(samples)], [a for a in answers for _ in range(samples)],
+    sampled_rates = behaviour([q for q in questions for _ in range(samples)],
+                              [a for a in answers for _ in range(samples)],
                               [o["completion"] for o in sampled])
     constant = max(answers.count(a) for a in set(answers)) / len(answers)
     return {"seed": seed, "sft_s": sft_s, "sft_loss": trained["train_loss"], "greedy_acc": greedy_rates["largest"],

@@ -43,7 +43,8 @@ SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
 AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
-                "revision_of_model": ("model", "revision"), "special_tokens": ("model", "special_tokens")}
+                "revision_of_model": ("model", "revision"), "special_tokens": ("model", "special_tokens"),
+                "chat_template": ("model", "chat_template"), "chat_template_jinja": ("model", "chat_template_jinja")}
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
 PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
 """The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
@@ -87,8 +88,6 @@ AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumula
 """axolotl's top-level training keys: the method's trainer section (grpo, dpo for the DPO family, reward_model)
 gets them."""
 AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
-                      "chat_template": ("tokenizer_default", "prompts use the tokenizer's own chat template; give a "
-                                                             "model whose tokenizer has the template you want"),
                       "eval_steps": (None, "held-out accuracy is measured before and after training (eval.every_rounds "
                                            "for GRPO), not every N optimizer steps"),
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
@@ -245,9 +244,10 @@ class PipelineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _axolotl_top_level_keys(cls, data):
-        """axolotl writes `datasets`, `test_datasets`, `val_set_size`, `base_model` and `revision_of_model` at
-        the top level: each moves to its section key (AXOLOTL_KEYS; under the DPO family's `rl`, datasets and
-        test_datasets are preference rows: `preferences`); `posttrain validate` shows where."""
+        """axolotl writes `datasets`, `test_datasets`, `val_set_size`, `base_model`, `revision_of_model`,
+        `special_tokens`, `chat_template` and `chat_template_jinja` at the top level: each moves to its section key
+        (AXOLOTL_KEYS; under the DPO family's `rl`, datasets and test_datasets are preference rows: `preferences`);
+        `posttrain validate` shows where."""
         if not isinstance(data, dict) or not data.keys() & AXOLOTL_KEYS.keys():
             return data
         data, keys = dict(data), dict(AXOLOTL_KEYS)
@@ -317,7 +317,8 @@ class PipelineConfig(BaseModel):
                 moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
             else:
                 raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, log_completions); set "
+                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
+                                 "log_completions); set "
                                  "the posttrain key instead or remove it")
         rl = data.get("rl")
         trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
@@ -499,7 +500,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _batches_split_across_processes(self):
-        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows (stages/runtime/distributed.py)."""
+        """Each of train.num_processes ranks takes micro_batch_size / num_processes rows
+        (stages/runtime/distributed.py)."""
         from stages.runtime.distributed import per_device
 
         n = self.train.num_processes
@@ -526,7 +528,8 @@ class PipelineConfig(BaseModel):
             return self
         splits = ", ".join(PROMPT_SPLITS_OF_DATASETS)
         if self.sft.enabled and self.sft.split not in PROMPT_SPLITS_OF_DATASETS:
-            raise ValueError(f"sft.split is {self.sft.split!r}, but transform.datasets makes the prompts splits {splits}. "
+            raise ValueError(f"sft.split is {self.sft.split!r}, but transform.datasets makes the prompts splits "
+                             f"{splits}. "
                              "Set sft.enabled: false (the policy starts from the model as it is, as axolotl's RL "
                              "runs do), or sft.split: train to warm-start on the datasets' rows (with "
                              "sft.completion_field naming the target column, e.g. answer)")
@@ -571,7 +574,8 @@ class PipelineConfig(BaseModel):
         """ebft.n_samples_per_prompt / generate_max_len set rollout.num_generations / max_completion_length."""
         if self.rl != "ebft":
             return self
-        for mine, theirs in (("n_samples_per_prompt", "num_generations"), ("generate_max_len", "max_completion_length")):
+        for mine, theirs in (("n_samples_per_prompt", "num_generations"),
+                             ("generate_max_len", "max_completion_length")):
             value = getattr(self.ebft, mine)
             if value is None:
                 continue
@@ -609,7 +613,8 @@ class PipelineConfig(BaseModel):
 def not_default(section: BaseModel, names) -> list[str]:
     """Those of `names` whose value in `section` differs from the field's default (sorted)."""
     fields = type(section).model_fields
-    return sorted(name for name in names if getattr(section, name) != fields[name].get_default(call_default_factory=True))
+    return sorted(name for name in names
+                  if getattr(section, name) != fields[name].get_default(call_default_factory=True))
 
 
 def axolotl_devices(keys: dict) -> dict[str, tuple]:
@@ -642,7 +647,8 @@ def axolotl_devices(keys: dict) -> dict[str, tuple]:
     kernels = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
     chosen = [k for k in kernels if keys.get(k) is True]
     if len(chosen) > 1:
-        raise ValueError(f"{' and '.join(chosen)} are all true: choose one attention kernel (train.attn_implementation)")
+        raise ValueError(f"{' and '.join(chosen)} are all true: choose one attention kernel "
+                         "(train.attn_implementation)")
     if chosen:
         out["attn_implementation"] = (kernels[chosen[0]], chosen[0])
     return out

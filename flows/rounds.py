@@ -148,7 +148,8 @@ def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, 
         if lag and r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
         eval_round(ctx, policy, prompts, adapter, r, features)
-        extra = signals.metrics(len(replaced), rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
+        extra = signals.metrics(len(replaced),
+                                rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
         metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
                                log_round, lineage_keys, extra, {"replay": train_on.key} if replaced else {})
     return adapter, lineage_keys, metrics

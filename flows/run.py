@@ -33,7 +33,8 @@ def normalize_overrides(overrides: list[str] | dict | None) -> list[str]:
 
 EVAL_METRICS = ("accuracy", "constant_baseline", "distinct_answers", "answer_entropy", "format_rate",
                 "feature_distance", "exact_blocks")
-"""eval summary keys (stages/evaluation/evaluate.py; ebft strided: stages/training/ebft_strided.py) logged to the parent run as
+"""eval summary keys (stages/evaluation/evaluate.py; ebft strided: stages/training/ebft_strided.py)
+logged to the parent run as
 eval/<key> at each evaluated step."""
 
 

@@ -174,7 +174,7 @@ def base_model_task(ctx: RunContext, prompts: Artifact) -> Artifact:
     source = model_source.resolve(cfg.path, cfg.revision) if cfg.path else None
     options = key_fields(cfg)  # a hub id's revision: as the commit it names (below)
     if source:  # the fields that build a model here (sizes, seed) make nothing of a model read from a path
-        options = {"path": cfg.path, **({"special_tokens": cfg.special_tokens} if cfg.special_tokens else {})}
+        options = {name: value for name, value in options.items() if name in base_model.PATH_FIELDS}
     if source and source.commit:  # a hub id: the commit it resolved to, not the id alone
         section = {**options, "commit": source.commit}
     elif source:  # a folder or .gguf: its files, not the prompts, make the model
@@ -209,7 +209,8 @@ def run_training(ctx: RunContext, function: Callable[..., dict], label: str, on_
     train.num_processes ranks (stages/runtime/distributed.py; where it trains, not what: train.* is in no key)."""
     processes = ctx.config.train.num_processes
     if processes > 1 and ctx.config.train.strategy == "fsdp" and function is not grpo.run:
-        logging.getLogger(__name__).warning("%s: train.strategy fsdp shards the optimize stage only; this stage trains with "
+        logging.getLogger(__name__).warning("%s: train.strategy fsdp shards the optimize stage only; "
+                                 "this stage trains with "
                                  "ddp (each rank holds the whole model) on %d processes (HF Trainer, through "
                                  "accelerate, runs CPU ranks as DDP only)", label, processes)
     if processes == 1:
@@ -317,7 +318,8 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
 def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, prompts: Artifact,
                          round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
-    """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/training/ebft_strided.py); re-rolls do not
+    """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/training/ebft_strided.py);
+    re-rolls do not
     apply (flows/config.py refuses them)."""
     cfg = ctx.config.rollout
     keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
@@ -369,7 +371,8 @@ def atropos_score_task(ctx: RunContext, rollouts: Artifact, round_index: int) ->
 
 @task(name="score", task_run_name="ebft-score-r{round_index}", cache_policy=NO_CACHE)
 def ebft_score_task(ctx: RunContext, rollouts: Artifact, round_index: int, feature_model: Artifact) -> Artifact:
-    """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy (stages/training/ebft.py)."""
+    """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy
+    (stages/training/ebft.py)."""
     n, scale = ctx.config.rollout.num_generations, ctx.config.score.scale_rewards
     section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
                                "scale_rewards": scale})

@@ -45,7 +45,8 @@ MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
 LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
 DAMAGED = ".damaged"  # under a stage folder: `posttrain verify --repair` moves damaged key folders here
-WORK = ".work"  # under the artifacts root: <stage>/<key>/, a stage's resumable checkpoints until its folder is published
+WORK = ".work"  # under the artifacts root: <stage>/<key>/, a stage's resumable checkpoints
+# until its folder is published
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,8 @@ class ArtifactStore:
             full = not isinstance(e, OSError) and isinstance(e, Exception) and _bytes_free(tmp) < 1 << 20
             shutil.rmtree(tmp, ignore_errors=True)
             if full:
-                raise StorageError(f"stage {stage} ({key})", tmp, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from e
+                raise StorageError(f"stage {stage} ({key})", tmp,
+                                   OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from e
             raise
         shutil.rmtree(self.work_path(stage, key), ignore_errors=True)
         return Artifact(stage, key, final, manifest)

@@ -158,7 +158,8 @@ def key_of(monkeypatch, tmp_path):
     from tasks import stage_tasks
     from tasks.store import ArtifactStore
 
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None, **_:
+    monkeypatch.setattr(stage_tasks, "materialize",
+                        lambda ctx, stage, module, section, inputs, produce, label=None, **_:
                         stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
 
     def key_of(task, config: dict, *args):

@@ -191,7 +191,8 @@ def test_stage_code_versions_cover_their_imports_without_importing_torch():
     assert not any(name.startswith(("torch", "transformers", "pydantic"))
                    for name in local_modules("stages.training.grpo"))
     script = ("import sys\nfrom stages.data import schemas\nfrom tasks.store import code_version\n"
-              "import stages.training.grpo, stages.rollout.rollout, stages.scoring.score, stages.training.reward_model, "
+              "import stages.training.grpo, stages.rollout.rollout, stages.scoring.score, "
+              "stages.training.reward_model, "
               "stages.training.sft, stages.training.dpo, stages.evaluation.evaluate, stages.training.export, "
               "stages.data.base_model, stages.data.transform, stages.data.preferences\n"
               "for name in [m for m in sys.modules if m.startswith('stages.')]:\n"
@@ -227,7 +228,8 @@ def test_where_training_runs_is_not_part_of_its_key(key_of, tmp_path):
     for config in ({}, elsewhere):
         assert key_of(stage_tasks.optimize_task, config, policy, None, scored, 0) == \
             key_of(stage_tasks.optimize_task, {}, policy, None, scored, 0)
-        assert key_of(stage_tasks.sft_task, config, policy, prompts) == key_of(stage_tasks.sft_task, {}, policy, prompts)
+        assert (key_of(stage_tasks.sft_task, config, policy, prompts)
+                == key_of(stage_tasks.sft_task, {}, policy, prompts))
 
 
 RUN_OPTIONS = {

@@ -162,7 +162,8 @@ def test_train_section_typos_and_batch_split(tmp_path):
     with pytest.raises(ConfigError, match="train.backend"):
         load_config(CONFIGS[0], ["train.backend=slurm"])
     with pytest.raises(ConfigError, match="ebft.ce_coef with train.strategy: fsdp is not built"):
-        load_config(next(c for c in CONFIGS if c.name == "ebft.yaml"), ["train.num_processes=2", "train.strategy=fsdp", "ebft.ce_coef=0.1"])
+        load_config(next(c for c in CONFIGS if c.name == "ebft.yaml"),
+                    ["train.num_processes=2", "train.strategy=fsdp", "ebft.ce_coef=0.1"])
     sharded = load_config(CONFIGS[0], ["train.num_processes=2", "train.strategy=fsdp", "train.backend=ray"])
     assert (sharded.train.strategy, sharded.train.backend, sharded.train.ray.placement) == ("fsdp", "ray", "spread")
     cfg = load_config(CONFIGS[0], ["train.num_processes=2"])
@@ -172,7 +173,8 @@ def test_train_section_typos_and_batch_split(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.source=atropos", "rl=ebft"], "rl: ebft with rollout.source: atropos"),
     (["rollout.source=atropos", "rl=gdpo"], "rl: gdpo with rollout.source: atropos"),
-    (["rollout.source=atropos", "score.reward_funcs=[reward_model]"], "score.reward_funcs: not read under rollout.source"),
+    (["rollout.source=atropos", "score.reward_funcs=[reward_model]"],
+     "score.reward_funcs: not read under rollout.source"),
     (["rollout.source=atropos", "score.multi_objective_aggregation=normalize_then_sum", "grpo.replay_buffer_size=4",
       "rollout.top_p=0.9"], "score.multi_objective_aggregation, grpo.replay_buffer_size, rollout.top_p: not read"),
     (["rollout.source=atropos", "grpo.reroll_start_fraction=0.5"], "grpo.reroll_start_fraction: not read"),
@@ -300,13 +302,12 @@ AXOLOTL_DOC_EXAMPLES = {
     "rlhf dpo user_defined": (
         "rl: dpo\ndatasets:\n  - path: {prefs}\n    split: train\n    type:\n      field_prompt: \"prompt\"\n"
         "      field_system: \"system\"\n      field_chosen: \"chosen\"\n      field_rejected: \"rejected\"\n"
-        "      prompt_format: \"{{prompt}}\"\n      chosen_format: \"{{chosen}}\"\n      rejected_format: \"{{rejected}}\"\n",
+        "      prompt_format: \"{{prompt}}\"\n      chosen_format: \"{{chosen}}\"\n"
+        "      rejected_format: \"{{rejected}}\"\n",
         None),
     "rlhf ipo": ("rl: ipo\ndatasets:\n  - path: {prefs}\n    type: chatml.intel\n", None),
     "rlhf orpo": ("rl: orpo\norpo_alpha: 0.1\nremove_unused_columns: false\n\nchat_template: chatml\ndatasets:\n"
-                  "  - path: {prefs}\n    type: chat_template.argilla\n",
-                  (r"chat_template: 'chatml' is not honoured here \(prompts use the tokenizer's own chat template",
-                   ["chat_template"])),
+                  "  - path: {prefs}\n    type: chat_template.argilla\n", None),
     "rlhf kto": ("rl: kto\nrl_beta: 0.1  # default\nkto_desirable_weight: 1.0  # default\n"
                  "kto_undesirable_weight: 1.0  # default\n\nremove_unused_columns: false\n\ndatasets:\n"
                  "  - path: {prefs}\n    type: llama3.ultra\n    split: train\n\ngradient_checkpointing: true\n"
@@ -326,8 +327,7 @@ AXOLOTL_DOC_EXAMPLES = {
     "reward_modelling orm": ("base_model: {model}\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\n"
                              "tokenizer_type: AutoTokenizer\n\nreward_model: true\nchat_template: gemma\ndatasets:\n"
                              "  - path: {prefs}\n    type: bradley_terry.chat_template\n\nval_set_size: 0.1\n"
-                             "eval_steps: 100\n", (r"chat_template: 'gemma' is not honoured here",
-                                                   ["chat_template", "eval_steps"])),
+                             "eval_steps: 100\n", (r"eval_steps: 100 is not honoured here", ["eval_steps"])),
     "ebft structured": (
         "base_model: {model}\nrl: ebft\nebft:\n  feature_layers: [0.25, 0.5, 0.75]\n  embed_method: last_token\n"
         "  alignment_coef: 1.0\n  diversity_coef: 1.0\ntrl:\n  num_generations: 4\n  max_completion_length: 256\n"
@@ -367,7 +367,8 @@ def test_axolotl_doc_examples_load_or_name_what_is_not_honoured(tmp_path, name):
     text, refused = AXOLOTL_DOC_EXAMPLES[name]
     (tmp_path / "model").mkdir()
     (tmp_path / "prefs.jsonl").write_text('{"question": "2+2?", "chosen": "4", "rejected": "5"}\n')
-    (tmp_path / "prompts.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n{"question": "1+1?", "answer": "2"}\n')
+    (tmp_path / "prompts.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n'
+                                            '{"question": "1+1?", "answer": "2"}\n')
     path = tmp_path / "axolotl.yaml"
     path.write_text(text.format(prefs=tmp_path / "prefs.jsonl", prompts=tmp_path / "prompts.jsonl",
                                 model=tmp_path / "model"))

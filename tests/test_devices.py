@@ -156,7 +156,8 @@ def test_optimize_full_finetune_in_bf16(tiny):
     root, scored = tiny
     model, ref = grpo._load_trainable(grpo.GRPOConfig(adapter="none", beta=0.04), root / "model", None, BF16)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16} and not any(p.requires_grad for p in ref.parameters())
+    assert ({p.dtype for p in ref.parameters()} == {torch.bfloat16}
+            and not any(p.requires_grad for p in ref.parameters()))
 
     bf16, out = _optimize(root, scored, "full_bf16", BF16, adapter="none", beta=0.04)
     fp32, out32 = _optimize(root, scored, "full_fp32", FP32, adapter="none", beta=0.04)

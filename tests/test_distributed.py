@@ -336,7 +336,8 @@ def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
     one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
     train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
     two = ray_training.launch_on_ray("test_distributed:sft_on_ranks",
-                                     {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")},
+                                     {"root": str(tmp_path), "out": str(tmp_path / "two"),
+                                      "work": str(tmp_path / "work-two")},
                                      train, "sft")
     assert two["train_nodes"] == 2 and two["steps"] == one["steps"] == 30
     assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)

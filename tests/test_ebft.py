@@ -37,7 +37,8 @@ def test_reward_matches_hand_computed_example():
     # RLOO: r_j minus the mean of the other two rewards
     r = [2 - 1 / R2, -1 / R2, 0.0]
     rloo = ebft.advantages(torch.tensor(r, dtype=torch.float64), 3, "rloo")
-    assert rloo.tolist() == pytest.approx([r[0] - (r[1] + r[2]) / 2, r[1] - (r[0] + r[2]) / 2, r[2] - (r[0] + r[1]) / 2])
+    assert rloo.tolist() == pytest.approx([r[0] - (r[1] + r[2]) / 2, r[1] - (r[0] + r[2]) / 2,
+                                           r[2] - (r[0] + r[1]) / 2])
     assert ebft.advantages(torch.tensor(r), 3, "reinforce").tolist() == pytest.approx(r)
     grpo_adv = ebft.advantages(torch.tensor(r, dtype=torch.float64), 3, "grpo", "none")
     assert grpo_adv.tolist() == pytest.approx([x - sum(r) / 3 for x in r])

@@ -174,7 +174,8 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     continuation) -> GRPO optimize, 8 rounds, on documents of sevens, from a policy that writes random digits:
     the feature-matching distance falls (measured 0.016 -> 0.010 over the last three rounds) and blocks that
     equal the document's continuation get more frequent (0.3% -> 3.4%). learning_rate 5e-3: at 1e-2 one round
-    spiked (distance 0.29 at round 4) on an AVX-512 machine, and the last rounds had not recovered. The mean reward is not the yardstick
+    spiked (distance 0.29 at round 4) on an AVX-512 machine, and the last rounds had not recovered. The mean reward
+    is not the yardstick
     here: alignment minus diversity is ~0 both for unrelated samples and for n samples that all equal the
     reference. The rows keep where each block came from (document, anchor, the document's own text)."""
     from stages.rollout.rollout import RolloutConfig
@@ -218,7 +219,8 @@ def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
     with pytest.raises(ValueError, match=r"train.parquet: none of the round's 10 documents has room for one block "
                                          r".*context_length \+ ebft.generate_max_len = 64 tokens"):
         ebft_strided.rollout(too_long, rollout_cfg, policy, docs, 0, tmp_path)
-    some = ebft.EBFTConfig(mode="strided", stride=4, context_length=40, generate_max_len=4)  # 16-25 digits: 31-49 tokens
+    some = ebft.EBFTConfig(mode="strided", stride=4, context_length=40, generate_max_len=4)  # 16-25 digits:
+    # 31-49 tokens
     summary = ebft_strided.rollout(some, rollout_cfg, policy, docs, 0, tmp_path)
     assert summary["documents"] == 3 and summary["documents_too_short"] == 7
     questions = sevens / "sft" / "sft.parquet"

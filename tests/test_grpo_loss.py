@@ -260,7 +260,8 @@ def test_per_token_logps_match_trl(trainer, batch):
     assert ours[mask].std() > 0.1  # not a constant distribution
 
 
-@pytest.mark.parametrize("bias_correction", [True, False], ids=["trl_default_kl_bias_correction", "no_kl_bias_correction"])
+@pytest.mark.parametrize("bias_correction", [True, False],
+                         ids=["trl_default_kl_bias_correction", "no_kl_bias_correction"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_loss_and_gradients_match_trl(trainer, batch, loss_type, bias_correction):
     """grpo_loss == GRPOTrainer._compute_loss (value, parameter gradients, clip/kl metrics).
@@ -278,7 +279,8 @@ def test_loss_and_gradients_match_trl(trainer, batch, loss_type, bias_correction
 
     torch.testing.assert_close(ours.detach(), theirs.detach(), **TOL, msg=lambda m: f"{loss_type} loss: {m}")
     assert math.isclose(stats["clip_ratio"], their_metrics["clip_ratio/region_mean"], rel_tol=1e-5, abs_tol=1e-6)
-    assert math.isclose(stats["kl"], their_metrics["kl"], rel_tol=1e-5, abs_tol=1e-5), (stats["kl"], their_metrics["kl"])
+    assert math.isclose(stats["kl"], their_metrics["kl"],
+                        rel_tol=1e-5, abs_tol=1e-5), (stats["kl"], their_metrics["kl"])
     assert stats["tokens"] == float(batch["inputs"]["completion_mask"].sum())
 
     assert their_grads.keys() == our_grads.keys() and their_grads
@@ -289,7 +291,8 @@ def test_loss_and_gradients_match_trl(trainer, batch, loss_type, bias_correction
 
 
 def test_accumulation_scaling(trainer, batch):
-    """Halving the window: grpo/bnpo/dr_grpo double (divided by GA), dapo does not (its normalizer is the step's tokens)."""
+    """Halving the window: grpo/bnpo/dr_grpo double (divided by GA), dapo does not
+    (its normalizer is the step's tokens)."""
     for loss_type in LOSS_TYPES:
         with torch.no_grad():
             two, _ = _our_loss(trainer, batch, loss_type, False)

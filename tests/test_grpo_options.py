@@ -164,7 +164,8 @@ def test_one_step_round_takes_pi_old_from_its_own_forward(tiny):
     assert fast_steps[0][1]["grad_norm"] == pytest.approx(slow_steps[0][1]["grad_norm"], rel=1e-4)
     a, b = _adapter(fast_out), _adapter(slow_out)
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
-    assert _run(root, scored, "two_steps", micro_batch_size=8, gradient_accumulation_steps=2)[0]["pi_old_from_step"] == 0
+    assert _run(root, scored, "two_steps", micro_batch_size=8,
+                gradient_accumulation_steps=2)[0]["pi_old_from_step"] == 0
 
 
 def test_masked_truncated_completions_contribute_no_gradient(tiny):

@@ -232,6 +232,68 @@ def test_build_fields_beside_a_model_path_are_refused():
     assert PipelineConfig.model_validate({"model": {"path": "org/model"}, "seed": 4}).model.seed == 4
 
 
+def test_chat_template_names_what_the_base_models_tokenizer_renders(folder, tmp_path, monkeypatch):
+    """axolotl's top-level chat_template: a built-in name, tokenizer_default_fallback_<name> (the tokenizer's own
+    when it has one), or jinja with its text or file; each saved with the tokenizer and in the key only when set."""
+    from transformers import AutoTokenizer
+
+    from flows.config import PipelineConfig
+    from stages.data.chat_templates import CHATML
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    cfg = PipelineConfig.model_validate({"base_model": str(folder), "chat_template": "chatml"})
+    assert cfg.model.chat_template == "chatml"
+    plain = base_model_stage(tmp_path, monkeypatch, {"path": str(folder)})
+    default = base_model_stage(tmp_path, monkeypatch, {"path": str(folder), "chat_template": "tokenizer_default"})
+    assert default.key == plain.key  # tokenizer_default is what leaving it out does
+    (tmp_path / "plain.jinja").write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                                          "{% if add_generation_prompt %}[assistant] {% endif %}")
+    own = base_model_stage(tmp_path, monkeypatch, {"path": str(folder), "chat_template": "jinja",
+                                                   "chat_template_jinja": str(tmp_path / "plain.jinja")})
+    assert own.key != plain.key
+    rendered = AutoTokenizer.from_pretrained(own.path).apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=True)
+    assert rendered == "[user] What is 2 + 2?\n[assistant] "
+    # a tokenizer without a template: the fallback is the built-in one, its end of turn the eos token
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (bare / name).unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    assert AutoTokenizer.from_pretrained(bare).chat_template is None
+    fallback = base_model_stage(tmp_path, monkeypatch, {"path": str(bare),
+                                                        "chat_template": "tokenizer_default_fallback_chatml"})
+    tokenizer = AutoTokenizer.from_pretrained(fallback.path)
+    assert (tokenizer.chat_template, tokenizer.eos_token) == (CHATML, "<|im_end|>")
+    kept = base_model_stage(tmp_path, monkeypatch, {"path": str(own.path),
+                                                    "chat_template": "tokenizer_default_fallback_llama3"})
+    assert AutoTokenizer.from_pretrained(kept.path).chat_template.startswith("{% for m in messages %}[")
+    with pytest.raises(ValueError, match=r"model.chat_template: llama3 needs the tokens <\|start_header_id\|>, "
+                                         r"<\|end_header_id\|>, <\|eot_id\|>, which the model's vocabulary"):
+        base_model.run(BaseModelConfig(path=str(folder), chat_template="llama3"), [], tmp_path / "bad")
+
+
+def test_chat_template_errors_name_the_key():
+    """An unknown name lists the ones there are; jinja needs its text; a model built here (ChatML tokens) cannot
+    take another family's template."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"model.chat_template: 'vicuna' is not a template posttrain has; "
+                                              r"use one of tokenizer_default, chatml, qwen_25, llama3, gemma"):
+        BaseModelConfig(path="org/model", chat_template="vicuna")
+    with pytest.raises(ValidationError, match=r"model.chat_template_jinja is the template of chat_template: jinja"):
+        BaseModelConfig(path="org/model", chat_template="jinja")
+    with pytest.raises(ValidationError, match=r"model.chat_template: gemma needs the tokens <start_of_turn>, "
+                                              r"<end_of_turn>; a model built here has"):
+        BaseModelConfig(chat_template="gemma")
+    with pytest.raises(ValidationError, match=r"model.chat_template_jinja: /no/such.jinja is not a file"):
+        BaseModelConfig(path="org/model", chat_template_jinja="/no/such.jinja")
+    assert BaseModelConfig(chat_template_jinja="{{ messages }}").chat_template == "jinja"
+    assert BaseModelConfig(chat_template="tokenizer_default_fallback_gemma").chat_template  # built: has its own
+
+
 def test_special_tokens_set_tokens_of_the_vocabulary(folder, tmp_path, monkeypatch):
     """axolotl's top-level special_tokens: the pad token becomes one the vocabulary has, the key follows it; a
     token the vocabulary lacks is refused naming it."""

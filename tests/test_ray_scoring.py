@@ -57,7 +57,8 @@ def test_actors_on_two_nodes_score_as_the_local_pool(ray_cluster, rollouts_path,
     local = score.run(cfg, rollouts_path, 2, tmp_path / "local")
     remote = score.run(on_ray(cfg, ray_cluster), rollouts_path, 2, tmp_path / "ray")
 
-    assert pq.read_table(tmp_path / "ray" / "scored.parquet").equals(pq.read_table(tmp_path / "local" / "scored.parquet"))
+    assert pq.read_table(tmp_path / "ray" / "scored.parquet").equals(
+        pq.read_table(tmp_path / "local" / "scored.parquet"))
     without_workers = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("workers/")}  # noqa: E731
     assert without_workers(remote) == without_workers(local)
     assert remote["workers/count"] == 2 and remote["workers/ray_nodes"] == 2  # (in the MLflow score run)

@@ -141,7 +141,8 @@ def test_whole_service_reward_is_the_weighted_sum(tmp_path, served):
     run_score(cfg, rollouts, tmp_path / "remote")
     local = ScoreConfig(reward_funcs=["accuracy", "format", "flaky_verifier.hangs_on_hang"], reward_num_workers=1)
     run_score(local, rollouts, tmp_path / "local")
-    assert [r["reward"] for r in read_scored(tmp_path / "remote")] == [r["reward"] for r in read_scored(tmp_path / "local")]
+    assert ([r["reward"] for r in read_scored(tmp_path / "remote")]
+            == [r["reward"] for r in read_scored(tmp_path / "local")])
 
 
 def test_function_hanging_inside_the_server_costs_only_its_samples(tmp_path, served):
@@ -187,7 +188,8 @@ def test_hang_and_500_cost_only_their_samples(tmp_path, flaky):
         by_prompt.setdefault(r["prompt_id"], []).append(r)
     for r in by_prompt["hang-1"]:
         assert r["rewards"] == [("remote:math", -1.0)]
-        assert r["errors"] == [f"remote:math: TimeoutError: no answer from {url}/verify within 1.5 s (after 2 attempts)"]
+        assert r["errors"] == [f"remote:math: TimeoutError: no answer from {url}/verify "
+                               "within 1.5 s (after 2 attempts)"]
     for r in by_prompt["error-2"]:
         assert r["rewards"] == [("remote:math", -1.0)]
         assert r["errors"][0].startswith(f"remote:math: HTTP 500 from {url}/verify: ")
@@ -223,7 +225,8 @@ def test_request_is_nemo_gym_verify_shape():
     vllm extras; without them this test is skipped.)"""
     Response = pytest.importorskip("openai.types.responses").Response
 
-    body = verify_request([{"role": "user", "content": "2+3?"}], [{"role": "assistant", "content": "<answer>5</answer>"}],
+    body = verify_request([{"role": "user", "content": "2+3?"}],
+                          [{"role": "assistant", "content": "<answer>5</answer>"}],
                           {"answer": "5"})
     response = Response.model_validate(body["response"])
     assert response.output_text == "<answer>5</answer>"
@@ -282,7 +285,8 @@ def test_multiturn_run_episodes_through_rollout_func(tmp_path, monkeypatch):
     root = tiny_say_policy(tmp_path, num_prompts=4)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server([sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "configs" / "examples" / "multiturn"),
+    server = start_server([sys.executable, "-m", "uvicorn", "--app-dir",
+                           str(ROOT / "configs" / "examples" / "multiturn"),
                            "episode_server:app", "--port", str(port), "--log-level", "warning"], url)
     try:
         monkeypatch.setenv("EPISODE_SERVER_URL", url)

@@ -468,8 +468,10 @@ def test_ray_vllm_engine_that_cannot_start_says_why(local_ray, tmp_path):
     from stages.rollout.engines.ray_vllm import RayVLLMEngine, RayVLLMError
 
     missing = tmp_path / "no-model"
-    ray_engine = RayVLLMEngine(missing, num_engines=1, startup_timeout_s=300, max_model_len=128, kv_cache_space_gib=0.25)
-    with pytest.raises(RayVLLMError, match=f"(?s)a vLLM engine on {missing} failed to start on its Ray actor.*no-model"):
+    ray_engine = RayVLLMEngine(missing, num_engines=1, startup_timeout_s=300, max_model_len=128,
+                               kv_cache_space_gib=0.25)
+    with pytest.raises(RayVLLMError,
+                       match=f"(?s)a vLLM engine on {missing} failed to start on its Ray actor.*no-model"):
         ray_engine.generate(Policy(missing), PROMPTS, sampling())
     assert ray_engine.actors == []
 

@@ -1,5 +1,6 @@
 """EBFT (rl: ebft): GRPO's rounds, scored by feature matching against each prompt's reference completion, with
-the starting policy frozen as the feature network (stages/training/ebft.py; strided mode, stages/training/ebft_strided.py, samples
+the starting policy frozen as the feature network (stages/training/ebft.py; strided mode,
+stages/training/ebft_strided.py, samples
 blocks of raw documents). score.reward_funcs are not read; the health checks have no verifier to watch rise.
 
 Departures from axolotl's EBFT trainers: stages/training/ebft.py lists them (reward scaling, advantage estimators, the

@@ -1,5 +1,6 @@
 """A reward model on its own (rl: reward_model; axolotl's reward_model: true / process_reward_model: true): base
-model -> preferences -> reward model (stages/training/reward_model.py, TRL's RewardTrainer or a token-classification PRM),
+model -> preferences -> reward model (stages/training/reward_model.py,
+TRL's RewardTrainer or a token-classification PRM),
 registered in MLflow; no policy is trained, exported or evaluated, so this recipe is the whole run. A GRPO run
 scores with the result as score.reward_funcs: [reward_model:<its folder>].
 """

@@ -13,25 +13,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.data import model_source
+from stages.data import chat_templates, model_source
 from stages.data.model_source import ModelSource
 from stages.runtime.keys import key_when_set, not_in_key
 
-# ChatML, as Qwen2 uses. `{% generation %}` marks let TRL compute assistant-only masks.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
-    "{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
-    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_templates.CHATML
+"""The template of a model built here: ChatML, as Qwen2 uses."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 BUILD_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "max_position_embeddings")
 """BaseModelConfig's fields that shape a model built here (none applies to a model read from `path`)."""
+PATH_FIELDS = ("path", "special_tokens", "chat_template", "chat_template_jinja")
+"""BaseModelConfig's fields that change what is saved of a model read from `path` (its key holds these)."""
 
 
 class BaseModelConfig(BaseModel):
@@ -62,6 +57,32 @@ class BaseModelConfig(BaseModel):
     """The tokenizer's pad/eos/bos/unk tokens, set to tokens its vocabulary already has (axolotl's top-level
     `special_tokens`, e.g. {pad_token: "<|end_of_text|>"}); the model's generation config follows eos and pad.
     A token not in the vocabulary is an error (adding one would need new embedding rows)."""
+    chat_template: str | None = key_when_set(None)
+    """How prompts are rendered (axolotl's `chat_template`): unset or `tokenizer_default` for the tokenizer's own,
+    a built-in name (chatml, llama3, gemma, qwen_25), `tokenizer_default_fallback_<name>`, or `jinja`
+    (stages/data/chat_templates.py). The template is saved with the base model's tokenizer."""
+    chat_template_jinja: str | None = key_when_set(None)
+    """The Jinja text of `chat_template: jinja`, or the path of a .jinja file (its text is what the key holds)."""
+
+    @model_validator(mode="after")
+    def _chat_template_known(self):
+        """A known name; `jinja` with its text; on a model built here, a template whose tokens it has."""
+        if self.chat_template_jinja is not None and self.chat_template is None:
+            self.chat_template = "jinja"  # axolotl reads chat_template_jinja alone the same way
+        if self.chat_template == chat_templates.TOKENIZER_DEFAULT:
+            self.chat_template = None  # the same artifact as leaving it out
+        if self.chat_template is None:
+            return self
+        chat_templates.check_name(self.chat_template, self.chat_template_jinja)
+        if self.chat_template_jinja is not None:
+            self.chat_template_jinja = chat_templates.jinja_text(self.chat_template_jinja)
+        template = chat_templates.built_in(self.chat_template)
+        fallback = self.chat_template.startswith(chat_templates.FALLBACK)  # a built model has its own template
+        if template and not fallback and not self.path and not set(template.markers) <= set(SPECIAL_TOKENS):
+            raise ValueError(f"model.chat_template: {self.chat_template} needs the tokens "
+                             f"{', '.join(template.markers)}; a model built here has {', '.join(SPECIAL_TOKENS)} "
+                             "(ChatML): use chatml, or give model.path")
+        return self
 
     @model_validator(mode="after")
     def _build_fields_need_no_path(self):
@@ -142,6 +163,8 @@ def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path, source: ModelSour
             pad_token_id=tokenizer.pad_token_id,
         )
         model = AutoModelForCausalLM.from_config(config)
+    if cfg.chat_template:
+        chat_templates.apply(tokenizer, cfg.chat_template, cfg.chat_template_jinja)
     for name, token in (cfg.special_tokens or {}).items():
         if token not in tokenizer.get_vocab():
             raise ValueError(f"model.special_tokens.{name}: {token!r} is not a token of the model's vocabulary "

@@ -165,7 +165,8 @@ def documents(rows: list[dict], per_document: int, teacher: bool) -> list[dict]:
     """
     def line(row: dict) -> str:
         numbers = row["question"].removeprefix("Which is the largest of ").removesuffix("?")
-        answer = row["teacher_completion"].removeprefix("<answer>").removesuffix("</answer>") if teacher else row["answer"]
+        answer = (row["teacher_completion"].removeprefix("<answer>").removesuffix("</answer>") if teacher
+                  else row["answer"])
         return f"The largest of {numbers} is {answer}.\n"
 
     return [{"text": "".join(line(r) for r in rows[i : i + per_document])}

@@ -85,7 +85,8 @@ def _resolve_hub(repo_id: str, revision: str) -> ModelSource:
                                f"https://huggingface.co/{repo_id} and log in (`hf auth login`), {instead}.") from e
     except RepositoryNotFoundError as e:
         raise ModelSourceError(f"{where}: no such model on the hub (or it is private: log in with `hf auth login`), "
-                               f"and no local folder {Path(repo_id).absolute()} exists. Check the id, {instead}.") from e
+                               f"and no local folder {Path(repo_id).absolute()} exists. "
+                               f"Check the id, {instead}.") from e
     except IncompleteSnapshotError as e:
         raise ModelSourceError(f"{where}: the hub cache {cache} holds only part of it and the hub cannot be reached "
                                f"({e}). Download it again on a machine with a network: `hf download {repo_id} "

@@ -37,7 +37,8 @@ ROLLOUTS = pa.schema(
         ("policy_version", pa.int32()),  # 0 = base policy, v = after v optimize rounds; staleness = round - version
         ("engine", pa.string()),  # transformers | vllm | vllm_server, or "<engine>+<rollout_func>"
         ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length"
-        ("rerolled", pa.bool_()),  # the prompt was re-queued after all its completions failed (stages/scoring/replay.py)
+        ("rerolled", pa.bool_()),  # the prompt was re-queued after all its completions failed
+        # (stages/scoring/replay.py)
     ]
 )
 

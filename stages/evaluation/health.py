@@ -81,7 +81,8 @@ class HealthConfig(BaseModel):
     the gradients have vanished (the advantages are ~0, or the trained weights do not reach the loss)."""
     min_reward_rise: float = Field(0.15, ge=0)
     """Each verifier's mean (`rewards/<name>/mean`, TRL's name; not a reward model's, whose scores are logits
-    on no fixed scale) should have risen above this within `reward_rise_steps` optimizer steps. axolotl: a reward still below 0.15 after 20 steps is a red flag (the
+    on no fixed scale) should have risen above this within `reward_rise_steps` optimizer steps. axolotl: a reward
+    still below 0.15 after 20 steps is a red flag (the
     task is too hard for the policy, or the reward function is wrong). 0 turns it off."""
     reward_rise_steps: int = Field(20, ge=1)
     """The optimizer steps (summed over the rounds) `min_reward_rise` waits for."""

@@ -185,7 +185,8 @@ def batch_rows(batch: list[dict], round_index: int, num_generations: int, tokeni
             start = next((k for k, m in enumerate(masks) if m != -100), len(masks))
             prompt_ids, completion_ids = tokens[:start], tokens[start:]
             lp = logprobs[i]
-            sampling = [float(x) for x in lp[start:]] if lp and len(lp) == len(tokens) else [math.nan] * len(completion_ids)
+            sampling = ([float(x) for x in lp[start:]] if lp and len(lp) == len(tokens)
+                        else [math.nan] * len(completion_ids))
             extra = overrides[i] or {}
             prompt = [m for m in (messages[i] or []) if m.get("role") != "assistant"] or [
                 {"role": "user", "content": tokenizer.decode(prompt_ids, skip_special_tokens=False)}]
@@ -416,7 +417,8 @@ class PolicyServer:
             if request.get("logprobs"):
                 choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": float(lp), "bytes": None,
                                                    "top_logprobs": []}
-                                                  for t, lp in zip(gen["completion_token_ids"], gen["sampling_logprobs"])]}
+                                                  for t, lp in zip(gen["completion_token_ids"],
+                                                                   gen["sampling_logprobs"])]}
             choices.append(choice)
         return self._response("chat.completion", seed, version, generated, choices)
 

@@ -60,7 +60,8 @@ def _loss_sum(trainer, earlier: float) -> float:
     """Sum of the per-step training losses so far: `earlier` (steps before this train() call) plus
     HF Trainer's running totals of this call (transformers 5.19 `_total_loss_scalar`, `_tr_loss`)."""
     pending = getattr(trainer, "_tr_loss", None)
-    return earlier + getattr(trainer, "_total_loss_scalar", 0.0) + (float(pending.item()) if pending is not None else 0.0)
+    return (earlier + getattr(trainer, "_total_loss_scalar", 0.0)
+            + (float(pending.item()) if pending is not None else 0.0))
 
 
 def mark_complete_callback(work_dir: Path, trainer, earlier_loss_sum: float):

@@ -4,7 +4,8 @@
 (`python -m torch.distributed.run --nproc_per_node N -m stages.runtime.distributed <spec>`) as a child of
 the flow's process and waits for it. Every rank calls the function with the same kwargs plus
 `group=Group(rank, world_size, strategy)`; the function splits the work by rank and sums gradients
-across ranks itself (stages/training/grpo.py), or lets HF Trainer run DDP over the process group (stages/training/sft.py,
+across ranks itself (stages/training/grpo.py), or lets HF Trainer run DDP over the process group
+(stages/training/sft.py,
 dpo.py, reward_model.py; each rank takes micro_batch_size / world_size rows).
 Rank 0 alone writes the output folder, and streams `on_metrics` / `on_step` as JSON lines to a file
 the parent tails while it waits, so MLflow step metrics and the progress bar work as in one process;
@@ -80,7 +81,8 @@ class TrainConfig(DeviceConfig):
 
     num_processes: int = Field(1, ge=1)
     """Data-parallel processes (ranks) of the training stages (optimize, sft, the dpo family, reward_model):
-    on this machine with torchrun, or on a Ray cluster's nodes (`backend: ray`). The global batch stays the config's (micro_batch_size *
+    on this machine with torchrun, or on a Ray cluster's nodes (`backend: ray`). The global batch stays the config's
+    (micro_batch_size *
     gradient_accumulation_steps), split across ranks, so the result equals one process's up to float rounding;
     the HF Trainer stages need their micro_batch_size divisible by it. 1 (default): train in the flow's process.
     Higher: the step's micro-batches run in parallel; each process loads the model, and torch's threads are

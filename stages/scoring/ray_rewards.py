@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 def code_files(reward_sources: list[str]) -> dict[str, str]:
     """{path relative to a sys.path entry: source} of what an actor imports: stages.scoring.reward_workers' local
     closure and that of each `module.fn` reward."""
-    modules = ["stages.scoring.reward_workers"] + [source.rpartition(".")[0] for source in split_reward_funcs(reward_sources)[0]
-                                           if "." in source]
+    modules = ["stages.scoring.reward_workers"] + [source.rpartition(".")[0]
+                                                   for source in split_reward_funcs(reward_sources)[0]
+                                                   if "." in source]
     return source_files(modules)
 
 

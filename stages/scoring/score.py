@@ -260,7 +260,8 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
         "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
         **_function_metrics(cfg, matrix), **_worker_metrics(worker_stats, scoring_s, pool if ray else None),
     }
-    # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for stages/evaluation/health.py
+    # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for
+    # stages/evaluation/health.py
     metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
                                     [r["answer"] for r in rows] if "answer" in table.column_names else None))
     return metrics

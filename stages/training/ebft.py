@@ -17,7 +17,8 @@ and the conditional feature-matching distance (paper eq. 2), logged as `ebft/fea
 ||mean_j phi(y_j) - phi(y)||^2, averaged over prompts (axolotl's `ebft/cfm_loss`). Advantages:
 `advantage_estimator` rloo (r_j - mean of the other n-1 rewards; the default here, and axolotl's strided
 trainer's), grpo (group normalization by score.scale_rewards, stages/scoring/score.py `group_advantages`; axolotl's
-`group_norm`, and what its structured trainer, a TRL GRPOTrainer, computes) or reinforce (the raw reward). The optimize stage is GRPO's (stages/training/grpo.py), plus `ce_coef` times the
+`group_norm`, and what its structured trainer, a TRL GRPOTrainer, computes) or reinforce (the raw reward). The
+optimize stage is GRPO's (stages/training/grpo.py), plus `ce_coef` times the
 cross-entropy of the reference completion (the scored rows carry its tokens, `reference_token_ids`).
 
 The scored table is the score stage's: `rewards` holds {alignment, diversity} per row (the lineage shows
@@ -122,7 +123,8 @@ class EBFTConfig(BaseModel):
     def pooling(self) -> str:
         """The `pool` method for this mode: in strided mode mean_pooling means the block's tokens (axolotl's
         strided trainer), i.e. completion_mean; the sequence before it is the document's prefix."""
-        return "completion_mean" if self.mode == "strided" and self.embed_method == "mean_pooling" else self.embed_method
+        return ("completion_mean" if self.mode == "strided" and self.embed_method == "mean_pooling"
+                else self.embed_method)
 
     @field_validator("feature_layers")
     @classmethod
@@ -186,7 +188,8 @@ def pool(hidden: torch.Tensor, method: str, attention_mask: torch.Tensor,
     if method in ("mean_pooling", "completion_mean"):
         mask = attention_mask.bool()
         if method == "completion_mean":
-            mask = mask & (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) >= prompt_lengths.unsqueeze(1))
+            mask = mask & (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+                           >= prompt_lengths.unsqueeze(1))
         mask = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
     if method == "concat":
@@ -235,7 +238,8 @@ def feature_matching_rewards(gen: torch.Tensor, ref: torch.Tensor, num_generatio
             "reward": alignment_coef * alignment - diversity_coef * diversity}
 
 
-def advantages(rewards: torch.Tensor, num_generations: int, estimator: str, scale_rewards: str = "group") -> torch.Tensor:
+def advantages(rewards: torch.Tensor, num_generations: int, estimator: str,
+               scale_rewards: str = "group") -> torch.Tensor:
     """Advantages of rewards laid out group by group: rloo, grpo (score's group_advantages) or reinforce.
 
     >>> advantages(torch.tensor([3.0, 1.0, 2.0]), 3, "rloo").tolist()  # 3 - (1+2)/2, 1 - 2.5, 2 - 2

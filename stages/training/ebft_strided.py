@@ -100,7 +100,8 @@ def generate_blocks(model, doc_ids: list[int], block_anchors: list[int], generat
     nb, length = len(block_anchors), len(doc_ids)
     dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     sequence = torch.tensor([doc_ids] * batch, dtype=torch.long, device=device)
-    first_logits_at = torch.tensor([a - 1 for a in block_anchors], device=device)  # the token before an anchor predicts it
+    first_logits_at = torch.tensor([a - 1 for a in block_anchors], device=device)  # the token before an anchor
+    # predicts it
     tokens, logprobs = [], []
     for step in range(generate_max_len):
         allowed, positions = strided_attention(length, block_anchors, step)
@@ -245,7 +246,8 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
         "reference": [tokenizer.decode(r) for *_, r in blocks],
         "completion_token_ids": [g for *_, g, _ in blocks], "reference_token_ids": [r for *_, r in blocks],
         "tokens_correct": matches, "feature_distance": distance.tolist()}), out_dir / "eval.parquet")
-    return {"accuracy": sum(matches) / len(reference_tokens), "exact_blocks": sum(m == length for m in matches) / len(blocks),
+    return {"accuracy": sum(matches) / len(reference_tokens),
+            "exact_blocks": sum(m == length for m in matches) / len(blocks),
             "feature_distance": float(distance.mean()), "constant_baseline": top_count / len(reference_tokens),
             "baseline_answer": tokenizer.decode([top_token]), "num_prompts": len(rows), "num_blocks": len(blocks)}
 

@@ -23,7 +23,8 @@ Departures from TRL: pi_old is always the trainer's own policy at the start of t
 the sampler's recorded log-probs enter only through the importance-sampling correction, so
 rollouts from any engine are treated alike -- except that rows the transformers engine sampled
 from that very policy bring pi_old with them (`reuse_sampling_logps`: no forward pass for them);
-optimizer state is carried between rounds in the adapter folder; warmup step s uses (s + 1) / warmup_steps of the learning rate (HF: s / ...).
+optimizer state is carried between rounds in the adapter folder; warmup step s uses (s + 1) / warmup_steps of the
+learning rate (HF: s / ...).
 
 Across processes (`train.num_processes`, launched by stages/runtime/distributed.py): each rank runs every
 world_size-th micro-batch of a step and the gradients are summed before the step (`run`'s `group`).
@@ -291,7 +292,8 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     elif importance_sampling_level != "token":
-        raise ValueError(f"grpo.importance_sampling_level: unknown {importance_sampling_level!r}; use token or sequence")
+        raise ValueError(f"grpo.importance_sampling_level: unknown {importance_sampling_level!r}; "
+                         "use token or sequence")
     coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
@@ -327,7 +329,8 @@ def grpo_loss(
             "clip_ratio": (clipped.to(mask.dtype) * mask).sum() / tokens,
             # pi / pi_old over the completion tokens (axolotl's guide: mean_ratio, healthy near 1)
             "mean_ratio": (coef_1.expand_as(mask) * mask).sum() / tokens,
-            "kl": (per_token_kl * mask).sum() / tokens if per_token_kl is not None else torch.zeros((), device=mask.device),
+            "kl": ((per_token_kl * mask).sum() / tokens if per_token_kl is not None
+                   else torch.zeros((), device=mask.device)),
             "tokens": mask.sum(),
         }
     if stats_as_tensors:  # 0-dim tensors on the loss's device: read them once per step (one host sync)
@@ -648,7 +651,8 @@ class RoundTrainer:
         # The round's own randomness (round 0's LoRA init, dropout when lora_dropout > 0) comes from torch's
         # global RNG, seeded here; seeding and construction hold the model lock, so no other thread's load
         # runs in between. Nothing else in the process draws from it meanwhile: rollouts sample from
-        # generators of their own (stages/rollout/engines/hf.py), loads and eval draw nothing (stages/training/policy.py).
+        # generators of their own (stages/rollout/engines/hf.py), loads and eval draw nothing
+        # (stages/training/policy.py).
         with MODEL_LOADING:
             torch.manual_seed(cfg.seed * 100_003 + round_index)
             self.model, self.ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir, devices)

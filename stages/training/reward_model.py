@@ -610,7 +610,8 @@ def run(
     args = build_trl_config(cfg, work_dir or out_dir / "_trainer", devices)
     trainer = quiet_trainer(RewardTrainer(model=model, args=args,
                                           train_dataset=datasets.Dataset.from_list(train_rows),
-                                          processing_class=tokenizer, callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
+                                          processing_class=tokenizer,
+                                          callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
                                           peft_config=lora_config(cfg)), cfg)
     if len(trainer.train_dataset) == 0:
         raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")

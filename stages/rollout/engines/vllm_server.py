@@ -171,7 +171,8 @@ class VLLMServerEngine:
             health = server.client.get(f"{server.url}/health", timeout=10)
             models = server.client.get(f"{server.url}/v1/models", timeout=10)
         except httpx.HTTPError as exc:
-            raise VLLMServerError(f"vllm_server: no vLLM server answers at {server.url} ({exc}); {self._fix()}") from exc
+            raise VLLMServerError(f"vllm_server: no vLLM server answers at {server.url} ({exc}); "
+                                  f"{self._fix()}") from exc
         if health.status_code != 200 or models.status_code != 200:
             raise VLLMServerError(f"vllm_server: {server.url} is not a healthy vLLM server (/health: "
                                   f"{health.status_code}, /v1/models: {models.status_code}); {self._fix()}")

@@ -11,5 +11,6 @@ from stages.scoring.rewards.sandbox import code_execution
 BUILTIN_REWARDS = {"accuracy": accuracy_reward, "stated_accuracy": stated_accuracy_reward, "format": format_reward,
                    "code_execution": code_execution}
 
-__all__ = ["BUILTIN_REWARDS", "accuracy_reward", "stated_accuracy_reward", "format_reward", "code_execution", "completion_text"]
+__all__ = ["BUILTIN_REWARDS", "accuracy_reward", "stated_accuracy_reward", "format_reward", "code_execution",
+           "completion_text"]
 

@@ -77,7 +77,8 @@ def accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> li
         raise ValueError("accuracy_reward needs a gold `answer` for every prompt; the prompts table has "
                          + ("no answer column" if answer is None else "prompts without one (the transform returned "
                             "none)"))
-    return [1.0 if same_answer(extract_answer(completion_text(c)), gold) else 0.0 for c, gold in zip(completions, answer)]
+    return [1.0 if same_answer(extract_answer(completion_text(c)), gold) else 0.0
+            for c, gold in zip(completions, answer)]
 
 
 def stated_accuracy_reward(prompts=None, completions=None, answer=None, **kwargs) -> list[float]:
