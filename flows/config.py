@@ -84,12 +84,11 @@ AXOLOTL_DPO_KEYS = ("rl_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_de
 AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
                          "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
                          "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
-                         "lr_scheduler", "num_epochs", "max_steps", "adapter", "sequence_len", *AXOLOTL_DPO_KEYS)
+                         "lr_scheduler", "num_epochs", "max_steps", "adapter", "sequence_len", "eval_steps",
+                         *AXOLOTL_DPO_KEYS)
 """axolotl's top-level training keys: the method's trainer section (grpo, dpo for the DPO family, reward_model)
 gets them."""
 AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
-                      "eval_steps": (None, "held-out accuracy is measured before and after training (eval.every_rounds "
-                                           "for GRPO), not every N optimizer steps"),
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
                       "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
                                                    "names them); to pick fewer, set lora_target_modules"),
@@ -341,6 +340,9 @@ class PipelineConfig(BaseModel):
                     raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
                                      "vLLM engine's rollout.vllm.max_model_len); set those")
                 field = "max_length"
+            if key == "eval_steps" and trainer == "grpo":
+                raise ValueError("eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: set "
+                                 "eval.every_rounds (every N rounds) instead")
             if key in ("num_epochs", "max_steps") and trainer == "grpo":
                 raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
                                  "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "

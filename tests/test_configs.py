@@ -327,7 +327,7 @@ AXOLOTL_DOC_EXAMPLES = {
     "reward_modelling orm": ("base_model: {model}\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\n"
                              "tokenizer_type: AutoTokenizer\n\nreward_model: true\nchat_template: gemma\ndatasets:\n"
                              "  - path: {prefs}\n    type: bradley_terry.chat_template\n\nval_set_size: 0.1\n"
-                             "eval_steps: 100\n", (r"eval_steps: 100 is not honoured here", ["eval_steps"])),
+                             "eval_steps: 100\n", None),
     "ebft structured": (
         "base_model: {model}\nrl: ebft\nebft:\n  feature_layers: [0.25, 0.5, 0.75]\n  embed_method: last_token\n"
         "  alignment_coef: 1.0\n  diversity_coef: 1.0\ntrl:\n  num_generations: 4\n  max_completion_length: 256\n"
@@ -343,10 +343,26 @@ AXOLOTL_DOC_EXAMPLES = {
          ["  vllm_server", "  vllm_sync_interval", "  use_data_producer", "max_steps", "sequence_len"])),
     "reward_modelling prm": ("base_model: {model}\nmodel_type: AutoModelForTokenClassification\nnum_labels: 2\n\n"
                              "process_reward_model: true\ndatasets:\n  - path: {prefs}\n    type: stepwise_supervised\n"
-                             "    split: train\n\nval_set_size: 0.1\neval_steps: 100\n",
-                             (r"eval_steps: 100 is not honoured here \(held-out accuracy is measured before and "
-                              r"after", ["eval_steps"])),
+                             "    split: train\n\nval_set_size: 0.1\neval_steps: 100\n", None),
 }
+
+
+AXOLOTL_DOC_TRANSLATIONS = {
+    "rlhf orpo": {"model.chat_template": "chatml"},
+    "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
+    "reward_modelling prm": {"reward_model.eval_steps": 100},
+}
+"""Keys of the doc examples that are ours under another name, and what they read as here."""
+
+
+def test_eval_steps_goes_to_the_preference_trainers_and_is_refused_for_grpo(tmp_path):
+    """axolotl's eval_steps: held-out accuracy every N steps for the DPO family and reward models; a GRPO run
+    evaluates between rounds, so there it is an error that names eval.every_rounds."""
+    assert PipelineConfig.model_validate({"rl": "kto", "eval_steps": 5}).dpo.eval_steps == 5
+    assert PipelineConfig.model_validate({"rl": "reward_model", "eval_steps": 7}).reward_model.eval_steps == 7
+    with pytest.raises(ValueError, match=r"eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: "
+                                         r"set eval.every_rounds"):
+        PipelineConfig.model_validate({"rl": "grpo", "eval_steps": 5})
 
 
 def _without(lines: list[str], keys: list[str]) -> str:
@@ -385,5 +401,8 @@ def test_axolotl_doc_examples_load_or_name_what_is_not_honoured(tmp_path, name):
         path.write_text(_without(lines, refused_lines))
     cfg = load_config(path)
     assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the translation round-trips
+    for dotted, value in AXOLOTL_DOC_TRANSLATIONS.get(name, {}).items():
+        section, field = dotted.split(".")
+        assert getattr(getattr(cfg, section), field) == value, dotted
     if cfg.rl in ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model"):
         assert cfg.preferences.datasets and cfg.transform.datasets is None

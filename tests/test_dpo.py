@@ -142,6 +142,27 @@ def test_dpo_raises_held_out_preference_accuracy(tiny, tmp_path):
     assert merged_accuracy == pytest.approx(summary["eval_accuracy_after"], abs=2 / 64)
 
 
+def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny, tmp_path):
+    """axolotl's eval_steps: preference accuracy every 3 steps (not at the last), logged at its step; the adapter
+    is the same as without it. With no held-out pairs it is an error naming it."""
+    from safetensors.torch import load_file
+
+    seen: list[tuple[dict, int]] = []
+    cfg = dict(rl="dpo", learning_rate=5e-3, max_steps=6, **FAST)
+    every = dpo.run(dpo.PreferenceOptimizationConfig(eval_steps=3, **cfg), tiny / "model", tiny / "prefs",
+                    tmp_path / "every", on_metrics=lambda m, s: seen.append((m, s)))
+    plain = dpo.run(dpo.PreferenceOptimizationConfig(**cfg), tiny / "model", tiny / "prefs", tmp_path / "plain")
+    assert [step for step, _ in every["eval_history"]] == [3] and "eval_history" not in plain
+    assert [(s, m["preference/eval_accuracy"]) for m, s in seen if "preference/eval_accuracy" in m] == \
+        [tuple(h) for h in every["eval_history"]]
+    trained, again = (load_file(str(tmp_path / name / "adapter_model.safetensors")) for name in ("every", "plain"))
+    assert all(torch.equal(trained[name], again[name]) for name in trained)
+    assert every["eval_accuracy_after"] == plain["eval_accuracy_after"]
+    with pytest.raises(ValueError, match=r"dpo.eval_steps: there are no held-out pairs to evaluate"):
+        dpo.run(dpo.PreferenceOptimizationConfig(eval_steps=1, eval_split=None, **cfg), tiny / "model",
+                tiny / "prefs", tmp_path / "none")
+
+
 def test_kto_trains_on_unpaired_rows(tiny, tmp_path):
     pairs = dpo.read_rows(tiny / "prefs" / "train.parquet")[:16]
     unpaired = [{"pair_id": f"train-{i:06d}", "kind": "unpaired", "prompt": p["prompt"],

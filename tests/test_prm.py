@@ -39,10 +39,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prm(tiny):
-    """A full fine-tuned PRM trained for 80 steps; (out_dir, summary, metrics seen)."""
+    """A full fine-tuned PRM trained for 80 steps, held-out step accuracy every 40; (out_dir, summary, metrics)."""
     seen: list[tuple[dict, int]] = []
     out = tiny / "prm"
-    summary = rm.run(rm.RewardModelConfig(max_steps=80, **FAST), tiny / "model", tiny / "prefs", out,
+    summary = rm.run(rm.RewardModelConfig(max_steps=80, eval_steps=40, **FAST), tiny / "model", tiny / "prefs", out,
                      on_metrics=lambda m, s: seen.append((m, s)))
     return out, summary, seen
 
@@ -116,7 +116,9 @@ def test_prm_learns_held_out_steps(tiny, prm):
         assert key in summary["final_metrics"]
     assert [s for m, s in seen if "reward_model/loss" in m] == list(range(10, 81, 10))
     held_out = [(m["reward_model/eval_step_accuracy"], s) for m, s in seen if "reward_model/eval_step_accuracy" in m]
-    assert held_out == [(summary["eval_step_accuracy_before"], 0), (summary["eval_step_accuracy"], 80)]
+    middle = summary["eval_history"][0][1]  # eval_steps 40: once between the before and after evals
+    assert summary["eval_history"] == [[40, middle]]
+    assert held_out == [(summary["eval_step_accuracy_before"], 0), (middle, 40), (summary["eval_step_accuracy"], 80)]
 
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 

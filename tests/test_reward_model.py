@@ -109,6 +109,29 @@ def test_lora_is_merged_into_the_saved_folder(tiny, tmp_path):
     assert any(not torch.equal(p, body[n]) for n, p in scorer.model.named_parameters() if n != "score.weight")
 
 
+def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny, tmp_path):
+    """axolotl's eval_steps: pairwise accuracy every 2 steps (not at the last: the after eval is that one), logged
+    at its step; the saved model is the same as without it. With no held-out pairs it is an error naming it."""
+    from safetensors.torch import load_file
+
+    seen: list[tuple[dict, int]] = []
+    every = rm.run(rm.RewardModelConfig(max_steps=5, adapter="none", eval_steps=2, **FAST), tiny / "model",
+                   tiny / "prefs", tmp_path / "every", on_metrics=lambda m, s: seen.append((m, s)))
+    plain = rm.run(rm.RewardModelConfig(max_steps=5, adapter="none", **FAST), tiny / "model", tiny / "prefs",
+                   tmp_path / "plain")
+    assert [step for step, _ in every["eval_history"]] == [2, 4] and "eval_history" not in plain
+    assert [(s, m["reward_model/eval_pairwise_accuracy"]) for m, s in seen
+            if "reward_model/eval_pairwise_accuracy" in m] == [tuple(h) for h in every["eval_history"]]
+    assert all(0 <= accuracy <= 1 for _, accuracy in every["eval_history"])
+    trained, again = load_file(str(tmp_path / "every" / "model.safetensors")), \
+        load_file(str(tmp_path / "plain" / "model.safetensors"))
+    assert all(torch.equal(trained[name], again[name]) for name in trained)
+    assert every["eval_pairwise_accuracy"] == plain["eval_pairwise_accuracy"]
+    with pytest.raises(ValueError, match=r"reward_model.eval_steps: there are no held-out pairs to evaluate"):
+        rm.run(rm.RewardModelConfig(max_steps=1, eval_steps=1, eval_split=None, **FAST), tiny / "model",
+               tiny / "prefs", tmp_path / "none")
+
+
 def test_each_kind_names_the_rows_it_cannot_train_on(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"needs kind stepwise.*train-000000 \(pair\)"):
         rm.run(rm.RewardModelConfig(kind="prm"), tiny / "model", tiny / "prefs", tmp_path)

@@ -35,8 +35,8 @@ from stages.data.schemas import read_rows
 from stages.runtime import checkpoints
 from stages.runtime import devices as devices_module
 from stages.runtime.devices import DeviceConfig
-from stages.runtime.keys import not_in_key
-from stages.training.trainer_setup import metrics_callback, quiet_trainer, training_args
+from stages.runtime.keys import key_when_set, not_in_key
+from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer, training_args
 
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
@@ -107,6 +107,10 @@ class PreferenceOptimizationConfig(BaseModel):
     """The preferences split trained on (`<split>.parquet` in the preferences folder)."""
     eval_split: str | None = "eval"
     """Held-out split for preference accuracy before and after training; skipped when unset or absent."""
+    eval_steps: int | None = key_when_set(None, ge=1)
+    """Also measure the held-out preference accuracy every eval_steps optimizer steps (axolotl's `eval_steps`),
+    logged as `preference/eval_accuracy` at its step and returned as `eval_history`; needs held-out pairs.
+    Unset: before and after training only."""
     seed: int = 0
     """Seed for data order and LoRA initialization (TRL `seed`)."""
 
@@ -356,11 +360,17 @@ def run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model, ref_model = load_models(cfg, model_dir, devices)
     accuracy_before = preference_accuracy(model, tokenizer, eval_pairs) if eval_pairs else None
+    if cfg.eval_steps and not eval_pairs:
+        raise ValueError(f"dpo.eval_steps: there are no held-out pairs to evaluate (dpo.eval_split "
+                         f"{cfg.eval_split!r} in {preferences_dir}); give preferences.val_set_size or test_datasets, "
+                         "or remove eval_steps")
 
     logged: list[dict] = []
-
+    history: list[list] = []
+    evaluate = periodic_eval(cfg.eval_steps, lambda m: preference_accuracy(m, tokenizer, eval_pairs),
+                             METRIC_PREFIX + "eval_accuracy", on_metrics, history)
     trainer = build_trainer(cfg, model, ref_model, tokenizer, train_rows, work_dir or out_dir / "_trainer",
-                            [metrics_callback(METRIC_PREFIX, on_metrics, logged)], devices)
+                            [metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate], devices)
     result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None
@@ -383,5 +393,6 @@ def run(
         "eval_pairs": len(eval_pairs),
         "eval_accuracy_before": accuracy_before,
         "eval_accuracy_after": accuracy_after,
+        **({"eval_history": history} if cfg.eval_steps else {}),
         **devices_module.describe(devices),
     }

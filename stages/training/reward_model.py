@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from stages.runtime import checkpoints
 from stages.runtime import devices as devices_module
 from stages.runtime.devices import DeviceConfig
-from stages.runtime.keys import not_in_key
+from stages.runtime.keys import key_when_set, not_in_key
 
 METRIC_PREFIX = "reward_model/"
 KINDS = ("orm", "prm")
@@ -99,6 +99,10 @@ class RewardModelConfig(BaseModel):
     eval_split: str | None = "eval"
     """Held-out split for accuracy before and after training (orm: pairwise accuracy on its `pair` rows;
     prm: step accuracy on its `stepwise` rows); skipped when unset or absent."""
+    eval_steps: int | None = key_when_set(None, ge=1)
+    """Also measure that held-out accuracy every eval_steps optimizer steps (axolotl's `eval_steps`), logged as
+    `reward_model/eval_pairwise_accuracy` (orm) or `reward_model/eval_step_accuracy` (prm) at its step and
+    returned as `eval_history`; needs held-out rows. Unset: before and after training only."""
     seed: int = 0
     """Seed for the head's initialization, data order and LoRA initialization (TRL `seed`)."""
     step_aggregation: Literal["min", "last"] = "min"
@@ -559,6 +563,14 @@ def _save(trained, tokenizer, cfg: RewardModelConfig, out_dir: Path) -> None:
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
+def check_eval_steps(cfg: RewardModelConfig, held_out: bool, rows: str, preferences_dir: Path) -> None:
+    """reward_model.eval_steps needs held-out rows to measure: an error naming the key when there are none."""
+    if cfg.eval_steps and not held_out:
+        raise ValueError(f"reward_model.eval_steps: there are no held-out {rows} to evaluate (reward_model.eval_split "
+                         f"{cfg.eval_split!r} in {preferences_dir}); give preferences.val_set_size or test_datasets, "
+                         "or remove eval_steps")
+
+
 def run(
     cfg: RewardModelConfig,
     model_dir: Path,
@@ -586,7 +598,7 @@ def run(
     from trl import RewardTrainer
 
     from stages.data.schemas import read_rows
-    from stages.training.trainer_setup import metrics_callback, quiet_trainer
+    from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
@@ -605,13 +617,17 @@ def run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reward_model(model_dir, tokenizer, cfg.seed, devices)
     accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
+    check_eval_steps(cfg, bool(eval_pairs), "pairs", preferences_dir)
 
     logged: list[dict] = []
+    history: list[list] = []
+    evaluate = periodic_eval(cfg.eval_steps, lambda m: pairwise_accuracy(m, tokenizer, eval_pairs, cfg.max_length),
+                             METRIC_PREFIX + "eval_pairwise_accuracy", on_metrics, history)
     args = build_trl_config(cfg, work_dir or out_dir / "_trainer", devices)
     trainer = quiet_trainer(RewardTrainer(model=model, args=args,
                                           train_dataset=datasets.Dataset.from_list(train_rows),
                                           processing_class=tokenizer,
-                                          callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)],
+                                          callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate],
                                           peft_config=lora_config(cfg)), cfg)
     if len(trainer.train_dataset) == 0:
         raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
@@ -637,6 +653,7 @@ def run(
         "eval_pairs": len(eval_pairs),
         "eval_pairwise_accuracy_before": accuracy_before,
         "eval_pairwise_accuracy": accuracy_after,
+        **({"eval_history": history} if cfg.eval_steps else {}),
         **devices_module.describe(devices),
     }
 
@@ -739,7 +756,7 @@ def run_prm(
     import torch
     from transformers import AutoTokenizer, TrainingArguments
 
-    from stages.training.trainer_setup import metrics_callback, quiet_trainer, training_args
+    from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer, training_args
 
     devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
@@ -759,6 +776,7 @@ def run_prm(
         return step_accuracy(m, tokenizer, eval_rows, cfg.step_separator, cfg.max_length) if eval_rows else None
 
     accuracy_before = held_out_accuracy(model)
+    check_eval_steps(cfg, bool(eval_rows), "stepwise rows", preferences_dir)
     if on_metrics and accuracy_before is not None:
         on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_before}, 0)
     peft_config = lora_config(cfg)
@@ -768,6 +786,9 @@ def run_prm(
         model = get_peft_model(model, peft_config)
 
     logged: list[dict] = []
+    history: list[list] = []
+    evaluate = periodic_eval(cfg.eval_steps, held_out_accuracy, METRIC_PREFIX + "eval_step_accuracy", on_metrics,
+                             history)
     args = {k: v for k, v in training_args(cfg, work_dir or out_dir / "_trainer", "reward_model", devices).items()
             if k != "max_length"}
     trainer = quiet_trainer(_step_trainer_class()(
@@ -775,7 +796,7 @@ def run_prm(
         train_dataset=datasets.Dataset.from_list(features),
         data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
         compute_loss_func=labelled_token_loss,
-        callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged)]), cfg)
+        callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate]), cfg)
     result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
 
     trained = trainer.model
@@ -802,5 +823,6 @@ def run_prm(
         "eval_pairs": 0,
         "eval_pairwise_accuracy_before": None,
         "eval_pairwise_accuracy": None,
+        **({"eval_history": history} if cfg.eval_steps else {}),
         **devices_module.describe(devices),
     }

@@ -57,6 +57,27 @@ def metrics_callback(prefix: str, on_metrics: Callable[[dict, int], None] | None
     return ReportMetrics()
 
 
+def periodic_eval(every: int | None, evaluate: Callable[[object], float], name: str,
+                  on_metrics: Callable[[dict, int], None] | None, history: list[list]):
+    """A TrainerCallback that every `every` optimizer steps (axolotl's `eval_steps`, HF's eval_strategy "steps")
+    runs `evaluate(model)` on the model being trained, passes {name: value} and the step to on_metrics and
+    appends [step, value] to `history`. Not at the last step: the stage's own after-training eval is that one.
+    The evaluation runs without gradients in eval mode and draws no random numbers, so the trained weights are
+    the same with or without it; every rank runs it (a model sharded across ranks needs them all)."""
+    from transformers import TrainerCallback
+
+    class PeriodicEval(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            if every and step % every == 0 and step < state.max_steps:
+                value = evaluate(model)
+                history.append([step, value])
+                if on_metrics:
+                    on_metrics({name: value}, step)
+
+    return PeriodicEval()
+
+
 def quiet_trainer(trainer, cfg):
     """After building a TRL trainer: no printed metric lines (they go to on_metrics), and the LoRA
     dropout TRL's disable_dropout zeroed set back to `cfg.lora_dropout`."""
