@@ -573,11 +573,16 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _ebft_sets_rollout(self):
-        """ebft.n_samples_per_prompt / generate_max_len set rollout.num_generations / max_completion_length."""
+        """ebft.n_samples_per_prompt / generate_max_len / temperature / top_p set rollout.num_generations /
+        max_completion_length / temperature / top_p."""
         if self.rl != "ebft":
             return self
+        if self.ebft.rl_coef == 0 and self.ebft.ce_coef == 0:
+            raise ValueError("ebft.rl_coef and ebft.ce_coef are both 0: the optimize loss would be 0 and nothing "
+                             "would train; give one of them a weight")
         for mine, theirs in (("n_samples_per_prompt", "num_generations"),
-                             ("generate_max_len", "max_completion_length")):
+                             ("generate_max_len", "max_completion_length"), ("temperature", "temperature"),
+                             ("top_p", "top_p")):
             value = getattr(self.ebft, mine)
             if value is None:
                 continue

@@ -95,11 +95,11 @@ def finish_round(r: int, rollouts, scored, adapter, times: dict, log_round, line
 
 
 def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, features=None,
-                   sample=rollout_task, ce_coef: float = 0.0) -> tuple:
+                   sample=rollout_task, ce_coef: float = 0.0, rl_coef: float = 1.0) -> tuple:
     """rollout -> score -> optimize, grpo.rounds times, with the replay buffer and re-rolls; returns (last
     adapter, lineage keys, last round's metrics). `scoring`: (the score task, its keyword arguments besides ctx,
     rollouts, round); `features`: rl: ebft's feature model, for strided evals; `sample`: the rollout task
-    (rl: ebft's strided mode samples blocks of documents); `ce_coef`: the optimize stage's cross-entropy term.
+    (rl: ebft's strided mode samples blocks of documents); `ce_coef`, `rl_coef`: the optimize stage's loss weights.
 
     Synchronous (lag 0): round r samples from the policy after r optimize rounds. With
     rollout.async_prefetch, lag L = min(prefetch_depth, max_staleness): round r samples
@@ -143,7 +143,7 @@ def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, 
             replaced = signals.after_scoring(r, scored.file("scored.parquet"), f"{scored.stage}/{scored.key}")
             if replaced:
                 train_on = replay_task(ctx, scored, replaced, r)
-        adapter = optimize_task(ctx, policy, adapter, train_on, r, ce_coef)
+        adapter = optimize_task(ctx, policy, adapter, train_on, r, ce_coef, rl_coef)
         optimize_s = time.perf_counter() - started
         if lag and r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)

@@ -374,7 +374,7 @@ def ebft_score_task(ctx: RunContext, rollouts: Artifact, round_index: int, featu
     """rl: ebft: feature-matching rewards from the frozen `feature_model`, the starting policy
     (stages/training/ebft.py)."""
     n, scale = ctx.config.rollout.num_generations, ctx.config.score.scale_rewards
-    section = runs_model(ctx, {**ctx.config.ebft.model_dump(mode="json"), "num_generations": n,
+    section = runs_model(ctx, {**key_fields(ctx.config.ebft), "num_generations": n,
                                "scale_rewards": scale})
     return materialize(
         ctx, "score", ebft, section, {"rollouts": rollouts, "feature_model": feature_model},
@@ -417,16 +417,17 @@ def replay_task(ctx: RunContext, scored: Artifact, replacements: list, round_ind
 
 @task(name="optimize", task_run_name="optimize-r{round_index}", cache_policy=NO_CACHE)
 def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, scored: Artifact,
-                  round_index: int, ce_coef: float = 0.0) -> Artifact:
+                  round_index: int, ce_coef: float = 0.0, rl_coef: float = 1.0) -> Artifact:
     """One round of GRPO updates on the scored rows; `ce_coef` (rl: ebft's): add that times the reference
-    completion's cross-entropy to the loss."""
+    completion's cross-entropy to the loss; `rl_coef` (rl: ebft's): the policy-gradient loss's weight."""
     cfg = ctx.config.grpo
     temperature = ctx.config.rollout.temperature
     max_len = ctx.config.rollout.max_completion_length
     section = runs_model(ctx, {**key_fields(cfg), "round": round_index, "temperature": temperature,
                                "max_completion_length": max_len})
-    if ce_coef:  # only then: a key without it stays the GRPO one
-        section["ce_coef"] = ce_coef
+    weights = {name: value for name, value, plain in (("ce_coef", ce_coef, 0.0), ("rl_coef", rl_coef, 1.0))
+               if value != plain}  # only those: a key without them stays the GRPO one
+    section.update(weights)
     bar = ctx.reporter.progress(f"optimize r{round_index}", "step")
     label = f"optimize r{round_index}"
     return materialize(
@@ -435,7 +436,7 @@ def optimize_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, s
                                       prev_adapter_dir=adapter.path if adapter else None,
                                       scored_path=scored.file("scored.parquet"), round_index=round_index,
                                       temperature=temperature, max_completion_length=max_len, out_dir=out,
-                                      devices=placement(ctx), **({"ce_coef": ce_coef} if ce_coef else {})),
+                                      devices=placement(ctx), **weights),
         label=label,
     )
 

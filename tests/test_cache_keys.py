@@ -265,6 +265,10 @@ RUN_OPTIONS = {
     "rollout.atropos.policy_url": ("http://127.0.0.1:9999", {}, ["atropos"]),
     "rollout.atropos.batch_timeout_s": (5.0, {}, ["atropos"]),
     "rollout.atropos.policy_token_env": ("POLICY_TOKEN", {}, ["atropos"]),
+    # rl: ebft's sampling keys set rollout's (whose key holds them); its score key is checked in test_ebft.py
+    "ebft.temperature": (0.6, {}, ["score"]),
+    "ebft.top_p": (0.9, {}, ["score"]),
+    "ebft.rl_coef": (0.5, {}, ["score", "rollout"]),
 }
 """Every field declared `not_in_key` (stages/runtime/keys.py), with a value to change it to and the stages it must not
 change the key of. A field declared so and missing here fails `test_run_options_are_listed`."""

@@ -341,6 +341,14 @@ AXOLOTL_DOC_EXAMPLES = {
         "val_set_size: 0.5\nsft:\n  enabled: false\n",  # added, as for grpo above: what posttrain's errors ask
         (r"trl.vllm_server_host, trl.vllm_server_port: where `axolotl vllm-serve`",
          ["  vllm_server", "  vllm_sync_interval", "  use_data_producer", "max_steps", "sequence_len"])),
+    "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
+        # own module: here raw documents are `type: text` (and, as above, an eval split and no SFT stage)
+        "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
+        "points\n  context_length: 8      # context window per block\n  generate_max_len: 8    # tokens generated "
+        "per block\n  n_samples_per_prompt: 4  # independent rollouts per document\n  temperature: 0.6\n"
+        "  rl_coef: 1.0           # RL loss weight\n  advantage_estimator: rloo  # rloo, group_norm, or reinforce\n"
+        "flash_attention: false\ndatasets:\n  - path: {prompts}\n    type: text\nval_set_size: 0.5\n"
+        "sft:\n  enabled: false\n", None),
     "reward_modelling prm": ("base_model: {model}\nmodel_type: AutoModelForTokenClassification\nnum_labels: 2\n\n"
                              "process_reward_model: true\ndatasets:\n  - path: {prefs}\n    type: stepwise_supervised\n"
                              "    split: train\n\nval_set_size: 0.1\neval_steps: 100\n", None),
@@ -351,6 +359,8 @@ AXOLOTL_DOC_TRANSLATIONS = {
     "rlhf orpo": {"model.chat_template": "chatml"},
     "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
     "reward_modelling prm": {"reward_model.eval_steps": 100},
+    "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
+                     "rollout.temperature": 0.6, "ebft.rl_coef": 1.0},
 }
 """Keys of the doc examples that are ours under another name, and what they read as here."""
 

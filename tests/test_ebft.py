@@ -109,6 +109,13 @@ def test_config_ebft_options(tmp_path):
         _config(tmp_path, "rl: ebft\nebft: {n_samples_per_prompt: 4}\nrollout: {num_generations: 8}\n")
     with pytest.raises(ConfigError, match="ebft.generate_max_len is 8 but rollout.max_completion_length is 16"):
         _config(tmp_path, "rl: ebft\nebft: {generate_max_len: 8}\nrollout: {max_completion_length: 16}\n")
+    # axolotl's strided sampling keys are rollout's under rl: ebft (both modes)
+    sampled = _config(tmp_path, "rl: ebft\nebft: {temperature: 0.6, top_p: 0.9}\n").rollout
+    assert (sampled.temperature, sampled.top_p) == (0.6, 0.9)
+    with pytest.raises(ConfigError, match="ebft.temperature is 0.6 but rollout.temperature is 1.0"):
+        _config(tmp_path, "rl: ebft\nebft: {temperature: 0.6}\nrollout: {temperature: 1.0}\n")
+    with pytest.raises(ConfigError, match="ebft.rl_coef and ebft.ce_coef are both 0"):
+        _config(tmp_path, "rl: ebft\nebft: {rl_coef: 0}\n")
     with pytest.raises(ConfigError, match="ebft.stride belongs to mode: strided"):
         _config(tmp_path, "rl: ebft\nebft: {stride: 8}\n")
     with pytest.raises(ConfigError, match=r"feature_layers are fractions .* got \[2.0\]"):
@@ -176,9 +183,32 @@ def test_tiny_run_raises_the_feature_matching_reward(tiny_policy):
     assert sum(distances[-2:]) / 2 < sum(distances[:2]) / 2 - 0.5, distances
 
 
+def test_rl_coef_weights_the_policy_gradient_loss(tiny_policy, tmp_path):
+    """axolotl's rl_coef: loss = rl_coef * GRPO's + ce_coef * CE. Doubling it doubles the step's gradient (one
+    step, from the same weights); at 0 the loss is the CE term alone."""
+    root, model = tiny_policy, tiny_policy / "policy"
+    rollout.run(rollout.RolloutConfig(num_generations=8, prompts_per_round=32, max_completion_length=3),
+                Policy(model, version=0), root / "ebft_prompts" / "train.parquet", 0, tmp_path)
+    ebft.run(ebft.EBFTConfig(embed_method="completion_mean"), tmp_path / "rollouts.parquet", model, 8, "group",
+             tmp_path)
+    one_step = grpo.GRPOConfig(learning_rate=2e-2, micro_batch_size=256, gradient_accumulation_steps=1, lora_r=8,
+                               lora_alpha=16)
+
+    def step(rl_coef: float, ce_coef: float) -> dict:
+        out = tmp_path / f"rl{rl_coef}-ce{ce_coef}"
+        return grpo.run(one_step, model, None, tmp_path / "scored.parquet", 0, 1.0, 3, out, ce_coef=ce_coef,
+                        rl_coef=rl_coef)
+
+    plain, double = step(1.0, 0.0), step(2.0, 0.0)
+    assert plain["optimizer_steps"] == 1 and plain["grad_norm"] > 0
+    assert double["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-4)
+    ce_only = step(0.0, 0.01)
+    assert ce_only["loss"] == pytest.approx(0.01 * ce_only["ce_loss"], rel=1e-5)
+
+
 def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path):
-    """The score key of rl: ebft changes with the frozen feature model and any ebft option; ce_coef enters the
-    optimize key (and only when set: a GRPO run's optimize keys stay as they were)."""
+    """The score key of rl: ebft changes with the frozen feature model and any ebft option it reads; ce_coef and
+    rl_coef enter the optimize key (and only when not 0 and 1: a GRPO run's optimize keys stay as they were)."""
     from conftest import Quiet
     from test_cache_keys import artifact
 
@@ -200,9 +230,10 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
             return stage_tasks.ebft_score_task.fn(context(config), rollouts, 0, artifact(feature_model, tmp_path))
         return stage_tasks.score_task.fn(context(config), rollouts, 0)
 
-    def optimize_key(config: dict) -> str:  # with the ce_coef flows/recipes/ebft.py hands the task
-        ce_coef = context(config).config.ebft.ce_coef if config.get("rl") == "ebft" else 0.0
-        return stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0, ce_coef)
+    def optimize_key(config: dict) -> str:  # with the ce_coef and rl_coef flows/recipes/ebft.py hands the task
+        ebft_section = context(config).config.ebft if config.get("rl") == "ebft" else None
+        weights = (ebft_section.ce_coef, ebft_section.rl_coef) if ebft_section else (0.0, 1.0)
+        return stage_tasks.optimize_task.fn(context(config), policy, None, scored, 0, *weights)
 
     ebft_run = {"rl": "ebft"}
     keys = {score_key(ebft_run), score_key(ebft_run, "other_policy"), score_key({"rl": "grpo"}),
@@ -212,6 +243,9 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
     assert len(keys) == 6
     assert optimize_key(ebft_run) == optimize_key({"rl": "grpo"})
     assert optimize_key({"rl": "ebft", "ebft": {"ce_coef": 0.1}}) != optimize_key(ebft_run)
+    assert optimize_key({"rl": "ebft", "ebft": {"rl_coef": 0.5}}) != optimize_key(ebft_run)
+    # sampling keys are rollout's: the score key does not hold them (the rollout key holds rollout.temperature)
+    assert score_key({"rl": "ebft", "ebft": {"temperature": 0.6}}) == score_key(ebft_run)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
     scoring = (ebft_score_task, {"feature_model": policy})
     sample = strided_rollout_task if ctx.config.ebft.mode == "strided" else rollout_task
     trained = logged_rounds(ctx, parent, [], lambda log_round: sampled_rounds(
-        ctx, policy, prompts, log_round, scoring, features=policy, sample=sample, ce_coef=ctx.config.ebft.ce_coef))
+        ctx, policy, prompts, log_round, scoring, features=policy, sample=sample, ce_coef=ctx.config.ebft.ce_coef,
+        rl_coef=ctx.config.ebft.rl_coef))
     trained.feature_model = policy  # the final eval and the promotion compare features under it too
     return trained

@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stages.data.schemas import SCORED, write_table
 from stages.runtime.imports import LazyModule
+from stages.runtime.keys import not_in_key
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 F = LazyModule("torch.nn.functional")
@@ -109,6 +110,15 @@ class EBFTConfig(BaseModel):
     n_samples_per_prompt: int | None = Field(None, ge=2)
     """Completions per prompt (the group whose diversity is penalized): sets rollout.num_generations.
     Unset: rollout's. At least 2: diversity and rloo need another sample of the prompt."""
+    temperature: float | None = not_in_key(None, gt=0)
+    """Sampling temperature of the completions (axolotl's strided `temperature`): sets rollout.temperature
+    (the rollout key holds it). Unset: rollout's."""
+    top_p: float | None = not_in_key(None, gt=0, le=1)
+    """Nucleus sampling of the completions (axolotl's strided `top_p`): sets rollout.top_p. Unset: rollout's."""
+    rl_coef: float = not_in_key(1.0, ge=0)
+    """Weight of the policy-gradient loss in the optimize stage (axolotl's `rl_coef`): loss = rl_coef * GRPO's
+    loss + ce_coef * the reference's cross-entropy. The optimize key holds it when it is not 1; 0 with
+    ce_coef 0 trains nothing (an error)."""
     advantage_estimator: Literal["rloo", "grpo", "reinforce"] = "rloo"
     """rloo (axolotl's strided default): A_j = r_j - mean of the other n-1 rewards (unbiased, unscaled). grpo:
     group mean subtracted, divided by score.scale_rewards' std (axolotl's `group_norm`, read as grpo; what
@@ -158,7 +168,7 @@ class EBFTConfig(BaseModel):
         if self.embed_method == "concat":
             raise ValueError("ebft.embed_method: concat is not used in mode: strided (axolotl's strided trainer pools "
                              "a block by last_token or mean_pooling); use last_token, mean_pooling or completion_mean")
-        if "ground_truth" in self.model_fields_set:
+        if self.ground_truth != type(self).model_fields["ground_truth"].default:  # a saved config lists it as is
             raise ValueError("ebft.ground_truth belongs to mode: structured; in mode: strided each block's "
                              "reference is the document's own continuation. Leave it out")
         self.stride = 8 if self.stride is None else self.stride

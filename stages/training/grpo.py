@@ -742,9 +742,11 @@ class RoundTrainer:
             return None
 
     def accumulate(self, plan: RoundPlan, micro_batches: list[list[dict]], live: list[list[dict]],
-                   old_logps: dict, num_items: float, max_completion_length: int, ce_coef: float) -> dict:
+                   old_logps: dict, num_items: float, max_completion_length: int, ce_coef: float,
+                   rl_coef: float = 1.0) -> dict:
         """Forward and backward of one optimizer step's micro-batches on this rank (gradients accumulate in
-        the parameters); return the step's statistics, summed over ranks."""
+        the parameters); return the step's statistics, summed over ranks. The loss is rl_coef times GRPO's
+        plus ce_coef times the reference cross-entropy (rl: ebft's weights; GRPO: 1 and 0)."""
         cfg = self.cfg
         step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
         stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
@@ -788,6 +790,8 @@ class RoundTrainer:
                 importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
                 off_policy_keep=keep_mask, stats_as_tensors=True,
             )
+            if rl_coef != 1.0:
+                loss = rl_coef * loss
             if ce_coef:
                 with self.placement.autocast(self.devices):
                     ce = reference_cross_entropy(self.model, rows_mb, self.tokenizer.pad_token_id)
@@ -866,6 +870,7 @@ def run(
     group=None,
     ce_coef: float = 0.0,
     devices=None,
+    rl_coef: float = 1.0,
 ) -> dict:
     """Train on one round of scored rollouts; save the policy (LoRA adapter, or with `adapter: none`
     the whole model) and the optimizer state to out_dir. `prev_adapter_dir` is the previous
@@ -879,7 +884,8 @@ def run(
     micro-batches rank, rank + world_size, ... of each step, and the gradients and step statistics are
     summed across ranks before the optimizer step, so each replica takes the one-process step (up to the
     order of float additions). Rank 0 alone saves. None: this process alone. `ce_coef` (rl: ebft): add that
-    times each micro-batch's `reference_cross_entropy`, divided like the loss by the step's micro-batches.
+    times each micro-batch's `reference_cross_entropy`, divided like the loss by the step's micro-batches;
+    `rl_coef` (rl: ebft): the weight of the policy-gradient loss itself (1: GRPO's loss as it is).
     `devices` (stages/runtime/devices.py; None: auto): where the models run and in which precision -- fp32 weights
     and optimizer state, forward and backward under autocast in bf16/fp16 (fp16 with a gradient scaler)."""
     import pyarrow.parquet as pq
@@ -911,7 +917,7 @@ def run(
             if live:  # else no signal in the whole step: no optimizer step, no state change
                 step_stats = trainer.accumulate(plan, micro_batches, live, old_logps,
                                                 dapo_normalizer(plan.steps, step_index, plan.masked_out),
-                                                max_completion_length, ce_coef)
+                                                max_completion_length, ce_coef, rl_coef)
                 learning_rate = lr_at(position)
                 grad_norm = trainer.step(learning_rate, position)
                 history.append({**_step_metrics(step_stats, grad_norm), "learning_rate": learning_rate})
