@@ -294,60 +294,10 @@ class PipelineConfig(BaseModel):
             data["artifacts_dir"] = output_dir
         # (their key, section, field, value) for each key of theirs that is one of ours
         moves = _axolotl_vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})
-        for key, value in (data.pop("trl", None) or {}).items():
-            if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
-                continue  # refused by _axolotl_vllm_moves
-            if key == "vllm_mode":
-                if value != "colocate":
-                    raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
-                                     "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
-                continue
-            if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
-                continue
-            if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
-                moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
-                continue
-            if key == "vllm_lora_sync":  # axolotl: adapters to vLLM through files (true) or merged weights (false)
-                moves.append(("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged"))
-                continue
-            if key == "use_vllm":
-                moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
-            elif key in AXOLOTL_TRL_KEYS:
-                moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
-            else:
-                raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                                 f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
-                                 "log_completions); set "
-                                 "the posttrain key instead or remove it")
+        moves += _axolotl_trl_moves(data.pop("trl", None) or {})
         rl = data.get("rl")
         trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
-        for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
-            value = data.pop(key)
-            field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
-                     "num_epochs": "num_train_epochs"}.get(key, key)
-            if key == "optimizer":
-                if value not in AXOLOTL_OPTIMIZERS:
-                    raise ValueError(f"optimizer: {value!r} is not one posttrain has; use one of "
-                                     f"{', '.join(AXOLOTL_OPTIMIZERS)}")
-                value = AXOLOTL_OPTIMIZERS[value]
-            if key == "adapter" and value not in ("lora", None):
-                raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
-            if key in AXOLOTL_DPO_KEYS and trainer != "dpo":
-                raise ValueError(f"{key}: a DPO-family loss option (rl: dpo, ipo, kto, orpo, simpo); rl is "
-                                 f"{data.get('rl', 'grpo')!r}: remove it")
-            if key == "sequence_len":
-                if trainer == "grpo":
-                    raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
-                                     "vLLM engine's rollout.vllm.max_model_len); set those")
-                field = "max_length"
-            if key == "eval_steps" and trainer == "grpo":
-                raise ValueError("eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: set "
-                                 "eval.every_rounds (every N rounds) instead")
-            if key in ("num_epochs", "max_steps") and trainer == "grpo":
-                raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
-                                 "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
-                                 "grpo.rounds")
-            moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
+        moves += _axolotl_training_moves(data, trainer)
         for their_key, section, field, value in moves:
             target = _section_dict(data, section)
             if target is not None:  # (else the section's own error says what it should be)
@@ -751,6 +701,74 @@ def _axolotl_vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, obje
                     "enable_prefix_caching": "the engine keeps vLLM's prefix cache on"}.get(
                 key, "not an option posttrain has")
             raise ValueError(f"vllm.{key}: {value!r} is not honoured here ({hint}); remove it")
+    return moves
+
+
+def _axolotl_trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's `trl:` section as (their key, section, field, value) moves (AXOLOTL_TRL_KEYS, use_vllm,
+    vllm_lora_sync, log_completions); a vllm_mode other than colocate, or a key posttrain has no counterpart
+    of, is an error naming it. The server keys (AXOLOTL_VLLM_SERVER_KEYS) are left to `_axolotl_vllm_moves`."""
+    moves = []
+    for key, value in trl.items():
+        if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
+            continue  # refused by _axolotl_vllm_moves
+        if key == "vllm_mode":
+            if value != "colocate":
+                raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
+                                 "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
+            continue
+        if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
+            continue
+        if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
+            moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
+            continue
+        if key == "vllm_lora_sync":  # axolotl: adapters to vLLM through files (true) or merged weights (false)
+            moves.append(("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged"))
+            continue
+        if key == "use_vllm":
+            moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
+        elif key in AXOLOTL_TRL_KEYS:
+            moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
+        else:
+            raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
+                             f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
+                             "log_completions); set "
+                             "the posttrain key instead or remove it")
+    return moves
+
+
+def _axolotl_training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, object]]:
+    """axolotl's top-level training keys (AXOLOTL_TRAINING_KEYS), popped from `data`, as (their key, section,
+    field, value) moves into `trainer`'s section (grpo, dpo or reward_model); one that has no meaning for that
+    trainer, or a value posttrain does not build, is an error naming it."""
+    moves = []
+    for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
+        value = data.pop(key)
+        field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
+                 "num_epochs": "num_train_epochs"}.get(key, key)
+        if key == "optimizer":
+            if value not in AXOLOTL_OPTIMIZERS:
+                raise ValueError(f"optimizer: {value!r} is not one posttrain has; use one of "
+                                 f"{', '.join(AXOLOTL_OPTIMIZERS)}")
+            value = AXOLOTL_OPTIMIZERS[value]
+        if key == "adapter" and value not in ("lora", None):
+            raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
+        if key in AXOLOTL_DPO_KEYS and trainer != "dpo":
+            raise ValueError(f"{key}: a DPO-family loss option (rl: dpo, ipo, kto, orpo, simpo); rl is "
+                             f"{data.get('rl', 'grpo')!r}: remove it")
+        if key == "sequence_len":
+            if trainer == "grpo":
+                raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
+                                 "vLLM engine's rollout.vllm.max_model_len); set those")
+            field = "max_length"
+        if key == "eval_steps" and trainer == "grpo":
+            raise ValueError("eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: set "
+                             "eval.every_rounds (every N rounds) instead")
+        if key in ("num_epochs", "max_steps") and trainer == "grpo":
+            raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
+                             "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
+                             "grpo.rounds")
+        moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
     return moves
 
 

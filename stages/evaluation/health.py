@@ -199,63 +199,115 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
     []
     """
     numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    findings = [Finding(k, v, "finite", "not a number: the weights of this round cannot be trusted "
-                        "(lower grpo.learning_rate; check the rewards and the data of this round)", fatal=True)
-                for k, v in numbers.items() if not math.isfinite(v) and not k.startswith(NOT_APPLICABLE_NAN)]
     values = {k: v for k, v in numbers.items() if math.isfinite(v)}
+    return [*_not_finite(numbers),
+            *_learning_signal(values, cfg),
+            *_entropy(values, cfg, first_entropy),
+            *_grad_norm(values, cfg),
+            *_reward_rise(values, history, cfg, verifiers),
+            *_policy_drift(values, cfg),
+            *_completion_length(values, cfg, max_completion_length, "rollout/truncated_frac" in numbers),
+            *_collapse(metrics, values, cfg)]
 
-    def check(metric: str, low: float | None, high: float | None, why_low: str = "", why_high: str = "",
-              low_strict: bool = False) -> None:
-        if metric not in values:
-            return
-        v = values[metric]
-        too_low = low is not None and (v <= low if low_strict else v < low)
-        too_high = high is not None and v > high
-        if not (too_low or too_high):
-            return
-        if low is not None and high is not None:
-            healthy = f"[{low:g}, {high:g}]"
-        else:
-            healthy = (f"> {low:g}" if low_strict else f">= {low:g}") if low is not None else f"<= {high:g}"
-        findings.append(Finding(metric, v, healthy, why_low if too_low else why_high))
 
-    check("train/reward_std", cfg.min_reward_std, None, low_strict=True,
-          why_low="no learning signal: the completions got (nearly) the same reward (test the reward functions "
-                  "on a few completions; the task may be too hard or too easy for the policy)")
-    check("train/frac_reward_zero_std", None, cfg.max_frac_reward_zero_std,
-          why_high="(almost) every prompt group got one reward for all its completions: zero advantages, "
-                   "no gradient (more rollout.num_generations, a higher rollout.temperature, or easier prompts)")
+def _not_finite(numbers: dict) -> list[Finding]:
+    """A fatal finding per NaN/Inf metric, except the per-reward-function statistics (NOT_APPLICABLE_NAN)."""
+    return [Finding(k, v, "finite", "not a number: the weights of this round cannot be trusted "
+                    "(lower grpo.learning_rate; check the rewards and the data of this round)", fatal=True)
+            for k, v in numbers.items() if not math.isfinite(v) and not k.startswith(NOT_APPLICABLE_NAN)]
+
+
+def _out_of_range(values: dict, metric: str, low: float | None, high: float | None, why_low: str = "",
+                  why_high: str = "", low_strict: bool = False) -> list[Finding]:
+    """A finding if `metric` is in `values` and below `low` (at or below, with `low_strict`) or above `high`
+    (None: no bound on that side), with `why_low` or `why_high` as its message; else none."""
+    if metric not in values:
+        return []
+    v = values[metric]
+    too_low = low is not None and (v <= low if low_strict else v < low)
+    too_high = high is not None and v > high
+    if not (too_low or too_high):
+        return []
+    if low is not None and high is not None:
+        healthy = f"[{low:g}, {high:g}]"
+    else:
+        healthy = (f"> {low:g}" if low_strict else f">= {low:g}") if low is not None else f"<= {high:g}"
+    return [Finding(metric, v, healthy, why_low if too_low else why_high)]
+
+
+def _learning_signal(values: dict, cfg: HealthConfig) -> list[Finding]:
+    """train/reward_std above min_reward_std, train/frac_reward_zero_std at most max_frac_reward_zero_std."""
+    return [*_out_of_range(
+                values, "train/reward_std", cfg.min_reward_std, None, low_strict=True,
+                why_low="no learning signal: the completions got (nearly) the same reward (test the reward "
+                        "functions on a few completions; the task may be too hard or too easy for the policy)"),
+            *_out_of_range(
+                values, "train/frac_reward_zero_std", None, cfg.max_frac_reward_zero_std,
+                why_high="(almost) every prompt group got one reward for all its completions: zero advantages, "
+                         "no gradient (more rollout.num_generations, a higher rollout.temperature, or easier "
+                         "prompts)")]
+
+
+def _entropy(values: dict, cfg: HealthConfig, first_entropy: float | None) -> list[Finding]:
+    """train/entropy within [min_entropy, max_entropy], the upper bound raised to max_entropy_growth times
+    `first_entropy` (the first round's) where that is higher."""
     max_entropy = max(cfg.max_entropy, cfg.max_entropy_growth * first_entropy if first_entropy else 0.0)
-    check("train/entropy", cfg.min_entropy, round(max_entropy, 6),
-          why_low="mode collapse: the completions are nearly identical (raise rollout.temperature, lower "
-                  "grpo.learning_rate, or add a KL penalty with grpo.beta)",
-          why_high="the policy is close to random and not converging" + (
-              f" (its entropy rose to over {cfg.max_entropy_growth:g}x the first round's {first_entropy:.3g})"
-              if max_entropy > cfg.max_entropy else "")
-          + " (lower grpo.learning_rate; check the SFT stage and rollout.temperature)")
+    return _out_of_range(
+        values, "train/entropy", cfg.min_entropy, round(max_entropy, 6),
+        why_low="mode collapse: the completions are nearly identical (raise rollout.temperature, lower "
+                "grpo.learning_rate, or add a KL penalty with grpo.beta)",
+        why_high="the policy is close to random and not converging" + (
+            f" (its entropy rose to over {cfg.max_entropy_growth:g}x the first round's {first_entropy:.3g})"
+            if max_entropy > cfg.max_entropy else "")
+        + " (lower grpo.learning_rate; check the SFT stage and rollout.temperature)")
+
+
+def _grad_norm(values: dict, cfg: HealthConfig) -> list[Finding]:
+    """train/grad_norm at most max_grad_norm, and at least min_grad_norm in a round that stepped the optimizer."""
     stepped = values.get("train/optimizer_steps", 1) > 0
-    check("train/grad_norm", cfg.min_grad_norm if stepped else None, cfg.max_grad_norm,
-          why_low="vanishing gradients: the update is ~0 (are the advantages all ~0? is the adapter attached to "
-                  "the layers the loss reaches?)",
-          why_high="unstable gradients (lower grpo.learning_rate, more grpo.gradient_accumulation_steps; "
-                   "grpo.max_grad_norm clips the update)")
-    findings.extend(_reward_rise(values, history, cfg, verifiers))
-    check("train/kl", None, cfg.max_kl,
-          why_high="the policy has diverged far from the reference (raise grpo.beta or lower grpo.learning_rate)")
-    check("train/clip_ratio", None, cfg.max_clip_ratio,
-          why_high="PPO clipping is too aggressive: the policy moves too far per round (lower "
-                   "grpo.learning_rate, or fewer optimizer steps per round)")
-    check("train/completion_length", cfg.min_completion_length, None,
-          why_low="the completions have collapsed to (nearly) empty (check the rewards for a length "
-                  "incentive, and the stop tokens)")
+    return _out_of_range(
+        values, "train/grad_norm", cfg.min_grad_norm if stepped else None, cfg.max_grad_norm,
+        why_low="vanishing gradients: the update is ~0 (are the advantages all ~0? is the adapter attached to "
+                "the layers the loss reaches?)",
+        why_high="unstable gradients (lower grpo.learning_rate, more grpo.gradient_accumulation_steps; "
+                 "grpo.max_grad_norm clips the update)")
+
+
+def _policy_drift(values: dict, cfg: HealthConfig) -> list[Finding]:
+    """train/kl at most max_kl, train/clip_ratio at most max_clip_ratio."""
+    return [*_out_of_range(
+                values, "train/kl", None, cfg.max_kl,
+                why_high="the policy has diverged far from the reference (raise grpo.beta or lower "
+                         "grpo.learning_rate)"),
+            *_out_of_range(
+                values, "train/clip_ratio", None, cfg.max_clip_ratio,
+                why_high="PPO clipping is too aggressive: the policy moves too far per round (lower "
+                         "grpo.learning_rate, or fewer optimizer steps per round)")]
+
+
+def _completion_length(values: dict, cfg: HealthConfig, max_completion_length: int,
+                       truncated_frac_logged: bool) -> list[Finding]:
+    """train/completion_length at least min_completion_length; rollout/truncated_frac at most max_truncated_frac,
+    or, where the round did not log it (`truncated_frac_logged`), a mean completion_length below the cap."""
+    findings = _out_of_range(
+        values, "train/completion_length", cfg.min_completion_length, None,
+        why_low="the completions have collapsed to (nearly) empty (check the rewards for a length "
+                "incentive, and the stop tokens)")
     cut = (f"completions are cut at rollout.max_completion_length ({max_completion_length} tokens): raise it, "
            "or look for reward hacking by length")
-    if "rollout/truncated_frac" in numbers:
-        check("rollout/truncated_frac", None, cfg.max_truncated_frac, why_high=cut)
+    if truncated_frac_logged:
+        findings += _out_of_range(values, "rollout/truncated_frac", None, cfg.max_truncated_frac, why_high=cut)
     elif values.get("train/completion_length", 0.0) >= max_completion_length:  # a mean at the cap: all cut
         findings.append(Finding("train/completion_length", values["train/completion_length"],
                                 f"< {max_completion_length}", cut))
+    return findings
 
+
+def _collapse(metrics: dict, values: dict, cfg: HealthConfig) -> list[Finding]:
+    """rollout/top_answer_frac at most max_top_answer_frac (or the gold answers' own concentration + GOLD_MARGIN
+    if higher), its text from `metrics`' rollout/top_answer; rollout/frac_identical_groups at most
+    max_frac_identical_groups."""
+    findings = []
     if "rollout/top_answer_frac" in values:  # collapse: one answer whatever the prompt
         top, gold = values["rollout/top_answer_frac"], values.get("rollout/gold_top_answer_frac")
         bound = cfg.max_top_answer_frac if gold is None else max(cfg.max_top_answer_frac, gold + GOLD_MARGIN)
@@ -269,12 +321,12 @@ def check_round(metrics: dict, cfg: HealthConfig, max_completion_length: int,
                 f"policy collapse: {top:.0%} of completions {answer} ({compared}); the policy gives one answer "
                 "regardless of the prompt, and the reward rewards it as often as that answer is right (check "
                 "the rewards for that shortcut; raise rollout.temperature or grpo.beta, lower grpo.learning_rate)"))
-    check("rollout/frac_identical_groups", None, cfg.max_frac_identical_groups,
-          why_high="(almost) every prompt group's completions are one identical text: no variation within "
-                   "the group, zero advantages (mode collapse, or a fully converged policy; raise "
-                   "rollout.temperature, lower grpo.learning_rate, or add a KL penalty with grpo.beta)")
+    findings += _out_of_range(
+        values, "rollout/frac_identical_groups", None, cfg.max_frac_identical_groups,
+        why_high="(almost) every prompt group's completions are one identical text: no variation within "
+                 "the group, zero advantages (mode collapse, or a fully converged policy; raise "
+                 "rollout.temperature, lower grpo.learning_rate, or add a KL penalty with grpo.beta)")
     return findings
-
 
 def _reward_rise(values: dict, history: Sequence[dict], cfg: HealthConfig, verifiers: Sequence[str]) -> list[Finding]:
     """A finding per verifier whose mean has not exceeded cfg.min_reward_rise in any round, in the round where

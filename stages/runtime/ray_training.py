@@ -75,20 +75,14 @@ def launch_on_ray(target: str, kwargs: dict, train: TrainConfig, label: str,
     where = ray_cluster.connect(options.address)
     ray_cluster.ship_by_value(sys.modules[__name__])
     module = target.split(":")[0]
+    gpus = options.num_gpus_per_process > 0
+    resources = {"CPU": options.num_cpus_per_process, **({"GPU": options.num_gpus_per_process} if gpus else {})}
+    _check_fits(resources, n, label, where)  # before the events queue: a refused launch leaves no actor behind
     events = Queue()
     config = {"target": target, "kwargs": kwargs, "strategy": train.strategy, "events": events,
               "threads": max(1, int(options.num_cpus_per_process)),
               "files": ray_cluster.source_files(["stages.runtime.distributed", "stages.runtime.ray_cluster", module]),
               "callbacks": [name for name, fn in (("on_metrics", on_metrics), ("on_step", on_step)) if fn]}
-    gpus = options.num_gpus_per_process > 0
-    resources = {"CPU": options.num_cpus_per_process, **({"GPU": options.num_gpus_per_process} if gpus else {})}
-    total = ray.cluster_resources()
-    short = {k: f"{n * v:g} asked, {total.get(k, 0):g} in the cluster" for k, v in resources.items()
-             if n * v > total.get(k, 0)}
-    if short:
-        raise DistributedError(f"{label}: train.num_processes = {n} ranks with {resources} each cannot fit on the "
-                               f"Ray cluster ({where}): {short}; lower train.ray.num_cpus_per_process / "
-                               "num_gpus_per_process or train.num_processes, or add nodes")
     storage = tempfile.mkdtemp(prefix="posttrain-ray-train-")  # Ray Train's run state (no checkpoints: ours)
     trainer = TorchTrainer(
         _worker_loop, train_loop_config=config,
@@ -98,18 +92,7 @@ def launch_on_ray(target: str, kwargs: dict, train: TrainConfig, label: str,
         run_config=RunConfig(name=f"posttrain-{label.replace(' ', '-')}-{os.getpid()}-{time.time_ns()}",
                              storage_path=storage,
                              failure_config=FailureConfig(max_failures=0)))
-    outcome: dict = {}
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-        except BaseException as e:  # reported by the waiting thread below
-            outcome["error"] = e
-        finally:
-            outcome["done"] = True
-
-    thread = threading.Thread(target=fit, name=f"ray-train {label}", daemon=True)
-    thread.start()
+    outcome = _fit_in_thread(trainer, label)
     nodes: dict[int, str] = {}
     value = None
     started = time.monotonic()
@@ -141,3 +124,34 @@ def launch_on_ray(target: str, kwargs: dict, train: TrainConfig, label: str,
     if value is None:
         raise DistributedError(f"{label}: the Ray Train workers ({where}) ended without rank 0's result")
     return {**value, "train_nodes": len(set(nodes.values()))} if isinstance(value, dict) else value
+
+
+def _check_fits(resources: dict, n: int, label: str, where: str) -> None:
+    """Raise DistributedError, naming `label`, if n ranks asking `resources` each exceed the Ray cluster's
+    total resources (cluster `where`)."""
+    import ray
+
+    total = ray.cluster_resources()
+    short = {k: f"{n * v:g} asked, {total.get(k, 0):g} in the cluster" for k, v in resources.items()
+             if n * v > total.get(k, 0)}
+    if short:
+        raise DistributedError(f"{label}: train.num_processes = {n} ranks with {resources} each cannot fit on the "
+                               f"Ray cluster ({where}): {short}; lower train.ray.num_cpus_per_process / "
+                               "num_gpus_per_process or train.num_processes, or add nodes")
+
+
+def _fit_in_thread(trainer, label: str) -> dict:
+    """Start trainer.fit() on a daemon thread; the returned dict gets "error" if it raised and "done" when it
+    ends, for `launch_on_ray`'s waiting loop to report."""
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # reported by the waiting loop in launch_on_ray
+            outcome["error"] = e
+        finally:
+            outcome["done"] = True
+
+    threading.Thread(target=fit, name=f"ray-train {label}", daemon=True).start()
+    return outcome

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -571,6 +572,101 @@ def check_eval_steps(cfg: RewardModelConfig, held_out: bool, rows: str, preferen
                          "or remove eval_steps")
 
 
+def _read_split(cfg: RewardModelConfig, preferences_dir: Path) -> list[dict]:
+    """The rows of the trained split (<split>.parquet); FileNotFoundError naming reward_model.split without it."""
+    from stages.data.schemas import read_rows
+
+    train_path = preferences_dir / f"{cfg.split}.parquet"
+    if not train_path.exists():
+        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
+    return read_rows(train_path)
+
+
+def _held_out(cfg: RewardModelConfig, preferences_dir: Path, kind: str) -> list[dict]:
+    """The eval split's rows of `kind` (pair, stepwise); none without eval_split or that split."""
+    from stages.data.schemas import read_rows
+
+    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
+        return [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == kind]
+    return []
+
+
+def _callbacks(cfg: RewardModelConfig, held_out_accuracy: Callable, metric: str,
+               on_metrics: Callable[[dict, int], None] | None, logged: list[dict], history: list[list]) -> list:
+    """The trainer's callbacks: each log's train metrics to on_metrics (and appended to `logged`), and the held-out
+    accuracy every eval_steps steps, logged as reward_model/<metric> (and appended to `history`)."""
+    from stages.training.trainer_setup import metrics_callback, periodic_eval
+
+    evaluate = periodic_eval(cfg.eval_steps, held_out_accuracy, METRIC_PREFIX + metric, on_metrics, history)
+    return [metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate]
+
+
+def _train_and_save(trainer, cfg: RewardModelConfig, tokenizer, held_out_accuracy: Callable, out_dir: Path,
+                    work_dir: Path | None, group, report: Callable[[float | None, int], None] | None = None):
+    """Train (from the newest complete checkpoint in the trainer's folder, if any), merge LoRA, measure the held-out
+    accuracy (passed to `report` with the last step), then on rank 0 alone (ranks launched by
+    stages/runtime/distributed.py) write the model folder to out_dir, deleting the trainer's folder unless it is
+    work_dir. Returns (the TrainOutput, the step resumed from, the held-out accuracy after training)."""
+    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
+    trained = trainer.model
+    if cfg.adapter == "lora":
+        trained = trained.merge_and_unload()  # the plain sequence/token-classification model, score head trained
+    trained.eval()
+    accuracy_after = held_out_accuracy(trained)
+    if report is not None:
+        report(accuracy_after, result.global_step)
+    if group is None or group.rank == 0:
+        if work_dir is None:
+            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
+        _save(trained, tokenizer, cfg, out_dir)
+    return result, resumed_from, accuracy_after
+
+
+def _summary(cfg: RewardModelConfig, rows: list[dict], train_rows: int, result, resumed_from: int,
+             logged: list[dict], history: list[list], devices: DeviceConfig, evals: dict) -> dict:
+    """The stage's result: rows read and trained on, steps, losses, the last logged train metrics, the held-out
+    `evals`, eval_history (with eval_steps), and the device and precision."""
+    return {
+        "kind": cfg.kind,
+        "rows": len(rows),
+        "train_rows": train_rows,
+        "steps": result.global_step,
+        "resumed_from_step": resumed_from,
+        "train_loss": result.training_loss,
+        "final_metrics": logged[-1] if logged else {},
+        **evals,
+        **({"eval_history": history} if cfg.eval_steps else {}),
+        **devices_module.describe(devices),
+    }
+
+
+def _orm_splits(cfg: RewardModelConfig, preferences_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """(the train split's rows, its pairs as TRL rows, the eval split's `pair` rows; none without eval_split or that
+    split)."""
+    rows = _read_split(cfg, preferences_dir)
+    train_rows = to_trl_rows(rows, cfg.split)
+    return rows, train_rows, _held_out(cfg, preferences_dir, "pair")
+
+
+def _orm_trainer(cfg: RewardModelConfig, model, tokenizer, train_rows: list[dict], callbacks: list, output_dir: Path,
+                 devices: DeviceConfig):
+    """TRL RewardTrainer on the TRL rows (it tokenizes them and drops those longer than max_length), quiet; a
+    ValueError when it drops them all."""
+    import datasets
+    from trl import RewardTrainer
+
+    from stages.training.trainer_setup import quiet_trainer
+
+    args = build_trl_config(cfg, output_dir, devices)
+    trainer = quiet_trainer(RewardTrainer(model=model, args=args,
+                                          train_dataset=datasets.Dataset.from_list(train_rows),
+                                          processing_class=tokenizer, callbacks=callbacks,
+                                          peft_config=lora_config(cfg)), cfg)
+    if len(trainer.train_dataset) == 0:
+        raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
+    return trainer
+
+
 def run(
     cfg: RewardModelConfig,
     model_dir: Path,
@@ -593,69 +689,31 @@ def run(
     newest complete one there (stages/runtime/checkpoints.py); None: a folder inside out_dir, deleted at the end.
     `devices` (stages/runtime/devices.py; None: DeviceConfig(), auto): device and precision of the model.
     """
-    import datasets
     from transformers import AutoTokenizer
-    from trl import RewardTrainer
-
-    from stages.data.schemas import read_rows
-    from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer
 
     check_kind(cfg.kind)
     if cfg.kind == "prm":
         return run_prm(cfg, model_dir, preferences_dir, out_dir, on_metrics, work_dir, group, devices)
     devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
-    train_path = preferences_dir / f"{cfg.split}.parquet"
-    if not train_path.exists():
-        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
-    rows = read_rows(train_path)
-    train_rows = to_trl_rows(rows, cfg.split)
-    eval_pairs: list[dict] = []
-    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
-        eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
-
+    rows, train_rows, eval_pairs = _orm_splits(cfg, preferences_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_reward_model(model_dir, tokenizer, cfg.seed, devices)
-    accuracy_before = pairwise_accuracy(model, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
-    check_eval_steps(cfg, bool(eval_pairs), "pairs", preferences_dir)
 
+    def held_out_accuracy(m) -> float | None:
+        return pairwise_accuracy(m, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
+
+    accuracy_before = held_out_accuracy(model)
+    check_eval_steps(cfg, bool(eval_pairs), "pairs", preferences_dir)
     logged: list[dict] = []
     history: list[list] = []
-    evaluate = periodic_eval(cfg.eval_steps, lambda m: pairwise_accuracy(m, tokenizer, eval_pairs, cfg.max_length),
-                             METRIC_PREFIX + "eval_pairwise_accuracy", on_metrics, history)
-    args = build_trl_config(cfg, work_dir or out_dir / "_trainer", devices)
-    trainer = quiet_trainer(RewardTrainer(model=model, args=args,
-                                          train_dataset=datasets.Dataset.from_list(train_rows),
-                                          processing_class=tokenizer,
-                                          callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate],
-                                          peft_config=lora_config(cfg)), cfg)
-    if len(trainer.train_dataset) == 0:
-        raise ValueError(f"reward_model: every {cfg.split!r} pair is longer than max_length={cfg.max_length} tokens")
-    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
-
-    trained = trainer.model
-    if cfg.adapter == "lora":
-        trained = trained.merge_and_unload()  # the plain sequence-classification model, score head trained
-    trained.eval()
-    accuracy_after = pairwise_accuracy(trained, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
-    if group is None or group.rank == 0:  # on ranks launched by stages/runtime/distributed.py: rank 0 alone writes
-        if work_dir is None:
-            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-        _save(trained, tokenizer, cfg, out_dir)
-    return {
-        "kind": cfg.kind,
-        "rows": len(rows),
-        "train_rows": len(trainer.train_dataset),
-        "steps": result.global_step,
-        "resumed_from_step": resumed_from,
-        "train_loss": result.training_loss,
-        "final_metrics": logged[-1] if logged else {},
-        "eval_pairs": len(eval_pairs),
-        "eval_pairwise_accuracy_before": accuracy_before,
-        "eval_pairwise_accuracy": accuracy_after,
-        **({"eval_history": history} if cfg.eval_steps else {}),
-        **devices_module.describe(devices),
-    }
+    callbacks = _callbacks(cfg, held_out_accuracy, "eval_pairwise_accuracy", on_metrics, logged, history)
+    trainer = _orm_trainer(cfg, model, tokenizer, train_rows, callbacks, work_dir or out_dir / "_trainer", devices)
+    result, resumed_from, accuracy_after = _train_and_save(trainer, cfg, tokenizer, held_out_accuracy, out_dir,
+                                                           work_dir, group)
+    return _summary(cfg, rows, len(trainer.train_dataset), result, resumed_from, logged, history, devices,
+                    {"eval_pairs": len(eval_pairs), "eval_pairwise_accuracy_before": accuracy_before,
+                     "eval_pairwise_accuracy": accuracy_after})
 
 
 def labelled_token_loss(outputs, labels, num_items_in_batch=None):
@@ -714,18 +772,70 @@ def _step_trainer_class():
 def _prm_splits(cfg: RewardModelConfig, preferences_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """(the train split's rows, its stepwise rows as PRM rows, the eval split's stepwise rows as PRM rows; none
     without eval_split or that split)."""
-    from stages.data.schemas import read_rows
-
-    train_path = preferences_dir / f"{cfg.split}.parquet"
-    if not train_path.exists():
-        raise FileNotFoundError(f"reward_model.split: {train_path} does not exist")
-    rows = read_rows(train_path)
+    rows = _read_split(cfg, preferences_dir)
     train_rows = to_prm_rows(rows, cfg.split, cfg.step_separator)
-    eval_rows: list[dict] = []
-    if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
-        held_out = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "stepwise"]
-        eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
+    held_out = _held_out(cfg, preferences_dir, "stepwise")
+    eval_rows = to_prm_rows(held_out, cfg.eval_split, cfg.step_separator) if held_out else []
     return rows, train_rows, eval_rows
+
+
+def _trainable_prm(cfg: RewardModelConfig, model_dir: Path, tokenizer, devices: DeviceConfig):
+    """load_process_reward_model with dropout off (TRL PRMConfig disable_dropout=True; the head's dropout is 0.1)."""
+    import torch
+
+    model = load_process_reward_model(model_dir, tokenizer, cfg.seed, devices)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def _prm_train_features(cfg: RewardModelConfig, tokenizer, train_rows: list[dict]) -> list[dict]:
+    """prm_features of the train rows, without those longer than max_length; a ValueError when none is left."""
+    features = [f for f in prm_features(tokenizer, train_rows, cfg.step_separator)
+                if len(f["input_ids"]) <= cfg.max_length]
+    if not features:
+        raise ValueError(f"reward_model: every {cfg.split!r} stepwise row is longer than "
+                         f"max_length={cfg.max_length} tokens")
+    return features
+
+
+def _prm_trainer(cfg: RewardModelConfig, model, tokenizer, features: list[dict], callbacks: list, output_dir: Path,
+                 devices: DeviceConfig):
+    """The step-accuracy transformers Trainer (_step_trainer_class) on the features with labelled_token_loss and
+    the training settings of `training_args` (less max_length), quiet."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from stages.training.trainer_setup import quiet_trainer, training_args
+
+    args = {k: v for k, v in training_args(cfg, output_dir, "reward_model", devices).items() if k != "max_length"}
+    return quiet_trainer(_step_trainer_class()(
+        model=model, args=TrainingArguments(**args, remove_unused_columns=False),
+        train_dataset=datasets.Dataset.from_list(features),
+        data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
+        compute_loss_func=labelled_token_loss, callbacks=callbacks), cfg)
+
+
+def _report_step_accuracy(on_metrics: Callable[[dict, int], None] | None, accuracy: float | None, step: int) -> None:
+    """The held-out step accuracy, when measured, to on_metrics at `step`."""
+    if on_metrics and accuracy is not None:
+        on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy}, step)
+
+
+def _prm_evals(eval_rows: list[dict], accuracy_before: float | None, accuracy_after: float | None) -> dict:
+    """The held-out entries of run_prm's result (the pairwise ones empty: a PRM has no pairs)."""
+    eval_labels = [label for row in eval_rows for label in row["labels"]]
+    return {
+        "eval_rows": len(eval_rows),
+        "eval_labelled_steps": len(eval_labels),
+        "eval_good_step_fraction": sum(eval_labels) / len(eval_labels) if eval_labels else None,
+        "eval_step_accuracy_before": accuracy_before,
+        "eval_step_accuracy": accuracy_after,
+        "eval_pairs": 0,
+        "eval_pairwise_accuracy_before": None,
+        "eval_pairwise_accuracy": None,
+    }
 
 
 def run_prm(
@@ -752,33 +862,21 @@ def run_prm(
     precision (, gpu)}; the eval
     entries are None without held-out stepwise rows (the pairwise ones always: a PRM has no pairs).
     """
-    import datasets
-    import torch
-    from transformers import AutoTokenizer, TrainingArguments
-
-    from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer, training_args
+    from transformers import AutoTokenizer
 
     devices = devices or DeviceConfig()
     model_dir, preferences_dir, out_dir = Path(model_dir), Path(preferences_dir), Path(out_dir)
     rows, train_rows, eval_rows = _prm_splits(cfg, preferences_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_process_reward_model(model_dir, tokenizer, cfg.seed, devices)
-    for module in model.modules():  # TRL PRMConfig disable_dropout=True (the head's dropout is 0.1)
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    features = [f for f in prm_features(tokenizer, train_rows, cfg.step_separator)
-                if len(f["input_ids"]) <= cfg.max_length]
-    if not features:
-        raise ValueError(f"reward_model: every {cfg.split!r} stepwise row is longer than "
-                         f"max_length={cfg.max_length} tokens")
+    model = _trainable_prm(cfg, model_dir, tokenizer, devices)
+    features = _prm_train_features(cfg, tokenizer, train_rows)
 
     def held_out_accuracy(m) -> float | None:
         return step_accuracy(m, tokenizer, eval_rows, cfg.step_separator, cfg.max_length) if eval_rows else None
 
     accuracy_before = held_out_accuracy(model)
     check_eval_steps(cfg, bool(eval_rows), "stepwise rows", preferences_dir)
-    if on_metrics and accuracy_before is not None:
-        on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_before}, 0)
+    _report_step_accuracy(on_metrics, accuracy_before, 0)
     peft_config = lora_config(cfg)
     if peft_config is not None:
         from peft import get_peft_model
@@ -787,42 +885,9 @@ def run_prm(
 
     logged: list[dict] = []
     history: list[list] = []
-    evaluate = periodic_eval(cfg.eval_steps, held_out_accuracy, METRIC_PREFIX + "eval_step_accuracy", on_metrics,
-                             history)
-    args = {k: v for k, v in training_args(cfg, work_dir or out_dir / "_trainer", "reward_model", devices).items()
-            if k != "max_length"}
-    trainer = quiet_trainer(_step_trainer_class()(
-        model=model, args=TrainingArguments(**args, remove_unused_columns=False),
-        train_dataset=datasets.Dataset.from_list(features),
-        data_collator=lambda batch: collate_steps(batch, tokenizer.pad_token_id),
-        compute_loss_func=labelled_token_loss,
-        callbacks=[metrics_callback(METRIC_PREFIX, on_metrics, logged), evaluate]), cfg)
-    result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
-
-    trained = trainer.model
-    if cfg.adapter == "lora":
-        trained = trained.merge_and_unload()  # the plain token-classification model, score head trained
-    trained.eval()
-    accuracy_after = held_out_accuracy(trained)
-    if on_metrics and accuracy_after is not None:
-        on_metrics({METRIC_PREFIX + "eval_step_accuracy": accuracy_after}, result.global_step)
-    if group is None or group.rank == 0:  # on ranks launched by stages/runtime/distributed.py: rank 0 alone writes
-        if work_dir is None:
-            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-        _save(trained, tokenizer, cfg, out_dir)
-    eval_labels = [label for row in eval_rows for label in row["labels"]]
-    return {
-        "kind": cfg.kind, "rows": len(rows), "train_rows": len(features), "steps": result.global_step,
-        "resumed_from_step": resumed_from, "train_loss": result.training_loss,
-        "final_metrics": logged[-1] if logged else {},
-        "eval_rows": len(eval_rows),
-        "eval_labelled_steps": len(eval_labels),
-        "eval_good_step_fraction": sum(eval_labels) / len(eval_labels) if eval_labels else None,
-        "eval_step_accuracy_before": accuracy_before,
-        "eval_step_accuracy": accuracy_after,
-        "eval_pairs": 0,
-        "eval_pairwise_accuracy_before": None,
-        "eval_pairwise_accuracy": None,
-        **({"eval_history": history} if cfg.eval_steps else {}),
-        **devices_module.describe(devices),
-    }
+    callbacks = _callbacks(cfg, held_out_accuracy, "eval_step_accuracy", on_metrics, logged, history)
+    trainer = _prm_trainer(cfg, model, tokenizer, features, callbacks, work_dir or out_dir / "_trainer", devices)
+    result, resumed_from, accuracy_after = _train_and_save(trainer, cfg, tokenizer, held_out_accuracy, out_dir,
+                                                           work_dir, group, partial(_report_step_accuracy, on_metrics))
+    return _summary(cfg, rows, len(features), result, resumed_from, logged, history, devices,
+                    _prm_evals(eval_rows, accuracy_before, accuracy_after))

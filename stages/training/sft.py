@@ -46,6 +46,82 @@ class SFTConfig(BaseModel):
     null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
 
 
+def _read_rows(cfg: SFTConfig, prompts_path: Path) -> list[dict]:
+    """The split's {prompt, <completion_field>} rows; a ValueError naming sft.completion_field without that column."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(prompts_path)
+    if cfg.completion_field not in table.column_names:
+        raise ValueError(
+            f"sft.completion_field: column {cfg.completion_field!r} is not in {prompts_path} "
+            f"(columns: {table.column_names})"
+        )
+    return table.select(["prompt", cfg.completion_field]).to_pylist()
+
+
+def _to_dataset(rows: list[dict], completion_field: str):
+    """TRL's conversational prompt/completion rows, or its "text" rows when no row has a prompt (raw documents,
+    transform.type: text: language modelling on them)."""
+    import datasets
+
+    if all(not r["prompt"] for r in rows):
+        return datasets.Dataset.from_list([{"text": r[completion_field]} for r in rows])
+    return datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[completion_field]}]}
+         for r in rows])
+
+
+def _report_metrics(on_metrics: Callable[[dict, int], None] | None):
+    """A TrainerCallback passing each log's numeric entries, keys prefixed "sft/", and the step to on_metrics."""
+    from transformers import TrainerCallback
+
+    class ReportMetrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if on_metrics and logs:
+                on_metrics({f"sft/{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
+
+    return ReportMetrics()
+
+
+def _trl_config(cfg: SFTConfig, output_dir: Path, per_device_batch_size: int, num_rows: int, devices: DeviceConfig,
+                prepared: bool):
+    """TRL SFTConfig for `cfg` on num_rows rows: cosine schedule with warmup_ratio of the steps, logs every 10 steps,
+    checkpoints and device/precision from common_arguments; `prepared`: the dataset is already tokenized."""
+    from trl import SFTConfig as TRLSFTConfig
+
+    return TRLSFTConfig(
+        output_dir=str(output_dir),
+        num_train_epochs=cfg.num_train_epochs,
+        learning_rate=cfg.learning_rate,
+        per_device_train_batch_size=per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        warmup_steps=math.ceil(cfg.warmup_ratio * num_rows * cfg.num_train_epochs / cfg.micro_batch_size),
+        lr_scheduler_type="cosine",
+        weight_decay=cfg.weight_decay,
+        logging_steps=10,
+        # use_cpu, bf16/fp16 autocast, gradient checkpointing: the devices policy, never TRL's defaults (its
+        # SFTConfig defaults to bf16, which a CPU without AVX512-BF16/AMX emulates ~25x slower, with rounding
+        # that differs between CPU models: hence fp32 stays the CPU default in devices.precision).
+        **common_arguments(cfg.seed, cfg.save_steps, devices),
+        disable_tqdm=False,
+        dataset_kwargs={"skip_prepare_dataset": True} if prepared else None,
+    )
+
+
+def _save(trainer, tokenizer, out_dir: Path, trainer_dir: str, work_dir: Path | None, group) -> None:
+    """Rank 0 writes the model and tokenizer to out_dir; once every rank is there, rank 0 deletes the trainer's
+    folder (trainer_dir) unless it is work_dir."""
+    if trainer.is_world_process_zero():
+        trainer.model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    if group is not None:
+        group.barrier()  # the folder is complete, and no rank still reads the trainer's folder
+    if work_dir is None and trainer.is_world_process_zero():
+        import shutil
+
+        shutil.rmtree(trainer_dir, ignore_errors=True)
+
+
 def run(
     cfg: SFTConfig,
     model_dir: Path,
@@ -68,70 +144,27 @@ def run(
 
     `devices` (stages/runtime/devices.py; None: DeviceConfig(), auto): where the model trains and in which precision;
     the summary names the resolved device and precision."""
-    import datasets
-    import pyarrow.parquet as pq
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig as TRLSFTConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
 
-    table = pq.read_table(prompts_path)
-    if cfg.completion_field not in table.column_names:
-        raise ValueError(
-            f"sft.completion_field: column {cfg.completion_field!r} is not in {prompts_path} "
-            f"(columns: {table.column_names})"
-        )
-    rows = table.select(["prompt", cfg.completion_field]).to_pylist()
-    if all(not r["prompt"] for r in rows):  # raw documents (transform.type: text): language modelling on them
-        dataset = datasets.Dataset.from_list([{"text": r[cfg.completion_field]} for r in rows])
-    else:
-        dataset = datasets.Dataset.from_list(
-            [{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r[cfg.completion_field]}]}
-             for r in rows])
+    rows = _read_rows(cfg, prompts_path)
+    dataset = _to_dataset(rows, cfg.completion_field)
     world_size = group.world_size if group is not None else 1
     per_device_batch_size = per_device(cfg.micro_batch_size, world_size, "sft.micro_batch_size")
     devices = devices or DeviceConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = devices_module.load_trainable(AutoModelForCausalLM, model_dir, devices)
     prepared = checkpoints.load_prepared(work_dir)  # this key's tokenized rows, saved by an earlier start
-
-    class ReportMetrics(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if on_metrics and logs:
-                on_metrics({f"sft/{k}": v for k, v in logs.items() if isinstance(v, (int, float))}, state.global_step)
-
-    args = TRLSFTConfig(
-        output_dir=str(work_dir or out_dir / "_trainer"),
-        num_train_epochs=cfg.num_train_epochs,
-        learning_rate=cfg.learning_rate,
-        per_device_train_batch_size=per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        warmup_steps=math.ceil(cfg.warmup_ratio * len(rows) * cfg.num_train_epochs / cfg.micro_batch_size),
-        lr_scheduler_type="cosine",
-        weight_decay=cfg.weight_decay,
-        logging_steps=10,
-        # use_cpu, bf16/fp16 autocast, gradient checkpointing: the devices policy, never TRL's defaults (its
-        # SFTConfig defaults to bf16, which a CPU without AVX512-BF16/AMX emulates ~25x slower, with rounding
-        # that differs between CPU models: hence fp32 stays the CPU default in devices.precision).
-        **common_arguments(cfg.seed, cfg.save_steps, devices),
-        disable_tqdm=False,
-        dataset_kwargs={"skip_prepare_dataset": True} if prepared is not None else None,
-    )
+    args = _trl_config(cfg, work_dir or out_dir / "_trainer", per_device_batch_size, len(rows), devices,
+                       prepared is not None)
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset if prepared is None else prepared, processing_class=tokenizer,
-        callbacks=[ReportMetrics()],
+        callbacks=[_report_metrics(on_metrics)],
     )
     if trainer.is_world_process_zero():
         checkpoints.save_prepared(work_dir, trainer.train_dataset)  # tokenized: a rerun of this key skips it
     result, resumed_from = checkpoints.train(trainer, Path(args.output_dir))
-    if trainer.is_world_process_zero():
-        trainer.model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-    if group is not None:
-        group.barrier()  # the folder is complete, and no rank still reads the trainer's folder
-    if work_dir is None and trainer.is_world_process_zero():
-        import shutil
-
-        shutil.rmtree(args.output_dir, ignore_errors=True)
+    _save(trainer, tokenizer, out_dir, args.output_dir, work_dir, group)
     return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows),
             "resumed_from_step": resumed_from, "reused_tokenized_dataset": prepared is not None,
             **devices_module.describe(devices)}
