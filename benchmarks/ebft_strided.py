@@ -39,7 +39,7 @@ def answers(model_dir: Path, documents: list[str]) -> dict:
     the best constant digit's share (the demo's answers are balanced: about 1/5)."""
     import torch
 
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(model_dir)
     right, gold, shown = 0, Counter(), []

@@ -556,7 +556,7 @@ def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: 
 
     from stages.rollout.engines import Policy, Sampling
     from stages.rollout.engines.hf import generate
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = digit_prompts(tokenizer, sizes["gen_prompts"], sizes["gen_prompt_tokens"], seed=3)

@@ -28,7 +28,7 @@ def check(reward_model_dir: Path, prompts_path: Path, limit: int, candidates: ra
     import pyarrow.parquet as pq
 
     from stages.data.demo_data import format_answer
-    from stages.training.reward_model import RewardModelScorer
+    from stages.scoring.rewards.reward_model import RewardModelScorer
 
     scorer = RewardModelScorer(reward_model_dir, batch_size=256)
     rows = pq.read_table(prompts_path).to_pylist()[:limit]

@@ -48,8 +48,8 @@ def warm_start(config: str, seed: int, overrides: list[str], samples: int, work:
     from stages.data import base_model, demo_data, transform
     from stages.rollout.engines import Sampling
     from stages.rollout.engines.hf import generate
+    from stages.runtime.policy import load_policy
     from stages.training import sft
-    from stages.training.policy import load_policy
 
     cfg = load_config(config, [*overrides, f"model.seed={seed}", f"sft.seed={seed}"])
     for name in ("raw", "prompts", "base", "sft"):

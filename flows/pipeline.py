@@ -17,10 +17,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.recipes import RECIPES, WHOLE_RUNS, method
+from flows.recipes import RECIPES, WHOLE_RUNS, evaluator, method
 from flows.run import eval_metrics, open_run, prepare_policy, save_results
 from tasks.lineage import ui_command
-from tasks.stage_tasks import eval_task, export_task
+from tasks.stage_tasks import export_task
 
 
 @flow(name="posttrain-prepare-policy", flow_run_name="prepare {config_path}")
@@ -50,16 +50,16 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
     run_name = run_dir.name
     try:
         prompts, base, policy = prepare_policy(ctx, parent)
-        base_eval = eval_task(ctx, policy, prompts, label="base")
+        evaluate = evaluator(cfg, policy)  # the method's eval task (rl: ebft strided: raw documents' blocks)
+        base_eval = evaluate(ctx, policy, prompts, label="base")
         lineage.log_metrics(parent, eval_metrics(base_eval.manifest["summary"]), step=0)
 
         trained = RECIPES[method(cfg)](ctx, parent, policy, prompts)
         adapter, history, findings = trained.adapter, trained.history, trained.findings
         lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}",
                         **trained.lineage}
-        features = trained.feature_model  # rl: ebft's evals compare features under the starting policy
         exported = export_task(ctx, policy, adapter, lineage_keys, trained.metrics)
-        final_eval = eval_task(ctx, exported, prompts, label="final", feature_model=features)
+        final_eval = evaluate(ctx, exported, prompts, label="final")
         base_summary, final_summary = base_eval.manifest["summary"], final_eval.manifest["summary"]
         base_acc, final_acc = base_summary["accuracy"], final_summary["accuracy"]
         constant_baseline = final_summary.get("constant_baseline")  # same prompts as base: same baseline
@@ -74,7 +74,7 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
         from flows import retrain
 
         promotion = retrain.promote(ctx, parent, version, exported, final_eval, prompts,  # champion or challenger
-                                    feature_model=features)
+                                    evaluate=evaluate)
         if not quiet:
             reporter.console.print(f"promotion: {promotion['reason']}", soft_wrap=True, markup=False)
         results = {

@@ -299,10 +299,13 @@ def starting_policy(ctx, parent: str):
     return artifact
 
 
-def promote(ctx, parent: str, version: str, exported, final_eval, prompts, feature_model=None) -> dict:
+def promote(ctx, parent: str, version: str, exported, final_eval, prompts, evaluate=None) -> dict:
     """Give the run's registered version the alias `champion` or `challenger`; return what and why.
-    `feature_model`: rl: ebft's, for a strided eval of the champion on the same features."""
+    `evaluate`: the eval task the final eval was (flows/recipes `evaluator`; None: eval_task), so the champion
+    is measured the same way."""
     from tasks.stage_tasks import eval_task
+
+    evaluate = evaluate or eval_task
 
     cfg, name = ctx.config.promotion, ctx.config.export.model_name
     key = cfg.metric.removeprefix("eval/")
@@ -319,8 +322,7 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts, featu
         if (source.stage, source.key) == (exported.stage, exported.key):  # the very same model: same numbers
             champion_value = value
         else:
-            champion_value = float(eval_task(ctx, source, prompts, label="champion",
-                                             feature_model=feature_model).manifest["summary"][key])
+            champion_value = float(evaluate(ctx, source, prompts, label="champion").manifest["summary"][key])
         better = value >= champion_value + cfg.min_gain
         alias = "champion" if better else "challenger"
         reason = (f"{name} v{version} {'becomes champion' if better else 'stays challenger'}: {cfg.metric} "

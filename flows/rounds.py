@@ -56,13 +56,12 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
 }
 
 
-def eval_round(ctx: RunContext, policy, prompts, adapter, r: int, features=None) -> None:
-    """eval.every_rounds: evaluate the policy after r + 1 rounds (base, step 0, and final are evaluated by
-    the flow)."""
+def eval_round(ctx: RunContext, policy, prompts, adapter, r: int, evaluate=eval_task) -> None:
+    """eval.every_rounds: evaluate the policy after r + 1 rounds with the method's eval task `evaluate` (base,
+    step 0, and final are evaluated by the flow)."""
     cfg = ctx.config
     if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
-        evaluated = eval_task(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1,
-                              feature_model=features)
+        evaluated = evaluate(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
         ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
 
 
@@ -94,11 +93,11 @@ def finish_round(r: int, rollouts, scored, adapter, times: dict, log_round, line
     return metrics
 
 
-def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, features=None,
+def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, evaluate=eval_task,
                    sample=rollout_task, ce_coef: float = 0.0, rl_coef: float = 1.0) -> tuple:
     """rollout -> score -> optimize, grpo.rounds times, with the replay buffer and re-rolls; returns (last
     adapter, lineage keys, last round's metrics). `scoring`: (the score task, its keyword arguments besides ctx,
-    rollouts, round); `features`: rl: ebft's feature model, for strided evals; `sample`: the rollout task
+    rollouts, round); `evaluate`: the eval task of eval.every_rounds; `sample`: the rollout task
     (rl: ebft's strided mode samples blocks of documents); `ce_coef`, `rl_coef`: the optimize stage's loss weights.
 
     Synchronous (lag 0): round r samples from the policy after r optimize rounds. With
@@ -147,7 +146,7 @@ def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, 
         optimize_s = time.perf_counter() - started
         if lag and r + lag + 1 < cfg.grpo.rounds:
             submit(r + lag + 1, adapter, r + 1)
-        eval_round(ctx, policy, prompts, adapter, r, features)
+        eval_round(ctx, policy, prompts, adapter, r, evaluate)
         extra = signals.metrics(len(replaced),
                                 rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
         metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
@@ -160,8 +159,7 @@ class Trained:
     """What a method's training gives the flow: the trained artifact (the last round's adapter, or the preference
     stage's output), the last round's metrics, the training's wall seconds, each round's metrics and the
     health findings (rounds only), the lineage keys of the artifacts it made, the step the final eval is
-    logged at (the rounds done, or 1), the feature model the evals score with (rl: ebft) and the recipe's own
-    entries of the run's results."""
+    logged at (the rounds done, or 1) and the recipe's own entries of the run's results."""
 
     adapter: object
     metrics: dict
@@ -170,7 +168,6 @@ class Trained:
     findings: list[dict] = field(default_factory=list)
     lineage: dict = field(default_factory=dict)
     steps: int = 1
-    feature_model: object = None
     results: dict = field(default_factory=dict)
 
 

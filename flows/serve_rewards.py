@@ -18,7 +18,7 @@ Requests that arrive while the pool is busy are scored together in its next call
 Who may call: with a token (`--token`, or the POSTTRAIN_REWARDS_TOKEN environment variable) every route but
 /health answers 401 to a request without `Authorization: Bearer <token>` and scores nothing; a run's
 `remote_verifiers.<name>.token_env` names the variable its workers send. Without a token it listens on
-loopback only: another --host without one is refused (stages/rollout/bearer.py).
+loopback only: another --host without one is refused (stages/runtime/bearer.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
-from stages.rollout.bearer import authorized, server_token
+from stages.runtime.bearer import authorized, server_token
 from stages.scoring.reward_pools import shared_pool
 from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
 from stages.scoring.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source

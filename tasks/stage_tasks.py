@@ -1,8 +1,8 @@
 """One Prefect task per stage. Each is thin: compute the content key, return the finished
 artifact if its manifest is there, otherwise run the stage into the store, log the
 nested MLflow run, and report progress. No ML logic here, and no choice of method: a variant
-stage is its own task (strided_rollout_task, atropos_batch_task, ebft_score_task) that the
-method's recipe (flows/recipes/) calls; eval_task's strided variant is the one exception (its docstring).
+stage is its own task (strided_rollout_task, strided_eval_task, atropos_batch_task, ebft_score_task) that
+the method's recipe (flows/recipes/) picks.
 """
 
 from __future__ import annotations
@@ -236,26 +236,12 @@ def sft_task(ctx: RunContext, model: Artifact, prompts: Artifact) -> Artifact:
 
 @task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
 def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
-              adapter: Artifact | None = None, version: int = -1, feature_model: Artifact | None = None) -> Artifact:
-    """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round.
-    `feature_model` (rl: ebft, strided): whose features compare continuations; unset: `model`'s. The one
-    variant a task picks from the config: under ebft.mode strided the eval split is raw documents, scored
-    block by block (stages/training/ebft_strided.py), for every eval (base, periodic, final, the champion's) alike."""
+              adapter: Artifact | None = None, version: int = -1) -> Artifact:
+    """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round: greedy
+    accuracy on the eval split's prompts (stages/evaluation/evaluate.py)."""
     cfg = ctx.config.eval
     section = key_fields(cfg)
     evaluated = policy_for(ctx, model, adapter, version)
-    if strided(ctx):  # held-out documents' blocks, against their own continuations (stages/training/ebft_strided.py)
-        bar = ctx.reporter.progress(f"eval {label}", "document")
-        features = feature_model or model  # before the rounds: the policy they start from
-        return materialize(
-            ctx, "eval", ebft_strided, runs_model(ctx, {**section, "ebft": _strided_section(ctx)}),
-            {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
-            lambda out, _: ebft_strided.evaluate(ctx.config.ebft, cfg.max_prompts, evaluated.model_dir,
-                                                 evaluated.adapter_dir, features.path,
-                                                 prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
-                                                 devices=placement(ctx)),
-            label=f"eval {label}",
-        )
     bar = ctx.reporter.progress(f"eval {label}", "prompt")
     return materialize(
         ctx, "eval", evaluate, runs_model(ctx, section), {"model": model, "prompts": prompts, "adapter": adapter},
@@ -266,9 +252,26 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
     )
 
 
-def strided(ctx: RunContext) -> bool:
-    """rl: ebft with ebft.mode: strided: rollouts and evals on raw documents (stages/training/ebft_strided.py)."""
-    return ctx.config.rl == "ebft" and ctx.config.ebft.mode == "strided"
+@task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
+def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
+                      adapter: Artifact | None = None, version: int = -1,
+                      feature_model: Artifact | None = None) -> Artifact:
+    """rl: ebft, ebft.mode: strided: evaluate as eval_task does, on raw documents: the held-out documents' blocks
+    against their own continuations (stages/training/ebft_strided.py). `feature_model`: whose features compare
+    continuations (the starting policy); unset: `model`'s."""
+    cfg = ctx.config.eval
+    evaluated = policy_for(ctx, model, adapter, version)
+    bar = ctx.reporter.progress(f"eval {label}", "document")
+    features = feature_model or model  # before the rounds: the policy they start from
+    return materialize(
+        ctx, "eval", ebft_strided, runs_model(ctx, {**key_fields(cfg), "ebft": _strided_section(ctx)}),
+        {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
+        lambda out, _: ebft_strided.evaluate(ctx.config.ebft, cfg.max_prompts, evaluated.model_dir,
+                                             evaluated.adapter_dir, features.path,
+                                             prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
+                                             devices=placement(ctx)),
+        label=f"eval {label}",
+    )
 
 
 def _strided_section(ctx: RunContext) -> dict:

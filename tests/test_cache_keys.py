@@ -184,7 +184,7 @@ def test_stage_code_versions_cover_their_imports_without_importing_torch():
     from stages.runtime.imports import local_modules
 
     assert {"stages.scoring.reward_workers", "stages.scoring.rewards.math",
-            "stages.training.reward_model"} <= set(local_modules("stages.scoring.score"))
+            "stages.scoring.rewards.reward_model"} <= set(local_modules("stages.scoring.score"))
     assert {"stages.rollout.engines.hf",
             "stages.rollout.engines.vllm_local"} <= set(local_modules("stages.rollout.rollout"))
     assert "stages.training.trainer_setup" in local_modules("stages.training.reward_model")  # training_args, as dpo's

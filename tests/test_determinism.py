@@ -57,7 +57,7 @@ def test_samples_are_those_of_the_seeded_global_rng(policy):
     """The rollout's own generator gives the tokens that torch.manual_seed(seed) + HF's sampling gave
     (BENCHMARKS.md was measured with that stream)."""
     from stages.rollout.engines.hf import _generate
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     for sampling in (_sampling(), _sampling(temperature=0.7, top_p=0.9)):
         model, tokenizer = load_policy(policy / "model", policy / "adapter")
@@ -71,7 +71,7 @@ def test_token_prompts_sample_as_their_conversations(policy):
     sends) samples what the conversation it came from samples; the padded batch is the one tokenizing the
     chat-templated texts gives."""
     from stages.rollout.engines import prompt_token_ids
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     _, tokenizer = load_policy(policy / "model", None)
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in _prompts(5)]
@@ -94,7 +94,7 @@ def test_token_prompts_sample_as_their_conversations(policy):
 def test_rollout_ignores_other_threads(policy):
     """Samples are the same whether or not another thread reseeds, draws from torch's global RNG and loads
     LoRA policies meanwhile (an eval beside a rollout, an optimize round beside a prefetched rollout)."""
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     alone = _sample(policy, _sampling())
     stop, disturbances = threading.Event(), []
@@ -122,7 +122,7 @@ def test_loading_and_eval_draw_nothing_from_the_global_rng(policy, tmp_path):
     the greedy eval leave torch's global RNG as it was, so they cannot shift a concurrent optimize round's."""
     from stages.data import transform# noqa: F401
     from stages.evaluation import evaluate# noqa: F401
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     state = torch.get_rng_state()
     load_policy(policy / "model", policy / "adapter")
@@ -140,7 +140,7 @@ def test_max_prompt_length_keeps_the_end_of_each_prompt(policy, tmp_path):
 
     from stages.rollout import rollout
     from stages.rollout.engines import Policy, prompt_token_ids
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=4, max_prompt_length=5)
     metrics = rollout.run(cfg, Policy(policy / "model"), policy / "prompts" / "train.parquet", 0, tmp_path)

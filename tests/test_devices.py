@@ -24,8 +24,8 @@ from stages.rollout.engines import Policy, Sampling
 from stages.rollout.engines.hf import TransformersEngine
 from stages.runtime import devices
 from stages.runtime.devices import DeviceConfig
+from stages.runtime.policy import load_policy
 from stages.training import ebft, export, grpo
-from stages.training.policy import load_policy
 
 BF16 = DeviceConfig(device="cpu", precision="bf16")
 FP32 = DeviceConfig(device="cpu", precision="fp32")

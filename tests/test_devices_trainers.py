@@ -14,6 +14,7 @@ from stages.data.demo_data import DemoDataConfig
 from stages.data.preferences import DemoPairsConfig, write_demo_pairs
 from stages.runtime.devices import DeviceConfig, trainer_arguments
 from stages.training import dpo, sft
+from stages.scoring.rewards import reward_model as rm_scoring
 from stages.training import reward_model as rm
 from conftest import tiny_preference_model
 
@@ -140,7 +141,7 @@ def test_reward_models_train_in_bf16_autocast_and_score_in_bf16(tiny, tmp_path, 
     assert_trained_in_bf16(seen, summary, tmp_path / "out", tmp_path / "work")
     assert summary[metric] is not None
 
-    bf16 = rm.reward_model_function(tmp_path / "out", devices=BF16)
+    bf16 = rm_scoring.reward_model_function(tmp_path / "out", devices=BF16)
     assert bf16.scorer.kind == kind and {p.dtype for p in bf16.scorer.model.parameters()} == {torch.bfloat16}
     assert not bf16.scorer.model.training
     if kind == "prm":
@@ -150,6 +151,6 @@ def test_reward_models_train_in_bf16_autocast_and_score_in_bf16(tiny, tmp_path, 
         return
     prompts = [[{"role": "user", "content": "Which is the largest of 3, 8?"}]] * 2
     completions = ["<answer>8</answer>", "<answer>3</answer>"]
-    fp32 = rm.RewardModelScorer(tmp_path / "out", devices=DeviceConfig(device="cpu", precision="fp32"))
+    fp32 = rm_scoring.RewardModelScorer(tmp_path / "out", devices=DeviceConfig(device="cpu", precision="fp32"))
     assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
     assert bf16(prompts, completions) == pytest.approx(fp32(prompts, completions), abs=0.1)

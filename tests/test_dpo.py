@@ -134,7 +134,7 @@ def test_dpo_raises_held_out_preference_accuracy(tiny, tmp_path):
     assert (tmp_path / "adapter_config.json").exists() and not (tmp_path / "_trainer").exists()
     from transformers import AutoTokenizer
 
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     merged, _ = load_policy(tiny / "model", tmp_path, merge=True)  # as the export stage loads it
     eval_rows = dpo.read_rows(tiny / "prefs" / "eval.parquet")
@@ -193,7 +193,7 @@ def test_full_fine_tuning_saves_a_model_folder(tiny, tmp_path):
                                            eval_split=None, **FAST)
     summary = dpo.run(cfg, tiny / "model", tiny / "prefs", tmp_path)
     assert summary["reference"] == "separate_copy" and summary["steps"] == 2
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(tmp_path)
     assert tokenizer.chat_template and not (tmp_path / "adapter_config.json").exists()

@@ -255,7 +255,7 @@ def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
             rollout_key({"generate_max_len": 4})}
     assert len(keys) == 4
     assert rollout_key({"diversity_coef": 0.5}) == rollout_key({})  # scoring, not sampling
-    eval_key = lambda feature_model: stage_tasks.eval_task.fn(  # noqa: E731
+    eval_key = lambda feature_model: stage_tasks.strided_eval_task.fn(  # noqa: E731
         context({}), policy, prompts, label="final",
         feature_model=artifact(feature_model, tmp_path) if feature_model else None)
     assert len({eval_key(None), eval_key("sft"), eval_key("other_policy")}) == 2  # None: the evaluated model itself

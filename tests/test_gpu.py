@@ -129,7 +129,7 @@ def test_transformers_engine_generates_on_cuda_in_bf16(tiny, tmp_path, monkeypat
 
     from stages.rollout.engines import Policy, Sampling
     from stages.rollout.engines.hf import TransformersEngine
-    from stages.training import policy as policy_module
+    from stages.runtime import policy as policy_module
 
     base = AutoModelForCausalLM.from_pretrained(tiny / "model")
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],

@@ -11,7 +11,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from stages.evaluation.health import Finding, HealthConfig, TrainingUnhealthy, check_round, collapse_metrics, quarantine
+from stages.evaluation.health import Finding, HealthConfig, TrainingUnhealthy, check_round, quarantine
+from stages.scoring.collapse import collapse_metrics
 
 HEALTHY = {  # inside every default range (axolotl's healthy values)
     "train/reward_mean": 0.4, "train/reward_std": 0.3, "train/frac_reward_zero_std": 0.5, "train/entropy": 0.3,

@@ -87,7 +87,7 @@ def test_shared_prompt_cache_changes_nothing(tiny_policy, monkeypatch, do_sample
     """A prompt repeated in a batch (a GRPO group) is prefilled once; the completions and their log-probs are
     those of the plain batched generate (same seed)."""
     from stages.rollout.engines import Sampling, hf
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(tiny_policy / "model")
     rows = pq.read_table(tiny_policy / "prompts" / "train.parquet").to_pylist()[:6]

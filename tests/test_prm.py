@@ -10,6 +10,7 @@ import pytest
 from stages.data import base_model
 from stages.data.demo_data import DemoDataConfig
 from stages.data.preferences import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs, write_split
+from stages.scoring.rewards import reward_model as rm_scoring
 from stages.training import reward_model as rm
 from stages.training.dpo import read_rows
 
@@ -49,7 +50,7 @@ def prm(tiny):
 
 def test_labels_only_at_step_ends():
     prompt, steps, separator = [101, 102, 103], [[7, 8, 9], [4], [5, 6]], [0]
-    ids, ends = rm.join_steps(prompt, steps, separator)
+    ids, ends = rm_scoring.join_steps(prompt, steps, separator)
     assert ids == [101, 102, 103, 7, 8, 9, 0, 4, 0, 5, 6]
     assert ends == [5, 7, 10] and [ids[e] for e in ends] == [9, 4, 6]  # each step's own last token
     labels = rm.step_labels(len(ids), ends, [True, False, False])
@@ -135,7 +136,7 @@ def test_prm_learns_held_out_steps(tiny, prm):
 
 def test_scorer_ranks_a_right_solution_over_one_with_a_wrong_step(tiny, prm):
     out, summary, _ = prm
-    fn = rm.reward_model_function(out)
+    fn = rm_scoring.reward_model_function(out)
     assert fn.__name__ == "reward_model" and fn.scorer.kind == "prm" and fn.scorer.step_aggregation == "min"
     questions = [r["prompt"][-1]["content"] for r in read_rows(tiny / "prefs" / "eval.parquet")][:32]
     right, wrong = [], []
@@ -151,21 +152,21 @@ def test_scorer_ranks_a_right_solution_over_one_with_a_wrong_step(tiny, prm):
     assert ranked >= 0.75 * 32, (ranked, summary)
 
     # strings score the same, one at a time (padding changes nothing) or in a batch
-    one_by_one = rm.RewardModelScorer(out, batch_size=1)
+    one_by_one = rm_scoring.RewardModelScorer(out, batch_size=1)
     assert one_by_one(questions * 2, right + wrong) == pytest.approx(scores, abs=1e-5)
 
 
 def test_step_aggregation_min_and_last(prm):
-    assert rm.aggregate_steps([0.9, 0.2, 0.8], "min") == 0.2
-    assert rm.aggregate_steps([0.9, 0.2, 0.8], "last") == 0.8
-    assert rm.aggregate_steps([0.4], "min") == rm.aggregate_steps([0.4], "last") == 0.4
+    assert rm_scoring.aggregate_steps([0.9, 0.2, 0.8], "min") == 0.2
+    assert rm_scoring.aggregate_steps([0.9, 0.2, 0.8], "last") == 0.8
+    assert rm_scoring.aggregate_steps([0.4], "min") == rm_scoring.aggregate_steps([0.4], "last") == 0.4
     with pytest.raises(ValueError):
-        rm.aggregate_steps([], "min")
+        rm_scoring.aggregate_steps([], "min")
     with pytest.raises(ValueError, match="step_aggregation"):
-        rm.RewardModelScorer(prm[0], step_aggregation="mean")
+        rm_scoring.RewardModelScorer(prm[0], step_aggregation="mean")
 
     out = prm[0]
-    by_min, by_last = rm.RewardModelScorer(out), rm.RewardModelScorer(out, step_aggregation="last")
+    by_min, by_last = rm_scoring.RewardModelScorer(out), rm_scoring.RewardModelScorer(out, step_aggregation="last")
     prompts = ["Which is the largest of 3, 8, 1?"] * 3
     completions = ["Compare 3 and 8: keep 8\nCompare 8 and 1: keep 8\n<answer>8</answer>",
                    "Compare 3 and 8: keep 3\nCompare 3 and 1: keep 3\n<answer>3</answer>",
@@ -186,7 +187,7 @@ def test_prm_lora_is_merged_and_rows_are_checked(tiny, tmp_path):
 
     weights = load_file(str(tmp_path / "lora" / "model.safetensors"))
     assert not any("lora" in k or "modules_to_save" in k for k in weights) and "score.weight" in weights
-    scorer = rm.RewardModelScorer(tmp_path / "lora")
+    scorer = rm_scoring.RewardModelScorer(tmp_path / "lora")
     assert scorer.kind == "prm" and scorer.step_aggregation == "last"  # from the folder's reward_model.json
 
     prefs = tmp_path / "prefs"

@@ -61,8 +61,8 @@ def test_smollm2_gguf_through_grpo_rounds_on_vllm_then_export(prefect_harness, t
     # trainer's for that policy (a stale or half-loaded weight, e.g. the tied lm_head, gives gaps of 0.1+)
     import torch
 
+    from stages.runtime.policy import load_policy
     from stages.training.grpo import completion_logps
-    from stages.training.policy import load_policy
 
     round0_adapter = next(p.parent for p in (root / "optimize").glob("*/adapter_model.safetensors")
                           if json.loads((p.parent / "_manifest.json").read_text())["config"]["round"] == 0)

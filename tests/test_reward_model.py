@@ -11,6 +11,7 @@ import torch
 
 from stages.data.preferences import write_split
 from stages.runtime.devices import DeviceConfig
+from stages.scoring.rewards import reward_model as rm_scoring
 from stages.training import reward_model as rm
 from stages.training.dpo import read_rows
 from conftest import tiny_preference_model
@@ -73,7 +74,7 @@ def test_orm_learns_held_out_preferences(tiny, orm):
 
 def test_scorer_ranks_held_out_answers(tiny, orm):
     out, summary, _ = orm
-    fn = rm.reward_model_function(out)
+    fn = rm_scoring.reward_model_function(out)
     assert fn.__name__ == "reward_model" and fn.scorer.kind == "orm"
     rows = read_rows(tiny / "prefs" / "eval.parquet")[:32]
     prompts = [r["prompt"] for r in rows] * 2
@@ -87,7 +88,7 @@ def test_scorer_ranks_held_out_answers(tiny, orm):
     text_prompts = [p[-1]["content"] for p in prompts]
     text_completions = [c[0]["content"] for c in completions]
     assert all(len(p) == 1 and p[0]["role"] == "user" for p in prompts)
-    one_by_one = rm.RewardModelScorer(out, batch_size=1)  # padding does not change a score
+    one_by_one = rm_scoring.RewardModelScorer(out, batch_size=1)  # padding does not change a score
     assert one_by_one(text_prompts, text_completions) == pytest.approx(scores, abs=1e-5)
 
 
@@ -100,7 +101,7 @@ def test_lora_is_merged_into_the_saved_folder(tiny, tmp_path):
 
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert not any("lora" in k or "modules_to_save" in k for k in weights) and "score.weight" in weights
-    scorer = rm.RewardModelScorer(tmp_path)
+    scorer = rm_scoring.RewardModelScorer(tmp_path)
     rows = read_rows(tiny / "prefs" / "eval.parquet")
     assert rm.pairwise_accuracy(scorer.model, scorer.tokenizer, rows) == pytest.approx(
         summary["eval_pairwise_accuracy"])

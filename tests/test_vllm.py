@@ -105,8 +105,8 @@ def trainer_logps(model_dir: Path, adapter_dir: Path | None, rows: list[dict]) -
     """The optimize stage's log-probs of each row's completion tokens (stages.training.grpo.completion_logps)."""
     import torch
 
+    from stages.runtime.policy import load_policy
     from stages.training.grpo import completion_logps
-    from stages.training.policy import load_policy
 
     model, _ = load_policy(model_dir, adapter_dir, merge=False)
     out = []

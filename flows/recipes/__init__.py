@@ -8,6 +8,7 @@ run (`WHOLE_RUNS`).
 from __future__ import annotations
 
 from flows.recipes import atropos, ebft, grpo, preference, reward_model
+from tasks.stage_tasks import eval_task
 
 RECIPES = {"grpo": grpo.train, "gdpo": grpo.train, "ebft": ebft.train, "atropos": atropos.train,
            **{rl: preference.train for rl in ("dpo", "ipo", "kto", "orpo", "simpo")}}
@@ -15,6 +16,17 @@ RECIPES = {"grpo": grpo.train, "gdpo": grpo.train, "ebft": ebft.train, "atropos"
 
 WHOLE_RUNS = {"reward_model": reward_model.run}
 """rl -> run(ctx, parent run id, run dir) -> the run's results, for the methods that train no policy."""
+
+
+EVALUATORS = {"ebft": ebft.evaluator}
+"""method -> evaluator(cfg, starting policy) -> its eval task, for the methods whose evals are not eval_task's."""
+
+
+def evaluator(cfg, policy):
+    """The eval task every eval of a run uses (base, periodic, final, the champion's): the method's own
+    (EVALUATORS), else eval_task; called as task(ctx, model, prompts, label, adapter=None, version=-1)."""
+    own = EVALUATORS.get(method(cfg))
+    return own(cfg, policy) if own else eval_task
 
 
 def method(cfg) -> str:

@@ -9,8 +9,24 @@ reference's cross-entropy term).
 
 from __future__ import annotations
 
+from functools import partial
+
 from flows.rounds import Trained, logged_rounds, sampled_rounds
-from tasks.stage_tasks import RunContext, ebft_score_task, rollout_task, strided_rollout_task
+from tasks.stage_tasks import (
+    RunContext,
+    ebft_score_task,
+    eval_task,
+    rollout_task,
+    strided_eval_task,
+    strided_rollout_task,
+)
+
+
+def evaluator(cfg, policy):
+    """The eval task of an EBFT run: strided mode scores the held-out documents' blocks under the features of
+    `policy`, the starting policy (for every eval: base, periodic, final, the champion's); structured mode is
+    eval_task's greedy accuracy."""
+    return partial(strided_eval_task, feature_model=policy) if cfg.ebft.mode == "strided" else eval_task
 
 
 def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
@@ -18,8 +34,6 @@ def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
     the prompts, strided mode blocks of the documents."""
     scoring = (ebft_score_task, {"feature_model": policy})
     sample = strided_rollout_task if ctx.config.ebft.mode == "strided" else rollout_task
-    trained = logged_rounds(ctx, parent, [], lambda log_round: sampled_rounds(
-        ctx, policy, prompts, log_round, scoring, features=policy, sample=sample, ce_coef=ctx.config.ebft.ce_coef,
-        rl_coef=ctx.config.ebft.rl_coef))
-    trained.feature_model = policy  # the final eval and the promotion compare features under it too
-    return trained
+    return logged_rounds(ctx, parent, [], lambda log_round: sampled_rounds(
+        ctx, policy, prompts, log_round, scoring, evaluate=evaluator(ctx.config, policy), sample=sample,
+        ce_coef=ctx.config.ebft.ce_coef, rl_coef=ctx.config.ebft.rl_coef))

@@ -87,9 +87,9 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     (stages/runtime/devices.py)."""
     from stages.rollout.engines import Sampling
     from stages.rollout.engines.hf import generate
+    from stages.runtime.policy import load_policy
     from stages.scoring.rewards import accuracy_reward, format_reward
     from stages.scoring.rewards.math import extract_answer
-    from stages.training.policy import load_policy
 
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
     unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]

@@ -43,8 +43,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-from stages.rollout.bearer import authorized, named_token, server_token
 from stages.rollout.rollout import AtroposOptions
+from stages.runtime.bearer import authorized, named_token, server_token
 
 log = logging.getLogger("posttrain.atropos")
 
@@ -246,8 +246,8 @@ def score(rollouts_path: Path, num_generations: int, scale_rewards: str, out_dir
     import torch
 
     from stages.data.schemas import SCORED, write_table
-    from stages.evaluation.health import collapse_metrics
-    from stages.scoring.score import group_advantages, reward_spread
+    from stages.scoring.advantages import group_advantages, reward_spread
+    from stages.scoring.collapse import collapse_metrics
 
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()

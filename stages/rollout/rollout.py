@@ -108,7 +108,7 @@ class AtroposOptions(BaseModel):
     policy_token_env: str | None = not_in_key(None)
     """The environment variable holding the bearer token the policy server requires (give it to each
     environment as `--openai.api_key`; it is sent as `Authorization: Bearer <token>`). Unset: no token, which is
-    allowed only when policy_url is on loopback (stages/rollout/bearer.py)."""
+    allowed only when policy_url is on loopback (stages/runtime/bearer.py)."""
     max_token_len: int = Field(512, ge=8)
     """Longest prompt + completion in tokens (registered; environments drop longer sequences).
     Higher: longer reasoning fits, more memory per sequence."""

@@ -1,2 +1,3 @@
 """What the other stages run on: device and precision policy, torchrun/FSDP2 launching, the Ray cluster and Ray
-training, trainer checkpoints, lazy imports and code digests, and the cache-key field declarations."""
+training, trainer checkpoints, loading a policy (base model + LoRA adapter), bearer tokens of posttrain's HTTP
+servers, lazy imports and code digests, and the cache-key field declarations."""

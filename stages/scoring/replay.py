@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.data.schemas import REPLAYED, write_table
-from stages.training.grpo import ZERO_ADVANTAGE
+from stages.scoring.advantages import ZERO_ADVANTAGE
 
 FAILED_REWARD = 1e-6  # |reward| below this counts as a failure for re-roll (axolotl's test)
 

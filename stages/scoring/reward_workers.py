@@ -102,7 +102,7 @@ def resolve_reward(name: str, load: bool = True) -> Callable | None:
         if not load:
             return None
         from stages.runtime.devices import DeviceConfig
-        from stages.training.reward_model import reward_model_function
+        from stages.scoring.rewards.reward_model import reward_model_function
 
         return reward_model_function(folder, devices=DeviceConfig(**placement) if placement else None)
     from stages.scoring.rewards import BUILTIN_REWARDS

@@ -11,13 +11,14 @@ Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
   group's (`scale_rewards: group`), the batch's (`batch`), or not at all (`none`, Dr. GRPO), with
   r the weighted sum of the reward functions.
 - `normalize_then_sum` (GDPO, arXiv 2601.05242): each function is normalized within the group
-  first, then weighted-summed and normalized over the batch (`gdpo_advantages`).
+  first, then weighted-summed and normalized over the batch (`gdpo_advantages`, stages/scoring/advantages.py).
 A reward function may return None for a sample it does not apply to; that sample counts as 0 in
 the weighted sum, as TRL's nansum does, and is left out of GDPO's per-function group statistics
 and of the `rewards/<name>/mean|std` metrics.
 
 The summary also holds the round's collapse metrics (`rollout/top_answer_frac`, distinct answers,
-identical groups; stages/evaluation/health.py `collapse_metrics`), which the health checks read.
+identical groups; stages/scoring/collapse.py), which the health checks read. The advantages themselves are
+computed in stages/scoring/advantages.py.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.data.schemas import ROLLOUTS, SCORED, write_table
-from stages.evaluation.health import collapse_metrics
 from stages.runtime.imports import LazyModule
 from stages.runtime.keys import not_in_key
+from stages.scoring.advantages import _nanstd, gdpo_advantages, group_advantages, reward_spread
+from stages.scoring.collapse import collapse_metrics
 from stages.scoring.reward_pools import shared_pool
 from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source
 from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
@@ -120,70 +122,6 @@ class ScoreConfig(BaseModel):
                 f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
             )
         return self
-
-
-def reward_spread(totals: torch.Tensor, num_generations: int) -> dict[str, float]:
-    """The round's reward statistics, as TRL logs them: `reward_mean`; `reward_std`, the mean over prompt groups
-    of the std within each group (what the advantages see); `reward_std_batch`, the std over all completions;
-    `frac_reward_zero_std`, the share of groups whose completions all got one reward (no gradient)."""
-    grouped = totals.view(-1, num_generations).double()
-    group_std = grouped.std(dim=1)
-    return {"reward_mean": float(totals.mean()), "reward_std": float(group_std.mean()),
-            "reward_std_batch": float(totals.std()), "frac_reward_zero_std": float((group_std < 1e-8).float().mean())}
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out group by group (TRL's GRPOTrainer).
-
-    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "none").tolist()
-    [0.5, -0.5, 0.0, 0.0]
-    >>> [round(a, 3) for a in group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, "group").tolist()]
-    [0.707, -0.707, 0.0, 0.0]
-    """
-    grouped = rewards.view(-1, num_generations)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
-    if scale_rewards == "group":
-        std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
-    elif scale_rewards == "batch":
-        std = rewards.std().expand_as(rewards)
-    else:
-        return advantages
-    return advantages / (std + 1e-4)
-
-
-def _nanstd(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased std along dim ignoring NaN (TRL's `nanstd`); NaN where fewer than 2 values."""
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=keepdim)
-    squares = torch.nansum((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=keepdim)
-    return torch.sqrt(squares / (count - 1).clamp(min=0))
-
-
-def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """GDPO advantages (`multi_objective_aggregation: normalize_then_sum`) for rewards (n, F) laid out
-    group by group; NaN (a None reward) is left out of the group's mean and std and adds 0 to the sum.
-
-    As TRL's GRPOTrainer with `multi_objective_aggregation="normalize_then_sum"` (which axolotl's
-    `rl: gdpo` sets) and the GDPO paper (arXiv 2601.05242), with unbiased stds:
-    A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + 1e-4) for each function k,
-    A = sum_k w_k A_k, then (A - mean_batch(A)) / (std_batch(A) + 1e-4).
-
-    (format, correct) = (1, 0) and (0, 1) have the same sum, hence the same GRPO advantage; not here:
-
-    >>> rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])  # one group of 4
-    >>> [round(a, 3) for a in group_advantages(rewards.sum(dim=1), 4, "group").tolist()]
-    [-0.5, -0.5, -0.5, 1.5]
-    >>> [round(a, 3) for a in gdpo_advantages(rewards, torch.tensor([1.0, 1.0]), 4).tolist()]
-    [-0.398, -0.689, -0.398, 1.486]
-    """
-    # TRL: GRPOTrainer._generate_and_score_completions, branch multi_objective_aggregation == "normalize_then_sum".
-    num_funcs = rewards_per_func.shape[1]
-    grouped = rewards_per_func.reshape(-1, num_generations, num_funcs)
-    per_func = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4)
-    summed = torch.nansum(per_func.reshape(-1, num_funcs) * weights.to(per_func.dtype), dim=1)
-    # As TRL 1.16: a row where every function returned None is left out of the batch stats, advantage 0.
-    summed[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
-    std = _nanstd(summed, dim=0) if summed.numel() > 1 else torch.zeros((), dtype=summed.dtype)
-    return torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)
 
 
 def metric_name(name: str) -> str:

@@ -1,2 +1,2 @@
 """What changes the weights: SFT, GRPO (plan, step, loop), the DPO family, reward models (ORM/PRM), EBFT
-(whole and strided), the one TRL-trainer setup they share, loading a policy, and export (LoRA merge)."""
+(whole and strided), the one TRL-trainer setup they share, and export (LoRA merge)."""

@@ -287,7 +287,7 @@ def load_models(cfg: PreferenceOptimizationConfig, model_dir: Path, devices: Dev
     reference frozen in the compute dtype (stages/runtime/devices.py)."""
     from transformers import AutoModelForCausalLM
 
-    from stages.training.policy import MODEL_LOADING
+    from stages.runtime.policy import MODEL_LOADING
 
     separate_ref = cfg.rl in REFERENCE_RL and (cfg.adapter == "none" or cfg.rl_adapter_ref_model)
     with MODEL_LOADING:

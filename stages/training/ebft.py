@@ -16,7 +16,7 @@ SVD of the group's own embeddings). With n completions y_1..y_n of a prompt and 
 and the conditional feature-matching distance (paper eq. 2), logged as `ebft/feature_distance`:
 ||mean_j phi(y_j) - phi(y)||^2, averaged over prompts (axolotl's `ebft/cfm_loss`). Advantages:
 `advantage_estimator` rloo (r_j - mean of the other n-1 rewards; the default here, and axolotl's strided
-trainer's), grpo (group normalization by score.scale_rewards, stages/scoring/score.py `group_advantages`; axolotl's
+trainer's), grpo (group normalization by score.scale_rewards, stages/scoring/advantages.py `group_advantages`; axolotl's
 `group_norm`, and what its structured trainer, a TRL GRPOTrainer, computes) or reinforce (the raw reward). The
 optimize stage is GRPO's (stages/training/grpo.py), plus `ce_coef` times the
 cross-entropy of the reference completion (the scored rows carry its tokens, `reference_token_ids`).
@@ -260,7 +260,7 @@ def advantages(rewards: torch.Tensor, num_generations: int, estimator: str,
         baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
         return (grouped - baseline).reshape(-1)
     if estimator == "grpo":
-        from stages.scoring.score import group_advantages
+        from stages.scoring.advantages import group_advantages
 
         return group_advantages(rewards, num_generations, scale_rewards)
     return rewards.clone()
@@ -293,7 +293,7 @@ class FeatureNetwork:
 
     def __init__(self, model_dir: Path, feature_layers: list[float], batch_size: int = 64,
                  normalize_layers: bool = False, devices=None):
-        from stages.training.policy import load_policy
+        from stages.runtime.policy import load_policy
 
         self.model, self.tokenizer = load_policy(Path(model_dir), devices=devices)
         self.model.requires_grad_(False)
@@ -354,8 +354,8 @@ def run(cfg: EBFTConfig, rollouts_path: Path, feature_model_dir: Path, num_gener
     """Score a round's rollouts with the frozen feature model (on `devices`, stages/runtime/devices.py) into
     out_dir/scored.parquet; return metrics (the score stage's reward_mean, rewards/<alignment|diversity>/mean,
     collapse metrics, and ebft/*)."""
-    from stages.evaluation.health import collapse_metrics
-    from stages.scoring.score import reward_spread
+    from stages.scoring.advantages import reward_spread
+    from stages.scoring.collapse import collapse_metrics
 
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()

@@ -152,7 +152,7 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
     """The round's strided rollouts: rollout.prompts_per_round documents (rollout.py's `select_prompts`),
     num_generations samples of each of their blocks, into out_dir/rollouts.parquet; return a summary."""
     from stages.rollout.rollout import select_prompts
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     rows = pq.read_table(prompts_path).to_pylist()
     picked = select_prompts(rows, round_index, rollout_cfg.prompts_per_round, rollout_cfg.seed)
@@ -212,8 +212,8 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
     most common token: what repeating one token scores). Writes every block to out_dir/eval.parquet."""
     import torch.nn.functional as F
 
+    from stages.runtime.policy import load_policy
     from stages.training.ebft import FeatureNetwork
-    from stages.training.policy import load_policy
 
     rows = pq.read_table(prompts_path).to_pylist()[:max_documents]
     model, tokenizer = load_policy(model_dir, adapter_dir, devices=devices)

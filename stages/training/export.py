@@ -41,7 +41,7 @@ def model_card(name: str, metrics: dict, lineage: dict, config: dict) -> str:
 def run(cfg: ExportConfig, base_dir: Path, adapter_dir: Path | None, out_dir: Path, *, metrics: dict,
         lineage: dict, config: dict, devices=None) -> dict:
     """Merge and save; return the parameter count and the dtype written."""
-    from stages.training.policy import load_policy
+    from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(base_dir, adapter_dir, merge=True, devices=devices)
     model.save_pretrained(out_dir, safe_serialization=True)

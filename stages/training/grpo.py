@@ -50,11 +50,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.runtime.imports import LazyModule
 from stages.runtime.keys import key_when_set, not_in_key
+from stages.scoring.advantages import ZERO_ADVANTAGE
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-ZERO_ADVANTAGE = 1e-8  # |A| below this is float noise of a group whose rewards are all equal
 
 log = logging.getLogger(__name__)
 
@@ -644,7 +644,7 @@ class RoundTrainer:
         from transformers import AutoTokenizer
 
         from stages.runtime import devices as placement
-        from stages.training.policy import MODEL_LOADING
+        from stages.runtime.policy import MODEL_LOADING
 
         self.cfg, self.round_index, self.temperature, self.devices, self.group = (cfg, round_index, temperature,
                                                                                   devices, group)
@@ -654,7 +654,7 @@ class RoundTrainer:
         # global RNG, seeded here; seeding and construction hold the model lock, so no other thread's load
         # runs in between. Nothing else in the process draws from it meanwhile: rollouts sample from
         # generators of their own (stages/rollout/engines/hf.py), loads and eval draw nothing
-        # (stages/training/policy.py).
+        # (stages/runtime/policy.py).
         with MODEL_LOADING:
             torch.manual_seed(cfg.seed * 100_003 + round_index)
             self.model, self.ref_model = _load_trainable(cfg, base_dir, prev_adapter_dir, devices)

@@ -29,7 +29,7 @@ import httpx
 from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from stages.rollout.bearer import authorized
+from stages.runtime.bearer import authorized
 
 MAX_TURNS = 2
 FEEDBACK = "That is not it. Answer again, as <answer>N</answer>."

@@ -162,7 +162,7 @@ class TransformersEngine:
 
     def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
-        from stages.training.policy import load_policy
+        from stages.runtime.policy import load_policy
 
         model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir, devices=self.devices)
         return generate(model, tokenizer, prompts, sampling, self.batch_size, on_progress)

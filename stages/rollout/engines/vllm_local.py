@@ -227,7 +227,7 @@ class VLLMEngine:
 
         # Read by vLLM when the engine is built: 0 keeps the engine core and worker in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        from stages.training.policy import MODEL_LOADING
+        from stages.runtime.policy import MODEL_LOADING
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
         with MODEL_LOADING:  # vLLM builds the model with transformers helpers too
@@ -278,7 +278,7 @@ class VLLMEngine:
         key = adapter_key(policy.adapter_dir, policy.version) + (str(Path(policy.model_dir).resolve()),)
         if self._merged and self._merged[0] == key:
             return self._merged[1]
-        from stages.training.policy import load_policy
+        from stages.runtime.policy import load_policy
 
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="posttrain-vllm-merged-"))

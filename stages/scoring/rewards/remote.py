@@ -34,7 +34,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from stages.rollout.bearer import client_headers
+from stages.runtime.bearer import client_headers
 from stages.runtime.keys import not_in_key
 from stages.scoring.rewards.common import SampleError
 
