@@ -264,7 +264,7 @@ def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label
     bar = ctx.reporter.progress(f"eval {label}", "document")
     features = feature_model or model  # before the rounds: the policy they start from
     return materialize(
-        ctx, "eval", ebft_strided, runs_model(ctx, {**key_fields(cfg), "ebft": _strided_section(ctx)}),
+        ctx, "eval", ebft_strided, runs_model(ctx, {**key_fields(cfg), "ebft": ctx.config.ebft.block_fields()}),
         {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
         lambda out, _: ebft_strided.evaluate(ctx.config.ebft, cfg.max_prompts, evaluated.model_dir,
                                              evaluated.adapter_dir, features.path,
@@ -272,12 +272,6 @@ def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label
                                              devices=placement(ctx)),
         label=f"eval {label}",
     )
-
-
-def _strided_section(ctx: RunContext) -> dict:
-    """The ebft options that decide a strided rollout's or eval's blocks and features."""
-    return {k: v for k, v in ctx.config.ebft.model_dump(mode="json").items()
-            if k in ("stride", "context_length", "generate_max_len", "feature_layers", "embed_method")}
 
 
 def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
@@ -327,7 +321,7 @@ def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | 
     cfg = ctx.config.rollout
     keep = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")
     section = {**{k: v for k, v in key_fields(cfg).items() if k in keep}, "round": round_index,
-               "policy_version": policy_version, "ebft": _strided_section(ctx)}
+               "policy_version": policy_version, "ebft": ctx.config.ebft.block_fields()}
     sampler = policy_for(ctx, policy, adapter, policy_version)
     bar = ctx.reporter.progress(f"rollout r{round_index}", "document")
     return materialize(

@@ -2,7 +2,8 @@
 how its rounds (if any) go. flows/pipeline.py opens the run, prepares the policy, calls `RECIPES[method]` and
 finishes (export, final eval, registry, promotion, summary). `method` is `rl`, or `atropos` when an Atropos
 setup makes the rollouts (rollout.source: atropos). rl: reward_model trains no policy: its recipe is a whole
-run (`WHOLE_RUNS`).
+run (`WHOLE_RUNS`). A method whose evals are not eval_task's (EBFT's strided mode: raw documents' blocks) names
+its eval task in `EVALUATORS`; every eval of the run uses it.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import string
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -128,6 +128,16 @@ class EBFTConfig(BaseModel):
     @classmethod
     def _axolotl_group_norm(cls, value):
         return "grpo" if value == "group_norm" else value
+
+    BLOCK_FIELDS: ClassVar[tuple[str, ...]] = ("stride", "context_length", "generate_max_len", "feature_layers",
+                                              "embed_method")
+    """The fields that decide strided mode's blocks and the features they are compared by: the strided rollout's
+    and eval's keys hold these (the rest of the section is scoring's: its key holds the whole section)."""
+
+    def block_fields(self) -> dict:
+        """BLOCK_FIELDS with their values, as a strided rollout's or eval's key holds them."""
+        values = self.model_dump(mode="json")
+        return {name: values[name] for name in values if name in self.BLOCK_FIELDS}
 
     @property
     def pooling(self) -> str:
