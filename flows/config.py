@@ -39,6 +39,10 @@ ROUND_METHODS = ("grpo", "gdpo", "ebft")
 DPO_FAMILY = ("dpo", "ipo", "kto", "orpo", "simpo")
 REWARD_MODEL_RUN_UNREAD = ("sft", "rollout", "score", "grpo", "ebft", "dpo", "eval", "promotion")
 """The sections a `rl: reward_model` run reads nothing of."""
+DPO_RUN_UNREAD = ("rollout", "score", "grpo", "ebft", "reward_model")
+"""The sections a DPO-family run reads nothing of (it trains one preference stage, no rounds)."""
+REWARD_MODEL_INPUTS = ("reward_model", "demo_pairs")
+"""Sections a round-based run reads only to train its reward model (score.reward_funcs: [reward_model])."""
 SEEDED_SECTIONS = ("model", "sft", "rollout", "grpo", "dpo", "reward_model")
 """Sections whose `seed` the top-level `seed` sets."""
 AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
@@ -386,6 +390,7 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"{', '.join(ignored)}: not read under {source}; remove "
                              f"{'them' if len(ignored) > 1 else 'it'}")
         self._reward_model_run_reads_its_sections()
+        self._method_reads_its_sections()
         rollout = self.rollout
         if not_default(rollout, ("prefetch_depth",)) and (
                 not rollout.async_prefetch or rollout.prefetch_depth > rollout.max_staleness):
@@ -394,6 +399,32 @@ class PipelineConfig(BaseModel):
                    f"at {rollout.max_staleness}; raise max_staleness or lower prefetch_depth")
             raise ValueError(f"rollout.prefetch_depth {why}")
         return self
+
+    def _method_reads_its_sections(self) -> None:
+        """A value set in a section the chosen method reads nothing of is an error naming it (a DPO-family run
+        reads no rollout/score/grpo/ebft/reward_model; a round-based run no dpo, ebft only under rl: ebft, and
+        the reward model's sections only with score.reward_funcs: [reward_model]). `seed` is left out: the
+        top-level seed sets every section's."""
+        if self.rl == "reward_model":
+            return  # _reward_model_run_reads_its_sections
+        trains_reward_model = self.rl not in DPO_FAMILY and "reward_model" in self.score.reward_funcs
+        if self.rl in DPO_FAMILY:
+            unread = {name: f"rl: {self.rl} (one preference-optimization stage, no rounds)" for name in DPO_RUN_UNREAD}
+        else:
+            unread = {"dpo": f"rl: {self.rl} (the DPO family's section)",
+                      **({} if self.rl == "ebft" else {"ebft": f"rl: {self.rl} (rl: ebft's section)"}),
+                      **({} if trains_reward_model else {name: f"rl: {self.rl} without reward_model in "
+                                                         "score.reward_funcs (nothing trains a reward model)"
+                                                         for name in REWARD_MODEL_INPUTS})}
+        for name, why in unread.items():
+            section = getattr(self, name)
+            ignored = [f"{name}.{k}" for k in not_default(section, type(section).model_fields) if k != "seed"]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)}: not read under {why}; remove "
+                                 f"{'them' if len(ignored) > 1 else 'it'}")
+        if self.preferences is not None and self.rl not in DPO_FAMILY and not trains_reward_model:
+            raise ValueError(f"preferences: not read under rl: {self.rl} without reward_model in score.reward_funcs "
+                             "(nothing trains a reward model); remove it")
 
     def _reward_model_run_reads_its_sections(self) -> None:
         """rl: reward_model trains from model.path on the preferences: SFT is skipped (sft.enabled follows) and

@@ -182,6 +182,13 @@ def test_train_section_typos_and_batch_split(tmp_path):
     (["rollout.prefetch_depth=2"], "rollout.prefetch_depth needs rollout.async_prefetch"),
     (["rollout.async_prefetch=true", "rollout.prefetch_depth=3", "rollout.max_staleness=2"],
      "max_staleness 2 caps the lag at 2"),
+    # a section the method reads nothing of
+    (["dpo.rl_beta=0.3"], r"dpo.rl_beta: not read under rl: grpo \(the DPO family's section\)"),
+    (["ebft.ce_coef=0.1"], r"ebft.ce_coef: not read under rl: grpo \(rl: ebft's section\)"),
+    (["reward_model.learning_rate=0.01"], "reward_model.learning_rate: not read under rl: grpo without reward_model "
+                                          "in score.reward_funcs"),
+    (["rl=dpo"], r"rollout.max_completion_length, rollout.num_generations, rollout.prompts_per_round: not read "
+                 r"under rl: dpo \(one preference-optimization stage"),
 ])
 def test_options_the_method_never_reads_are_refused(tiny_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -192,6 +199,9 @@ def test_options_the_method_reads_still_load(tiny_config):
     load_config(tiny_config, ["rollout.source=atropos", "score.scale_rewards=batch"])  # makes the advantages
     load_config(tiny_config, ["rl=ebft", "score.scale_rewards=none"])
     load_config(tiny_config, ["rollout.async_prefetch=true", "rollout.prefetch_depth=2", "rollout.max_staleness=2"])
+    load_config(tiny_config, ["score.reward_funcs=[reward_model]", "reward_model.learning_rate=0.01"])
+    load_config(tiny_config, ["rl=ebft", "ebft.ce_coef=0.1"])
+    load_config(tiny_config, ["seed=5"])  # the top-level seed sets every section's, read or not
 
 
 def test_a_saved_config_of_an_atropos_run_loads_back(tmp_path):
