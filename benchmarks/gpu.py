@@ -52,7 +52,7 @@ the next section runs):
    same DeviceConfig (TRL: devices.trainer_arguments, i.e. bf16 autocast on fp32 weights). TRL generates
    with transformers (use_vllm=False: no vLLM on the benchmark machine; the issue's target compares against
    TRL's vLLM colocate mode, which this does not measure). posttrain: TransformersEngine (policy loaded in
-   bf16, LoRA merged; rollout batch 128) + scoring in plain Python (group-normalized advantages, as TRL's
+   bf16, LoRA merged; rollout batch 256, the whole generation batch at once as TRL's) + scoring in plain Python (group-normalized advantages, as TRL's
    scale_rewards=group) written as scored Parquet + grpo.run (loads the policy, trains, saves the adapter
    and optimizer state). TRL: the second optimizer step of trainer.train() with max_steps=2 (the first is the
    warm-up), timed from on_step_begin to on_step_end (generation, reward, forward/backward, AdamW step; its
@@ -100,7 +100,7 @@ SIZES = {
         "gen_prompts": 64, "gen_prompt_tokens": 128, "gen_new_tokens": 256,
         # vs TRL
         "trl_prompts": 32, "trl_generations": 8, "trl_prompt_tokens": 128, "trl_new_tokens": 128,
-        "trl_micro_batch": 16, "rollout_batch": 128,
+        "trl_micro_batch": 16, "rollout_batch": 256,
     },
     "tiny": {
         "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1,
@@ -388,7 +388,7 @@ class ForwardMeter:
         self._saved = (grpo.batch_logps, grpo.completion_logps)
         original_batch, original_plain = self._saved
 
-        def batch_logps(model, batch, temperature):
+        def batch_logps(model, batch, temperature, chunk_tokens=0):
             self._start(model)
             prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
             rows, prompt_length, completion_length = prompt_ids.size(0), prompt_ids.size(1), completion_ids.size(1)
@@ -398,20 +398,21 @@ class ForwardMeter:
                 distinct, _ = repeats([tuple(i) for i in prompt_ids.tolist()])
             shared = len(distinct) < rows and prompt_length >= 2
             if shared:  # as grpo.batch_logps: each distinct prompt less its last token once, then every row
+                prompt_logits = 0 if chunk_tokens else len(distinct)  # chunked: the prompt pass runs no head
                 self.calls.append((torch.is_grad_enabled(), len(distinct) * (prompt_length - 1)
-                                   + rows * (completion_length + 1), len(distinct) + rows * (completion_length + 1)))
+                                   + rows * (completion_length + 1), prompt_logits + rows * (completion_length + 1)))
             self._inner += shared
             try:
-                return original_batch(model, batch, temperature)
+                return original_batch(model, batch, temperature, chunk_tokens)
             finally:
                 self._inner -= shared
 
-        def completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature):
+        def completion_logps(model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens=0):
             self._start(model)
             if not self._inner:
                 rows, length = input_ids.shape
                 self.calls.append((torch.is_grad_enabled(), rows * length, rows * (logits_to_keep + 1)))
-            return original_plain(model, input_ids, attention_mask, logits_to_keep, temperature)
+            return original_plain(model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
 
         grpo.batch_logps, grpo.completion_logps = batch_logps, completion_logps
         return self
@@ -433,7 +434,8 @@ def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes
     micro = min(sizes["micro_batch"], rows)
     cfg = grpo.GRPOConfig(adapter=adapter, beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
                           gradient_accumulation_steps=max(1, rows // micro),
-                          learning_rate=1e-6 if adapter == "none" else 2e-4)
+                          learning_rate=1e-6 if adapter == "none" else 2e-4,
+                          logps_chunk_tokens=sizes.get("logps_chunk_tokens", 0))
     out.mkdir(parents=True)
     with ForwardMeter() as meter:
         started = time.perf_counter()
@@ -476,7 +478,8 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
     tokens = P * G * (Lp + Lc)
     trained_multiplier = 6 if adapter == "none" else 4
     computed = meter.flops(counts, trained_multiplier)
-    out = {"adapter": adapter, "compile": devices.compile, "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
+    out = {"adapter": adapter, "compile": devices.compile, "logps_chunk_tokens": sizes.get("logps_chunk_tokens", 0),
+           "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
            "micro_batch_size": min(sizes["micro_batch"], P * G), "optimizer_steps": metrics.get("optimizer_steps"),
            "trained_rows": metrics.get("trained_rows"), "pi_old_from_step": metrics.get("pi_old_from_step"),
            "tokens": tokens, "window_s": round(window, 3), "round_wall_s": round(wall, 2),
@@ -599,6 +602,40 @@ def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: 
     return out
 
 
+def attention_backends(model_dir: Path, sizes: dict, devices, on_cuda: bool) -> dict:
+    """`generate` on shapes this process has not run before, with torch's cuDNN attention off, then on (its
+    default): cuDNN builds an execution plan per new key length, which a decode pays at every step the first
+    time a length is seen. Each is timed twice: first (new lengths) and again (the same lengths)."""
+    import torch
+
+    from stages.rollout.engines import Sampling
+    from stages.rollout.engines.hf import generate
+    from stages.runtime.policy import load_policy
+
+    if not on_cuda:
+        return {"measured": False, "why": "cuDNN attention is CUDA's"}
+    model, tokenizer = with_devices(load_policy, model_dir, devices=devices, on_cuda=on_cuda)
+    out = {}
+    for name, cudnn, prompt_tokens in (("cudnn_off", False, 160), ("cudnn_on", True, 96)):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        prompts = digit_prompts(tokenizer, sizes["gen_prompts"], prompt_tokens, seed=7)
+        sampling = Sampling(max_new_tokens=sizes["gen_new_tokens"], temperature=1.0, seed=0)
+        times = []
+        for _ in range(2):
+            sync()
+            started = time.perf_counter()
+            rows = generate(model, tokenizer, prompts, sampling, len(prompts))
+            sync()
+            times.append(round(time.perf_counter() - started, 2))
+        generated = sum(len(r["completion_token_ids"]) for r in rows)
+        out[name] = {"prompt_tokens": prompt_tokens, "first_s": times[0], "again_s": times[1],
+                     "generated_tokens": generated}
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    del model
+    free_memory()
+    return out
+
+
 def vllm_generation(model_dir: Path, prompts: list, sampling, on_cuda: bool, skip_vllm: bool) -> dict:
     """The in-process vLLM engine in bf16 on the same prompts, where it can run; else why not."""
     if skip_vllm:
@@ -682,14 +719,17 @@ def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, s
     cfg = grpo.GRPOConfig(adapter="lora", beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
                           gradient_accumulation_steps=len(rows) // micro, learning_rate=2e-4, optim="adamw")
     started = time.perf_counter()
-    metrics = with_devices(grpo.run, cfg, model_dir, None, folder / "scored.parquet", 0, 1.0, L, folder / "optimize",
-                           devices=devices, on_cuda=on_cuda)
-    sync()
+    with ForwardMeter() as meter:
+        metrics = with_devices(grpo.run, cfg, model_dir, None, folder / "scored.parquet", 0, 1.0, L,
+                               folder / "optimize", on_step=meter.on_step, devices=devices, on_cuda=on_cuda)
+        sync()
     optimize_s = time.perf_counter() - started
+    train_s = meter.last - meter.first if meter.first and meter.last else None
     lengths = [len(o["completion_token_ids"]) for o in outputs]
     shutil.rmtree(folder, ignore_errors=True)
     free_memory()
     return {"rollout_s": round(rollout_s, 2), "score_s": round(score_s, 3), "optimize_s": round(optimize_s, 2),
+            "optimize_train_s": round(train_s, 2) if train_s else None,  # first forward to the AdamW step's end
             "round_s": round(rollout_s + score_s + optimize_s, 2), "sequences": len(rows),
             "completion_tokens_mean": round(statistics.mean(lengths), 1), "trained_rows": metrics.get("trained_rows"),
             "optimizer_steps": metrics.get("optimizer_steps"), "reward_mean": round(statistics.mean(rewards), 4)}
@@ -820,7 +860,8 @@ def table(results: dict) -> str:
         if "tokens_per_s" in r:
             mfu = (f"MFU {100 * r['mfu']:.1f}% (computed {100 * r['mfu_computed']:.1f}%)" if "mfu" in r else "")
             memory = f"peak {r['peak_gpu_mem_gib']} GiB" if r.get("peak_gpu_mem_gib") is not None else ""
-            fused = " compiled" if r.get("compile") else ""
+            fused = (" compiled" if r.get("compile") else "") + (
+                f" chunks of {r['logps_chunk_tokens']}" if r.get("logps_chunk_tokens") else "")
             lines.append(f"optimize {r['adapter']:>4} mb{r['micro_batch_size']:<3}{fused}: {r['tokens_per_s']:>10.0f} "
                          f"tok/s  {mfu}  "
                          f"{memory}  "
@@ -862,8 +903,13 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="optimize sections (default 16)")
     parser.add_argument("--also-micro-batch", type=int, default=None,
                         help="also time full fine-tuning with this micro-batch size")
+    parser.add_argument("--logps-chunk-tokens", type=int, default=0,
+                        help="also time full fine-tuning and LoRA with grpo.logps_chunk_tokens N (the lm_head's "
+                             "log-probs a few rows at a time), and full fine-tuning at --also-micro-batch with it")
+    parser.add_argument("--attention-backends", action="store_true",
+                        help="also time generate on new shapes with cuDNN attention off and on")
     parser.add_argument("--compile", action="store_true",
-                        help="also time the optimize rounds with train.compile (each block torch.compiled)")
+                        help="also time full fine-tuning with train.compile (each block torch.compiled), at --also-micro-batch if given; runs last")
     parser.add_argument("--only", default=None,
                         help="comma-separated section name prefixes to run (e.g. optimize_compiled,peak)")
     parser.add_argument("--profile", action="store_true",
@@ -927,22 +973,32 @@ def main() -> None:
         save()
         counts = results["model"]
         section("optimize_full", optimize, "none", folder, work, sizes, counts, peak, devices, on_cuda)
+        chunked = {**sizes, "logps_chunk_tokens": args.logps_chunk_tokens}
+        if args.logps_chunk_tokens:
+            section("optimize_full_chunked", optimize, "none", folder, work, chunked, counts, peak, devices,
+                    on_cuda)
         if args.also_micro_batch:  # the same round with larger micro-batches (fewer, bigger kernels)
-            wider = {**sizes, "micro_batch": args.also_micro_batch}
+            wider = {**chunked, "micro_batch": args.also_micro_batch}
             section(f"optimize_full_mb{args.also_micro_batch}", optimize, "none", folder, work, wider, counts, peak,
                     devices, on_cuda)
         section("optimize_lora", optimize, "lora", folder, work, sizes, counts, peak, devices, on_cuda)
-        if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles)
-            fused = devices.model_copy(update={"compile": True})
-            section("optimize_compiled_full", optimize, "none", folder, work, sizes, counts, peak, fused, on_cuda)
-            section("optimize_compiled_lora", optimize, "lora", folder, work, sizes, counts, peak, fused, on_cuda)
+        if args.logps_chunk_tokens:
+            section("optimize_lora_chunked", optimize, "lora", folder, work, chunked, counts, peak, devices,
+                    on_cuda)
         if args.profile:
             section("profile", profile_optimize, folder, work, sizes, counts, devices, on_cuda)
         section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)
+        if args.attention_backends:
+            section("attention_backends", attention_backends, folder, sizes, devices, on_cuda)
         if args.skip_trl:
             results["vs_trl"] = {"skipped": "--skip-trl"}
         else:
             section("vs_trl", vs_trl, folder, sizes, work, devices, on_cuda)
+        if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles); last, it is slow
+            fused = devices.model_copy(update={"compile": True})
+            compiled_sizes = {**chunked, "micro_batch": args.also_micro_batch or sizes["micro_batch"]}
+            section("optimize_compiled_full", optimize, "none", folder, work, compiled_sizes, counts, peak, fused,
+                    on_cuda)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         save()

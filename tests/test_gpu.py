@@ -96,10 +96,13 @@ def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adap
     bench.synthetic_scored(scored, prompts=4, generations=4, prompt_tokens=12, completion_tokens=10,
                            token_limit=len(AutoTokenizer.from_pretrained(tiny / "model")), model_vocab=300)
     cfg = grpo.GRPOConfig(adapter=adapter, beta=beta, micro_batch_size=8, gradient_accumulation_steps=2,
-                          learning_rate=1e-3)
+                          learning_rate=1e-3, logps_chunk_tokens=0 if beta else 64)
+    chunked, chunks = grpo.chunked_token_logps, []
+    monkeypatch.setattr(grpo, "chunked_token_logps", lambda *args: chunks.append(args[-1]) or chunked(*args))
     with optimize_models(monkeypatch) as seen:
         metrics = grpo.run(cfg, tiny / "model", None, scored, 0, 1.0, 10, tmp_path / "r0", devices=CUDA_BF16)
     assert metrics["optimizer_steps"] == 1
+    assert set(chunks) == (set() if beta else {64})  # grpo.logps_chunk_tokens: the head a few rows at a time
     trained = [m for m in seen.values() if m["grad"]]
     assert len(trained) == 1, seen
     (policy,) = trained
@@ -151,6 +154,14 @@ def test_transformers_engine_generates_on_cuda_in_bf16(tiny, tmp_path, monkeypat
     prompts = [[{"role": "user", "content": f"say {i % 3}"}] for i in range(12)]  # groups of repeats, as a round
     engine = TransformersEngine(batch_size=8, devices=CUDA_BF16)
     sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=3)
+    cudnn_during = []  # devices.generation_kernels: cuDNN attention off while generating, as before after
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: cudnn_during.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        engine.generate(Policy(tiny / "model"), prompts[:2], sampling)
+    finally:
+        hook.remove()
+    assert cudnn_during and not any(cudnn_during) and torch.backends.cuda.cudnn_sdp_enabled()
     for policy in (Policy(tiny / "model"), Policy(tiny / "model", adapter_dir=tmp_path / "adapter", version=1)):
         rows = engine.generate(policy, prompts, sampling)
         assert loaded[-1] == {"devices": {"cuda"}, "trainable": set(), "frozen": {torch.bfloat16}}, loaded[-1]
@@ -162,6 +173,32 @@ def test_transformers_engine_generates_on_cuda_in_bf16(tiny, tmp_path, monkeypat
         # sampling draws from a generator seeded by the call: the same seed, the same tokens on the GPU too
         assert [r["completion_token_ids"] for r in engine.generate(policy, prompts, sampling)] == \
             [r["completion_token_ids"] for r in rows]
+
+
+@pytest.mark.gpu
+@gpu
+def test_sampling_logprobs_on_cuda_are_the_raw_logits_log_softmax(tiny):
+    """On the GPU's transformers too, the engine's recorded log-probs are log softmax(raw logits / T) of each
+    sampled token, bit for bit against `output_logits` (tests/test_determinism.py's check, at T 0.7, top-p 0.9)."""
+    from stages.rollout.engines import Sampling, prompt_token_ids
+    from stages.rollout.engines.hf import generate, own_generator
+    from stages.runtime.policy import load_policy
+
+    model, tokenizer = load_policy(tiny / "model", None, devices=CUDA_BF16)
+    prompts = [[{"role": "user", "content": f"say {i}"}] for i in range(8)]
+    sampling = Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)
+    rows = generate(model, tokenizer, prompts, sampling, batch_size=8)
+    enc = tokenizer.pad({"input_ids": prompt_token_ids(tokenizer, prompts)}, return_tensors="pt").to(model.device)
+    with torch.no_grad(), own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
+        out = model.generate(**enc, max_new_tokens=8, do_sample=True, temperature=0.7, top_p=0.9, top_k=0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             return_dict_in_generate=True, output_logits=True)
+    new = out.sequences[:, enc["input_ids"].shape[1]:]
+    for i, row in enumerate(rows):
+        ids = row["completion_token_ids"]
+        assert ids == new[i, : len(ids)].tolist()
+        assert row["sampling_logprobs"] == [
+            torch.log_softmax(out.logits[t][i].float() / 0.7, dim=-1)[token].item() for t, token in enumerate(ids)]
 
 
 @contextmanager

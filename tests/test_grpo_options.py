@@ -389,3 +389,81 @@ def test_dapo_step_gradient_does_not_depend_on_how_the_step_is_cut(tiny):
     assert 0 < with_signal < ROWS and regrouped["trained_rows"] == with_signal and as_cut["trained_rows"] == ROWS
     assert steps_a[0][1]["grad_norm"] == pytest.approx(steps_b[0][1]["grad_norm"], rel=1e-4)
     assert steps_a[0][1]["loss"] == pytest.approx(steps_b[0][1]["loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "none"])
+def test_chunked_logps_give_the_plain_logps_and_gradients_with_a_row_or_two_at_a_time(tiny, adapter):
+    """grpo.logps_chunk_tokens: the lm_head sees a chunk of rows at a time (in the forward and, recomputed,
+    in the backward), never the whole micro-batch, and the log-probs, entropies and gradients are the whole
+    logits' -- with the plain forward and with the shared prompt pass."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root, rows = tiny
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    if adapter == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))
+    assert grpo.logits_from_hidden(model)
+    batch = grpo.collate([{**r, "advantage": 1.0} for r in sorted(rows, key=lambda r: r["prompt_id"])[:12]],
+                         pad_token_id=0)  # 3 groups of 4
+    positions = batch["completion_ids"].size(1) + 1
+    head_rows = []
+    grpo.decoder_and_head(model)[1].register_forward_hook(lambda _m, args, _o: head_rows.append(args[0].size(0)))
+    results = {}
+    for name, fn in {
+        "plain": lambda: grpo.completion_logps(model, *grpo._inputs(batch), 0.7),
+        "plain_chunked": lambda: grpo.completion_logps(model, *grpo._inputs(batch), 0.7, 2 * positions),
+        "shared_chunked": lambda: grpo.batch_logps(model, batch, 0.7, positions),
+    }.items():
+        model.zero_grad()
+        head_rows.clear()
+        logps, entropy = fn()
+        (logps * batch["completion_mask"] * torch.linspace(-1, 1, logps.size(1))).sum().backward()
+        results[name] = (logps.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                   if p.grad is not None}, list(head_rows))
+    assert results["plain"][3] == [12]
+    assert results["plain_chunked"][3] == [2] * 6 * 2  # six chunks, each again in the backward
+    assert results["shared_chunked"][3] == [1] * 12 * 2
+    mask = batch["completion_mask"].bool()
+    plain, plain_entropy, plain_grads, _ = results["plain"]
+    for name in ("plain_chunked", "shared_chunked"):
+        logps, entropy, grads, _ = results[name]
+        assert torch.allclose(plain[mask], logps[mask], atol=1e-5), name
+        assert torch.allclose(plain_entropy[mask], entropy[mask], atol=1e-5), name
+        assert grads.keys() == plain_grads.keys() and grads
+        for key, grad in plain_grads.items():
+            assert torch.allclose(grad, grads[key], rtol=1e-3, atol=1e-6), (name, key)
+
+
+def test_a_round_with_chunked_logps_trains_as_the_whole_logits_do(tiny, monkeypatch):
+    """grpo.logps_chunk_tokens set: the round runs the chunked head (off by default) and ends where the
+    whole-logits round does, up to float rounding."""
+    root, rows = tiny
+    scored = _scored(root, "chunk_scored", rows)
+    chunked = grpo.chunked_token_logps
+    calls = []
+    monkeypatch.setattr(grpo, "chunked_token_logps", lambda *args: calls.append(args[-1]) or chunked(*args))
+    _, whole_steps, whole_out = _run(root, scored, "chunks_off")
+    assert not calls
+    _, chunked_steps, chunked_out = _run(root, scored, "chunks_on", logps_chunk_tokens=20)
+    assert calls and set(calls) == {20}
+    for (_, a), (_, b) in zip(whole_steps, chunked_steps):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    a, b = _adapter(whole_out), _adapter(chunked_out)
+    assert all(torch.allclose(a[k], b[k], atol=1e-3) for k in a)
+
+
+def test_logits_that_are_more_than_the_head_of_the_hidden_states_are_not_chunked():
+    """A model whose logits are soft-capped (Gemma 2) fails `logits_from_hidden`, so a round keeps its
+    whole-logits forward; a plain Qwen2 passes."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    capped = Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=0.5))
+    assert not grpo.logits_from_hidden(capped)
+    assert grpo.logits_from_hidden(Qwen2ForCausalLM(Qwen2Config(**small)))

@@ -132,6 +132,25 @@ def _load(auto_class, path: Path | str, devices: DeviceConfig | None, dtype, **k
     return model.to(target)
 
 
+@contextlib.contextmanager
+def generation_kernels(model):
+    """Around a model's `generate`: on a GPU, torch's cuDNN backend of scaled_dot_product_attention is off
+    (its flash and memory-efficient kernels stay). cuDNN builds an execution plan for every new sequence
+    length and a decode meets a new key length at every step: on an H200, 64 rows x 256 new tokens took
+    15.9 s on lengths not seen before against 4.7 s without cuDNN (BENCHMARKS.md, issue 26). Training keeps
+    cuDNN (its shapes repeat; there it was ~15% faster). torch's switch is process-wide, so an optimize round
+    running beside a prefetched rollout runs without it meanwhile: other kernels, the same math."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    if on_gpu:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        if on_gpu:
+            torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def load_trainable(auto_class, path: Path | str, devices: DeviceConfig | None = None, **kwargs):
     """`auto_class.from_pretrained(path)` in float32 on the device, gradient checkpointing on if asked.
     `auto_class`: AutoModelForCausalLM, AutoModelForSequenceClassification, ..."""

@@ -204,6 +204,18 @@ class GRPOConfig(BaseModel):
     gradients as a plain forward up to float rounding, for a fraction of the prompt compute (2.3x faster on
     the quickstart's 64-row micro-batches). False: one plain forward over prompt and completion per
     micro-batch, as TRL. FSDP (`train.strategy: fsdp`) always runs the plain forward (module docstring)."""
+    logps_chunk_tokens: int = not_in_key(0, ge=0)
+    """Compute the log-probs from the lm_head a few rows at a time, about this many tokens per chunk
+    (`chunked_token_logps`): the (rows, positions, vocabulary) logits and their fp32 log-softmax exist for one
+    chunk at a time, and the backward recomputes each chunk's (torch.utils.checkpoint), as Liger's fused
+    linear losses and TRL's `use_liger_loss` avoid materializing them. With a 150k vocabulary the whole
+    micro-batch's logits take much of the optimize stage's memory. Costs one more lm_head matmul per chunk in
+    the backward: on an H200 with a 0.5B Qwen2 (micro-batches of 16 rows of 512 tokens), 4096 took peak
+    memory from 27.5 to 23.0 GiB (full fine-tuning) and 22.9 to 18.4 GiB (LoRA), for 5% and 17% more time
+    (BENCHMARKS.md, issue 26): a memory knob, for micro-batches that would not fit otherwise. 0 (default): off.
+    Only for models whose logits are the output embedding of the decoder's last hidden state (checked when
+    the round loads the model; others, e.g. with logit soft-capping, and FSDP use the plain forward).
+    Changes float rounding only, so it is not in the artifact key."""
     seed: int = 0
 
     @model_validator(mode="after")
@@ -236,11 +248,73 @@ class GRPOConfig(BaseModel):
 # ---------------------------------------------------------------- the math, pure functions
 
 
-def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temperature: float):
+def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temperature: float,
+                     chunk_tokens: int = 0):
     """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens under logits / temperature.
-    The model computes logits only for the positions that predict them (transformers' `logits_to_keep`)."""
+    The model computes logits only for the positions that predict them (transformers' `logits_to_keep`);
+    with `chunk_tokens`, from its decoder's hidden states a chunk of rows at a time (`chunked_token_logps`)."""
+    tokens = input_ids[:, -logits_to_keep:]
+    if chunk_tokens:
+        decoder, head = decoder_and_head(model)
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return chunked_token_logps(head, hidden[:, -(logits_to_keep + 1):], tokens, temperature, chunk_tokens)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
-    return _token_logps(logits, input_ids[:, -logits_to_keep:], temperature)
+    return _token_logps(logits, tokens, temperature)
+
+
+def decoder_and_head(model):
+    """(the model's decoder, returning hidden states; its output embedding, the lm_head), under a PEFT
+    wrapper too: HF causal LMs compute `lm_head(decoder(...).last_hidden_state)`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def logits_from_hidden(model) -> bool:
+    """Whether the model's logits are its lm_head applied to its decoder's last hidden state, as
+    `chunked_token_logps` assumes: checked on four tokens in eval mode. False for heads that do more
+    (Gemma 2's soft-capping, logit scaling) and for models whose decoder or head is not found. Compiled
+    blocks run eagerly for it (no compilation for its shape)."""
+    try:
+        decoder, head = decoder_and_head(model)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    if decoder is None or head is None or decoder is model:
+        return False
+    device = next(model.parameters()).device
+    ids = torch.arange(4, device=device).unsqueeze(0)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            whole = model(input_ids=ids).logits.float()
+            parts = head(decoder(input_ids=ids).last_hidden_state).float()
+    finally:
+        model.train(training)
+    return whole.shape == parts.shape and torch.allclose(whole, parts, rtol=1e-3, atol=1e-3)
+
+
+def chunked_token_logps(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_tokens: int):
+    """`_token_logps` of head(hidden), a chunk of about `chunk_tokens` tokens (whole rows) at a time: the
+    logits exist for one chunk at a time; with gradients each chunk is checkpointed (its logits recomputed
+    in the backward), so none are kept between forward and backward. `hidden` holds one position more
+    than `tokens`, as `_token_logps`'s logits."""
+    from torch.utils.checkpoint import checkpoint
+
+    rows = max(1, chunk_tokens // hidden.size(1))
+    logps, entropies = [], []
+    for start in range(0, hidden.size(0), rows):
+        part = (head, hidden[start : start + rows], tokens[start : start + rows], temperature)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            logp, entropy = checkpoint(_head_token_logps, *part, use_reentrant=False)
+        else:
+            logp, entropy = _head_token_logps(*part)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def _head_token_logps(head, hidden, tokens, temperature):
+    return _token_logps(head(hidden), tokens, temperature)
 
 
 def _token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
@@ -464,14 +538,15 @@ def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     return input_ids, attention_mask, batch["completion_ids"].size(1)
 
 
-def batch_logps(model, batch: dict, temperature: float):
+def batch_logps(model, batch: dict, temperature: float, chunk_tokens: int = 0):
     """`completion_logps` of a collated batch; rows that share a prompt (a GRPO group) run it once.
 
     The prompt minus its last token goes through the model once per distinct prompt, its KV cache is
     copied to every row that has it (by indexing, so gradients flow back into the one prompt pass),
     and each row then runs its last prompt token and its completion on top of that cache, with the
     positions the plain forward gives them. Same log-probs and gradients as the plain forward up to
-    float rounding (tests/test_grpo_options.py), for a fraction of the prompt compute."""
+    float rounding (tests/test_grpo_options.py), for a fraction of the prompt compute. `chunk_tokens`: as
+    `completion_logps`."""
     from transformers import DynamicCache
 
     from stages.rollout.engines.hf import repeats
@@ -484,16 +559,25 @@ def batch_logps(model, batch: dict, temperature: float):
         found = repeats([tuple(i) for i in prompt_ids.tolist()])
         distinct, index = (torch.tensor(v, device=prompt_ids.device) for v in found)
     if len(distinct) == len(index) or prompt_ids.size(1) < 2:
-        return completion_logps(model, *_inputs(batch), temperature)
+        return completion_logps(model, *_inputs(batch), temperature, chunk_tokens)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prompt_ids[distinct, :-1], attention_mask=prompt_mask[distinct, :-1], past_key_values=cache,
-          use_cache=True, logits_to_keep=1)
+    prompt_inputs = {"input_ids": prompt_ids[distinct, :-1], "attention_mask": prompt_mask[distinct, :-1],
+                     "past_key_values": cache, "use_cache": True}
+    if chunk_tokens:  # the cache is what this pass is for: no head
+        decoder_and_head(model)[0](**prompt_inputs)
+    else:
+        model(**prompt_inputs, logits_to_keep=1)
     _copy_rows(cache, index)
     prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
     tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
     positions = torch.arange(prompt_length - 1, prompt_length + keep, device=prompt_ids.device).expand(len(index), -1)
-    logits = model(input_ids=tail, attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
-                   past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=keep + 1).logits
+    tail_inputs = {"input_ids": tail, "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
+                   "past_key_values": cache, "position_ids": positions, "use_cache": True}
+    if chunk_tokens:
+        decoder, head = decoder_and_head(model)
+        hidden = decoder(**tail_inputs).last_hidden_state
+        return chunked_token_logps(head, hidden, completion_ids, temperature, chunk_tokens)
+    logits = model(**tail_inputs, logits_to_keep=keep + 1).logits
     return _token_logps(logits, completion_ids, temperature)
 
 
@@ -672,14 +756,29 @@ class RoundTrainer:
         # the shared prompt pass needs the KV cache, which gradient checkpointing turns off
         self.plain_forward = (self.sharded or not cfg.shared_prompt_pass
                               or (devices is not None and devices.gradient_checkpointing))
+        self.chunk_tokens = self._logps_chunk_tokens()
+
+    def _logps_chunk_tokens(self) -> int:
+        """grpo.logps_chunk_tokens, or 0 under FSDP (the head is sharded with the root module, gathered by its
+        forward) and for a model whose logits are not its lm_head of its decoder's hidden states
+        (`logits_from_hidden`)."""
+        wanted = self.cfg.logps_chunk_tokens
+        if not wanted or self.sharded:
+            return 0
+        if not logits_from_hidden(self.model):
+            log.info("optimize: the model's logits are not lm_head(decoder hidden states); log-probs from the "
+                     "whole logits (grpo.logps_chunk_tokens not used)")
+            return 0
+        return wanted
 
     def forward_logps(self, module, batch: dict):
         """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
-        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off."""
+        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off; the head's log-probs
+        a chunk of rows at a time where `chunk_tokens` says so."""
         with self.placement.autocast(self.devices):
             if self.plain_forward:
-                return completion_logps(module, *_inputs(batch), self.temperature)
-            return batch_logps(module, batch, self.temperature)
+                return completion_logps(module, *_inputs(batch), self.temperature, self.chunk_tokens)
+            return batch_logps(module, batch, self.temperature, self.chunk_tokens)
 
     def collated(self, micro_batch: list[dict], masked_out: set[str], old: dict | None = None) -> dict:
         """The micro-batch's tensors on the models' device, with its loss mask's per-row `keep` and, given

@@ -55,6 +55,40 @@ def shared_prompt_cache(model, enc, keys: list):
     return cache
 
 
+class SampledTokenLogps:
+    """A logits processor (transformers' `LogitsProcessor` protocol) that records, for every generated token,
+    log softmax(raw logits / temperature)[token], keeping one step's log-softmax at a time: `generate` calls
+    it with the step's raw logits before its own temperature and top-p warpers (transformers runs the
+    caller's processors first, tests/test_determinism.py checks it), and the token it then samples is the last
+    of the next call's `input_ids`; `finish` takes the last step's from the generated sequences. With
+    `output_logits` instead, every step's fp32 logits are kept to the end (128 rows x 128 steps of a 150k
+    vocabulary: 10 GB)."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending = None
+        self.steps: list = []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        self._take(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, tokens[:, None]).squeeze(-1))
+            self.pending = None
+
+    def finish(self, sequences):
+        """(rows, generated tokens) log-probs, given `generate`'s output sequences."""
+        import torch
+
+        self._take(sequences[:, -1])
+        return torch.stack(self.steps, dim=1)
+
+
 _SAMPLER = threading.local()
 _PATCH = threading.Lock()
 
@@ -91,10 +125,13 @@ def generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch_
     do_sample, samples from a generator seeded with `sampling.seed` (`own_generator`); greedy uses no RNG."""
     import torch
 
-    if sampling.do_sample:
-        with own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
-            return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
-    return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
+    from stages.runtime.devices import generation_kernels
+
+    with generation_kernels(model):
+        if sampling.do_sample:
+            with own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
+                return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
+        return _generate(model, tokenizer, prompts, sampling, batch_size, on_progress)
 
 
 def _generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch_size: int,
@@ -107,6 +144,7 @@ def _generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch
         chunk = prompts[start : start + batch_size]
         ids = prompt_token_ids(tokenizer, chunk)
         enc = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+        recorder = SampledTokenLogps(sampling.temperature)
         with torch.no_grad():
             out = model.generate(
                 **enc,
@@ -118,16 +156,10 @@ def _generate(model, tokenizer, prompts: list[Prompt], sampling: Sampling, batch
                 top_k=0 if sampling.do_sample else None,
                 eos_token_id=eos,
                 pad_token_id=tokenizer.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=True,
+                logits_processor=[recorder],
             )
-        new_tokens = out.sequences[:, enc["input_ids"].shape[1] :]
-        # step by step: the raw logits of one step at a time in fp32, never a (B, T, V) copy (with a 150k
-        # vocabulary, 128 rows x 128 steps is 10 GB each time)
-        logps = torch.stack([torch.log_softmax(step.float() / sampling.temperature, dim=-1)
-                             .gather(-1, new_tokens[:, t : t + 1]).squeeze(-1) for t, step in enumerate(out.logits)],
-                            dim=1)
-        del out
+        new_tokens = out[:, enc["input_ids"].shape[1] :]
+        logps = recorder.finish(out)
         new_tokens, logps = new_tokens.cpu(), logps.cpu()  # one read back each, not one per row
         input_ids, attention_mask = enc["input_ids"].cpu(), enc["attention_mask"].cpu()
         for i in range(len(chunk)):
