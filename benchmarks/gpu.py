@@ -2,6 +2,8 @@
 
   PYTHONPATH=. python benchmarks/gpu.py --out gpu.json [--device auto|cpu|cuda] [--precision bf16]
                                         [--model PATH] [--skip-trl] [--skip-vllm] [--tiny] [--budget-s 420]
+                                        [--micro-batch-size N] [--also-micro-batch N] [--logps-chunk-tokens N]
+                                        [--attention-backends] [--compile] [--profile] [--only a,b]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -43,7 +45,8 @@ the next section runs):
    distinct prompts of ~128 tokens x 256 new tokens at temperature 1 (a random model never stops early): one
    engine call (policy load included, as a round pays it) and `generate` on an already loaded policy;
    generated tokens / s. vLLM (stages.rollout.engines.vllm_local, bf16) is measured only on CUDA and where `vllm`
-   is installed; otherwise recorded as not measured, with why.
+   is installed; otherwise recorded as not measured, with why. `--attention-backends`: `generate` on prompt
+   lengths not seen before and again, with torch's cuDNN attention off and then on (`attention_backends`).
 5. vs_trl: one GRPO round against TRL's GRPOTrainer on the same work: the same model folder and prompts (32
    prompts x 8 generations, ~128-token prompts, exactly 128 new tokens -- a random model does not emit EOS --
    temperature 1), the same reward (share of even token ids among the completion's: a function of the ids
@@ -58,7 +61,12 @@ the next section runs):
    warm-up), timed from on_step_begin to on_step_end (generation, reward, forward/backward, AdamW step; its
    model stays in memory between steps, posttrain reloads from disk each round, as the pipeline does).
    posttrain also runs a warm-up round first, on the other 32 prompts, as TRL's first step does.
-   ratio = posttrain round seconds / TRL step seconds (below 1: posttrain faster).
+   ratio = posttrain round seconds / TRL step seconds (below 1: posttrain faster). optimize_train_s: the
+   optimize stage's window as in section 3 (its load and save are the rest of optimize_s).
+Optional optimize sections: `--logps-chunk-tokens N` also times full fine-tuning and LoRA with
+grpo.logps_chunk_tokens N; `--also-micro-batch N` full fine-tuning at micro-batch N (with N's chunks if
+given); `--profile` a short round under torch.profiler; `--compile` (last, slow) full fine-tuning with
+train.compile.
 """
 
 from __future__ import annotations
