@@ -36,7 +36,8 @@ from stages.runtime import checkpoints
 from stages.runtime import devices as devices_module
 from stages.runtime.devices import DeviceConfig
 from stages.runtime.keys import key_when_set, not_in_key
-from stages.training.trainer_setup import metrics_callback, periodic_eval, quiet_trainer, training_args
+from stages.training.trainer_setup import (check_eval_steps, metrics_callback, periodic_eval, quiet_trainer,
+                                           training_args)
 
 RL_TYPES = ("dpo", "ipo", "kto", "orpo", "simpo")
 REFERENCE_RL = ("dpo", "ipo", "kto")  # the losses that compare with a reference policy
@@ -356,14 +357,11 @@ def run(
     if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
         eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
 
+    check_eval_steps("dpo", cfg, bool(eval_pairs), "pairs", preferences_dir)
     devices = devices or DeviceConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model, ref_model = load_models(cfg, model_dir, devices)
     accuracy_before = preference_accuracy(model, tokenizer, eval_pairs) if eval_pairs else None
-    if cfg.eval_steps and not eval_pairs:
-        raise ValueError(f"dpo.eval_steps: there are no held-out pairs to evaluate (dpo.eval_split "
-                         f"{cfg.eval_split!r} in {preferences_dir}); give preferences.val_set_size or test_datasets, "
-                         "or remove eval_steps")
 
     logged: list[dict] = []
     history: list[list] = []

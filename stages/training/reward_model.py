@@ -57,6 +57,7 @@ from stages.scoring.rewards.reward_model import (
     score_ids,
     step_scores,
 )
+from stages.training.trainer_setup import check_eval_steps
 
 METRIC_PREFIX = "reward_model/"
 KINDS = ("orm", "prm")
@@ -332,14 +333,6 @@ def _save(trained, tokenizer, cfg: RewardModelConfig, out_dir: Path) -> None:
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
 
 
-def check_eval_steps(cfg: RewardModelConfig, held_out: bool, rows: str, preferences_dir: Path) -> None:
-    """reward_model.eval_steps needs held-out rows to measure: an error naming the key when there are none."""
-    if cfg.eval_steps and not held_out:
-        raise ValueError(f"reward_model.eval_steps: there are no held-out {rows} to evaluate (reward_model.eval_split "
-                         f"{cfg.eval_split!r} in {preferences_dir}); give preferences.val_set_size or test_datasets, "
-                         "or remove eval_steps")
-
-
 def _read_split(cfg: RewardModelConfig, preferences_dir: Path) -> list[dict]:
     """The rows of the trained split (<split>.parquet); FileNotFoundError naming reward_model.split without it."""
     from stages.data.schemas import read_rows
@@ -472,7 +465,7 @@ def run(
         return pairwise_accuracy(m, tokenizer, eval_pairs, cfg.max_length) if eval_pairs else None
 
     accuracy_before = held_out_accuracy(model)
-    check_eval_steps(cfg, bool(eval_pairs), "pairs", preferences_dir)
+    check_eval_steps("reward_model", cfg, bool(eval_pairs), "pairs", preferences_dir)
     logged: list[dict] = []
     history: list[list] = []
     callbacks = _callbacks(cfg, held_out_accuracy, "eval_pairwise_accuracy", on_metrics, logged, history)
@@ -643,7 +636,7 @@ def run_prm(
         return step_accuracy(m, tokenizer, eval_rows, cfg.step_separator, cfg.max_length) if eval_rows else None
 
     accuracy_before = held_out_accuracy(model)
-    check_eval_steps(cfg, bool(eval_rows), "stepwise rows", preferences_dir)
+    check_eval_steps("reward_model", cfg, bool(eval_rows), "stepwise rows", preferences_dir)
     _report_step_accuracy(on_metrics, accuracy_before, 0)
     peft_config = lora_config(cfg)
     if peft_config is not None:

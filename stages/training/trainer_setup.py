@@ -57,6 +57,14 @@ def metrics_callback(prefix: str, on_metrics: Callable[[dict, int], None] | None
     return ReportMetrics()
 
 
+def check_eval_steps(section: str, cfg, held_out: bool, rows: str, preferences_dir: Path) -> None:
+    """`<section>.eval_steps` needs held-out `rows` to measure: an error naming the key when there are none."""
+    if cfg.eval_steps and not held_out:
+        raise ValueError(f"{section}.eval_steps: there are no held-out {rows} to evaluate ({section}.eval_split "
+                         f"{cfg.eval_split!r} in {preferences_dir}); give preferences.val_set_size or test_datasets, "
+                         "or remove eval_steps")
+
+
 def periodic_eval(every: int | None, evaluate: Callable[[object], float], name: str,
                   on_metrics: Callable[[dict, int], None] | None, history: list[list]):
     """A TrainerCallback that every `every` optimizer steps (axolotl's `eval_steps`, HF's eval_strategy "steps")
