@@ -243,6 +243,7 @@ RUN_OPTIONS = {
     "grpo.replay_buffer_size": (64, {}, ["optimize"]),
     "grpo.reroll_start_fraction": (0.5, {}, ["optimize"]),
     "grpo.reroll_max_groups": (2, {}, ["optimize"]),
+    "grpo.logps_chunk_tokens": (4096, {}, ["optimize"]),
     "score.backend": ("ray", {}, ["score"]),
     "score.ray": ({"num_cpus": 3}, {}, ["score"]),
     "rollout.async_prefetch": (True, {}, ["rollout"]),
