@@ -1,0 +1,345 @@
+"""axolotl's config keys, moved into posttrain's sections before validation: flows/config.py's `before`
+validators call `move_top_level_keys`, `move_training_keys`, `move_device_keys` and `reward_model_flags`
+(README "Coming from axolotl / TRL / Atropos"). A key of theirs that posttrain has under another name moves
+there; one it does not honour is an error naming it; `posttrain validate` shows where each went.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel
+
+AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
+                "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
+                "revision_of_model": ("model", "revision"), "special_tokens": ("model", "special_tokens"),
+                "chat_template": ("model", "chat_template"), "chat_template_jinja": ("model", "chat_template_jinja")}
+"""axolotl's top-level keys and the section key each one is (moved there before validation)."""
+PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
+"""The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
+AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
+                       "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
+                       "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
+"""axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`device_settings`)."""
+AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "epsilon_high": ("grpo", "epsilon_high"),
+                    "loss_type": ("grpo", "loss_type"), "num_iterations": ("grpo", "num_iterations"),
+                    "mask_truncated_completions": ("grpo", "mask_truncated_completions"),
+                    "importance_sampling_level": ("grpo", "importance_sampling_level"),
+                    "num_generations": ("rollout", "num_generations"),
+                    "max_completion_length": ("rollout", "max_completion_length"),
+                    "max_prompt_length": ("rollout", "max_prompt_length"),
+                    "temperature": ("rollout", "temperature"), "top_p": ("rollout", "top_p"),
+                    "reward_funcs": ("score", "reward_funcs"), "reward_weights": ("score", "reward_weights"),
+                    "scale_rewards": ("score", "scale_rewards"),
+                    "multi_objective_aggregation": ("score", "multi_objective_aggregation"),
+                    "vllm_gpu_memory_utilization": ("rollout", "vllm.gpu_memory_utilization"),
+                    "vllm_tensor_parallel_size": ("rollout", "vllm.tensor_parallel_size"),
+                    "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode"),
+                    "vllm_dtype": ("rollout", "vllm.dtype"), "vllm_max_model_len": ("rollout", "vllm.max_model_len"),
+                    "async_prefetch": ("rollout", "async_prefetch")}
+"""axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+AXOLOTL_TRL_NO_OPS = {("vllm_device", "auto"), ("vllm_enable_prefix_caching", True), ("log_completions", True)}
+"""`trl:` settings that say what posttrain does anyway: vLLM on the run's device, its prefix cache on, sample
+completions logged each round (tracking.completions_per_round)."""
+AXOLOTL_VLLM_KEYS = {"tensor_parallel_size": "tensor_parallel_size", "gpu_memory_utilization": "gpu_memory_utilization",
+                     "dtype": "dtype", "max_model_len": "max_model_len", "enforce_eager": "enforce_eager"}
+"""axolotl's `vllm:` section keys that are `rollout.vllm` keys of the same name and meaning."""
+AXOLOTL_VLLM_SERVER_KEYS = ("vllm.host", "vllm.port", "vllm.serve_module", "vllm.worker_extension_cls",
+                            "trl.vllm_server_host", "trl.vllm_server_port", "trl.vllm_server_timeout")
+"""Where `axolotl vllm-serve` (TRL's weight-sync server) listens and what it runs: posttrain has no such server."""
+AXOLOTL_DPO_KEYS = ("rl_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
+                    "kto_undesirable_weight")
+"""axolotl's top-level DPO-family loss keys: `dpo` keys of the same names (an error under another rl)."""
+AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumulation_steps", "weight_decay",
+                         "max_grad_norm", "warmup_steps", "warmup_ratio", "lora_r", "lora_alpha", "lora_dropout",
+                         "lora_target_modules", "adam_beta1", "adam_beta2", "adam_epsilon", "optimizer",
+                         "lr_scheduler", "num_epochs", "max_steps", "adapter", "sequence_len", "eval_steps",
+                         *AXOLOTL_DPO_KEYS)
+"""axolotl's top-level training keys: the method's trainer section (grpo, dpo for the DPO family, reward_model)
+gets them."""
+AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
+                      "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
+                      "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
+                                                   "names them); to pick fewer, set lora_target_modules"),
+                      "gradient_checkpointing_kwargs": (None, "train.gradient_checkpointing uses transformers' "
+                                                              "default (use_reentrant: false)")}
+"""axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
+AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
+"""axolotl's experiment-tracker keys: dropped with a warning (posttrain tracks every run in MLflow)."""
+AXOLOTL_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
+                      "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "adafactor": "adafactor",
+                      "sgd": "sgd"}
+
+
+def move_top_level_keys(data):
+    """axolotl writes `datasets`, `test_datasets`, `val_set_size`, `base_model`, `revision_of_model`,
+    `special_tokens`, `chat_template` and `chat_template_jinja` at the top level: each moves to its section key
+    (AXOLOTL_KEYS; under the DPO family's `rl`, datasets and test_datasets are preference rows: `preferences`);
+    `posttrain validate` shows where."""
+    if not isinstance(data, dict) or not data.keys() & AXOLOTL_KEYS.keys():
+        return data
+    data, keys = dict(data), dict(AXOLOTL_KEYS)
+    if data.get("rl") in PREFERENCE_RL:  # axolotl's datasets are then the preference rows
+        keys.update(datasets=("preferences", "datasets"), test_datasets=("preferences", "test_datasets"),
+                    val_set_size=("preferences", "val_set_size"))
+    for key, (section, field) in keys.items():
+        if key not in data:
+            continue
+        target = section_dict(data, section)
+        if target is None:
+            continue  # the section's own error says what it should be
+        if field in target:
+            raise ValueError(f"{key} (axolotl's top-level key) and {section}.{field} are the same setting; "
+                             "set one of them")
+        data[section] = {**target, field: data.pop(key)}
+    return data
+
+
+def move_training_keys(data):
+    """axolotl's `trl:` section (AXOLOTL_TRL_KEYS) and top-level training keys (AXOLOTL_TRAINING_KEYS: to
+    `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family, to `reward_model`); `posttrain validate` shows
+    where each went. A key of theirs with no counterpart here is an error naming it, as is a value of
+    AXOLOTL_FIXED_KEYS other than the one posttrain honours."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for key, (honoured, why) in AXOLOTL_FIXED_KEYS.items():
+        if key in data and (value := data.pop(key)) != honoured:
+            raise ValueError(f"{key}: {value!r} is not honoured here ({why}); remove it")
+    tracking = [k for k in data if k.startswith(AXOLOTL_LOGGING_PREFIXES)]
+    if not (tracking or data.keys() & {"trl", "vllm", "output_dir", *AXOLOTL_TRAINING_KEYS}):
+        return data
+    data = {k: v for k, v in data.items() if k not in tracking}
+    if tracking:
+        logging.getLogger("posttrain.config").warning(
+            "%s: axolotl's experiment-tracker keys, not used: posttrain logs every run to MLflow (tracking.*, "
+            "MLFLOW_TRACKING_URI; `posttrain runs`, the MLflow UI)", ", ".join(tracking))
+    if "output_dir" in data:  # where axolotl writes checkpoints and the model: here, every artifact
+        output_dir = data.pop("output_dir")
+        if data.get("artifacts_dir", output_dir) != output_dir:
+            raise ValueError("output_dir (axolotl's key) and artifacts_dir are the same setting here (every stage "
+                             "and the exported model go under it); set one of them")
+        data["artifacts_dir"] = output_dir
+    # (their key, section, field, value) for each key of theirs that is one of ours
+    moves = _vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})
+    moves += _trl_moves(data.pop("trl", None) or {})
+    rl = data.get("rl")
+    trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
+    moves += _training_moves(data, trainer)
+    for their_key, section, field, value in moves:
+        target = section_dict(data, section)
+        if target is not None:  # (else the section's own error says what it should be)
+            data[section] = _with_value(target, field, value, their_key, section)
+    return data
+
+
+def move_device_keys(data):
+    """axolotl's `bf16`, `fp16`, `gradient_checkpointing`, `flash_attention`, `sdp_attention` and
+    `eager_attention` set train.precision, train.gradient_checkpointing and train.attn_implementation."""
+    if not isinstance(data, dict) or not data.keys() & AXOLOTL_DEVICE_KEYS.keys():
+        return data
+    data = dict(data)
+    train = section_dict(data, "train")
+    if train is None:
+        return data
+    settings = device_settings({k: data.pop(k) for k in list(data) if k in AXOLOTL_DEVICE_KEYS})
+    for field, (value, source) in settings.items():
+        if field in train and train[field] != value:
+            raise ValueError(f"{source} (axolotl's key) sets train.{field}: {value}, but train.{field} is "
+                             f"{train[field]!r}; set one of them")
+        train[field] = value
+    data["train"] = train
+    return data
+
+
+def reward_model_flags(data):
+    """axolotl's `reward_model: true` / `process_reward_model: true` (with `model_type`, `num_labels`) mean
+    rl: reward_model (reward_model.kind orm / prm); the other moves read `rl`, so this one runs first."""
+    if not isinstance(data, dict):
+        return data
+    flags = [k for k in ("reward_model", "process_reward_model") if isinstance(data.get(k), bool)]
+    if not flags:
+        if data.keys() & {"model_type", "num_labels"}:
+            raise ValueError("model_type / num_labels: axolotl's reward-model keys; they go with reward_model: "
+                             "true or process_reward_model: true (posttrain builds the head itself)")
+        return data
+    data = dict(data)
+    on = [k for k in flags if data.pop(k)]
+    if len(on) != 1:
+        raise ValueError("reward_model / process_reward_model: set exactly one of them to true (posttrain's "
+                         "reward_model section takes its options)")
+    kind, model_type, labels = {"reward_model": ("orm", "AutoModelForSequenceClassification", 1),
+                                "process_reward_model": ("prm", "AutoModelForTokenClassification", 2)}[on[0]]
+    for key, wanted in (("model_type", model_type), ("num_labels", labels)):
+        if key in data and data[key] != wanted:
+            raise ValueError(f"{key}: {data[key]!r}; {on[0]}: true trains a {wanted} here ({key}: {wanted} "
+                             "or leave it out)")
+        data.pop(key, None)
+    if data.get("rl", "reward_model") != "reward_model":
+        raise ValueError(f"{on[0]}: true trains only a reward model (rl: reward_model), but rl is "
+                         f"{data['rl']!r}; to use one in GRPO, name it in score.reward_funcs (reward_model, or "
+                         "reward_model:<folder>)")
+    data["rl"] = "reward_model"
+    if kind == "prm":
+        data["reward_model"] = {"kind": "prm"}
+    return data
+
+
+def device_settings(keys: dict) -> dict[str, tuple]:
+    """{train field: (value, the axolotl key that set it)} for axolotl's precision and kernel keys.
+    bf16: true | auto (auto: bf16 where the GPU has it -- posttrain's precision auto), fp16: true; both false:
+    fp32. flash_attention / sdp_attention / eager_attention: true picks that kernel. tf32 (matmul mode on
+    Ampere+) is accepted only as false or auto, which posttrain does (PyTorch's default). gradient_checkpointing
+    and torch_compile: train.gradient_checkpointing and train.compile."""
+    out: dict[str, tuple] = {}
+    bf16, fp16 = keys.get("bf16"), keys.get("fp16")
+    if bf16 not in (None, True, False, "auto") or fp16 not in (None, True, False):
+        raise ValueError(f"bf16 is {bf16!r}, fp16 is {fp16!r}: axolotl's bf16 is true, false or auto, fp16 true "
+                         "or false (posttrain: train.precision fp32 | bf16 | fp16 | auto)")
+    if bf16 is True and fp16 is True:
+        raise ValueError("bf16: true and fp16: true: choose one precision (train.precision)")
+    if bf16 is True or bf16 == "auto":
+        out["precision"] = ("bf16" if bf16 is True else "auto", "bf16")
+    elif fp16 is True:
+        out["precision"] = ("fp16", "fp16")
+    elif bf16 is False or fp16 is False:
+        out["precision"] = ("fp32", "bf16" if bf16 is False else "fp16")
+    if keys.get("tf32") not in (None, False, "auto"):
+        raise ValueError(f"tf32: {keys['tf32']!r} is not built: posttrain leaves PyTorch's matmul precision at its "
+                         "default (full fp32 for fp32 matmuls); remove tf32 or set it to false")
+    for key, field in (("gradient_checkpointing", "gradient_checkpointing"), ("torch_compile", "compile")):
+        if key in keys:
+            if not isinstance(keys[key], bool):
+                raise ValueError(f"{key}: {keys[key]!r}; use true or false")
+            out[field] = (keys[key], key)
+    kernels = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
+    chosen = [k for k in kernels if keys.get(k) is True]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)} are all true: choose one attention kernel "
+                         "(train.attn_implementation)")
+    if chosen:
+        out["attn_implementation"] = (kernels[chosen[0]], chosen[0])
+    return out
+
+
+def _vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's `vllm:` section as (their key, section, field, value) moves into rollout.vllm; the keys of
+    `axolotl vllm-serve`'s server (AXOLOTL_VLLM_SERVER_KEYS), and any other, are errors naming them."""
+    if not isinstance(vllm, dict):
+        raise ValueError(f"vllm: expected a mapping of vLLM settings, got {type(vllm).__name__}")
+    server = [k for k in AXOLOTL_VLLM_SERVER_KEYS
+              if (vllm if k.startswith("vllm.") else trl).get(k.split(".", 1)[1]) is not None]
+    if server:
+        raise ValueError(f"{', '.join(server)}: where `axolotl vllm-serve` (TRL's weight-sync server) listens; "
+                         "posttrain has no such server: rollout.engine vllm (what trl.use_vllm sets) runs vLLM in the "
+                         "run's own process and loads each round's weights itself; vllm_server talks to `vllm serve` "
+                         "OpenAI servers at rollout.vllm.server_url. Remove them")
+    moves = []
+    for key, value in vllm.items():
+        if key in AXOLOTL_VLLM_KEYS:
+            if value is not None:
+                moves.append((f"vllm.{key}", "rollout", f"vllm.{AXOLOTL_VLLM_KEYS[key]}", value))
+        elif key == "device" and value in ("auto", None):
+            continue  # vLLM runs where the run does (a GPU when there is one)
+        elif key == "enable_prefix_caching" and value in (True, None):
+            continue  # vLLM's default, kept: the engine resets the cache when the weights change
+        elif key == "data_parallel_size" and value in (1, None):
+            continue
+        else:
+            hint = {"data_parallel_size": "several engines: rollout.engine: ray_vllm with "
+                                          "rollout.ray_vllm.num_engines, or vllm_server with rollout.vllm.server_urls",
+                    "device": "vLLM runs where the run does",
+                    "enable_prefix_caching": "the engine keeps vLLM's prefix cache on"}.get(
+                key, "not an option posttrain has")
+            raise ValueError(f"vllm.{key}: {value!r} is not honoured here ({hint}); remove it")
+    return moves
+
+
+def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's `trl:` section as (their key, section, field, value) moves (AXOLOTL_TRL_KEYS, use_vllm,
+    vllm_lora_sync, log_completions); a vllm_mode other than colocate, or a key posttrain has no counterpart
+    of, is an error naming it. The server keys (AXOLOTL_VLLM_SERVER_KEYS) are left to `_vllm_moves`."""
+    moves = []
+    for key, value in trl.items():
+        if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
+            continue  # refused by _vllm_moves
+        if key == "vllm_mode":
+            if value != "colocate":
+                raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
+                                 "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
+            continue
+        if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
+            continue
+        if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
+            moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
+            continue
+        if key == "vllm_lora_sync":  # axolotl: adapters to vLLM through files (true) or merged weights (false)
+            moves.append(("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged"))
+            continue
+        if key == "use_vllm":
+            moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
+        elif key in AXOLOTL_TRL_KEYS:
+            moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
+        else:
+            raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
+                             f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
+                             "log_completions); set "
+                             "the posttrain key instead or remove it")
+    return moves
+
+
+def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, object]]:
+    """axolotl's top-level training keys (AXOLOTL_TRAINING_KEYS), popped from `data`, as (their key, section,
+    field, value) moves into `trainer`'s section (grpo, dpo or reward_model); one that has no meaning for that
+    trainer, or a value posttrain does not build, is an error naming it."""
+    moves = []
+    for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
+        value = data.pop(key)
+        field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
+                 "num_epochs": "num_train_epochs"}.get(key, key)
+        if key == "optimizer":
+            if value not in AXOLOTL_OPTIMIZERS:
+                raise ValueError(f"optimizer: {value!r} is not one posttrain has; use one of "
+                                 f"{', '.join(AXOLOTL_OPTIMIZERS)}")
+            value = AXOLOTL_OPTIMIZERS[value]
+        if key == "adapter" and value not in ("lora", None):
+            raise ValueError(f"adapter: {value!r} is not built here (lora, or none for full fine-tuning)")
+        if key in AXOLOTL_DPO_KEYS and trainer != "dpo":
+            raise ValueError(f"{key}: a DPO-family loss option (rl: dpo, ipo, kto, orpo, simpo); rl is "
+                             f"{data.get('rl', 'grpo')!r}: remove it")
+        if key == "sequence_len":
+            if trainer == "grpo":
+                raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
+                                 "vLLM engine's rollout.vllm.max_model_len); set those")
+            field = "max_length"
+        if key == "eval_steps" and trainer == "grpo":
+            raise ValueError("eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: set "
+                             "eval.every_rounds (every N rounds) instead")
+        if key in ("num_epochs", "max_steps") and trainer == "grpo":
+            raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
+                             "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
+                             "grpo.rounds")
+        moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
+    return moves
+
+
+def _with_value(target: dict, field: str, value, their_key: str, where: str) -> dict:
+    """A section's raw dict with `field` (dotted for a nested section: vllm.dtype) set to `value` from axolotl's
+    `their_key`; a different value already there is an error naming both keys."""
+    head, _, rest = field.partition(".")
+    if rest:
+        inner = section_dict(target, head)
+        return target if inner is None else {**target, head: _with_value(inner, rest, value, their_key,
+                                                                         f"{where}.{head}")}
+    if head in target and target[head] != value:
+        raise ValueError(f"{their_key} (axolotl's key) and {where}.{head} are the same setting; set one of them")
+    return {**target, head: value}
+
+
+def section_dict(data: dict, section: str) -> dict | None:
+    """The raw config's `section` as a dict (set fields only, if it is already a model) for a validator to add
+    keys to; None when it is neither (its own validation then says what it should be)."""
+    target = data.get(section) or {}
+    if isinstance(target, BaseModel):
+        target = target.model_dump(exclude_unset=True)
+    return target if isinstance(target, dict) else None
