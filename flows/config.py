@@ -345,6 +345,10 @@ class PipelineConfig(BaseModel):
             raise ValueError("ebft.ce_coef with train.strategy: fsdp is not built (its reference forward runs on "
                              "some ranks' micro-batches only, and a sharded model needs the same passes on every "
                              "rank); use train.strategy: ddp, or ebft.ce_coef: 0")
+        if n > 1 and self.train.strategy == "fsdp" and self.grpo.logps_chunk_tokens:
+            raise ValueError("grpo.logps_chunk_tokens with train.strategy: fsdp is not built (FSDP2 shards the "
+                             "lm_head with the root module, whose forward gathers it; the chunks call the head "
+                             "alone); use train.strategy: ddp, or grpo.logps_chunk_tokens: 0")
         if n > 1 and self.train.strategy == "fsdp" and self.grpo.optim in ("adafactor", "adamw_8bit"):
             raise ValueError(f"train.strategy: fsdp shards the optimizer state, which grpo.optim {self.grpo.optim} "
                              "keeps in shapes of its own (factored or 8-bit); use grpo.optim adamw or sgd with fsdp, "

@@ -252,13 +252,16 @@ def test_error_on_a_rank_is_quoted():
     assert "ValueError: grpo.loss_type: a bad value" in message
 
 
-def test_fsdp_with_a_factored_optimizer_is_a_config_error():
+def test_fsdp_with_a_factored_optimizer_or_chunked_logps_is_a_config_error():
     from flows.config import PipelineConfig
 
     with pytest.raises(ValueError, match="train.strategy: fsdp shards the optimizer state"):
         PipelineConfig.model_validate({"train": {"num_processes": 2, "strategy": "fsdp"},
                                        "grpo": {"optim": "adafactor"}})
     PipelineConfig.model_validate({"train": {"num_processes": 2, "strategy": "fsdp"}})  # adamw: fine
+    with pytest.raises(ValueError, match="grpo.logps_chunk_tokens with train.strategy: fsdp is not built"):
+        PipelineConfig.model_validate({"train": {"num_processes": 2, "strategy": "fsdp"},
+                                       "grpo": {"logps_chunk_tokens": 4096}})
 
 
 def test_group_sums_gradients_in_one_process():

@@ -457,8 +457,8 @@ def test_a_round_with_chunked_logps_trains_as_the_whole_logits_do(tiny, monkeypa
 
 
 def test_logits_that_are_more_than_the_head_of_the_hidden_states_are_not_chunked():
-    """A model whose logits are soft-capped (Gemma 2) fails `logits_from_hidden`, so a round keeps its
-    whole-logits forward; a plain Qwen2 passes."""
+    """A model whose logits are soft-capped (Gemma 2) fails `logits_from_hidden` (a round asked to chunk it
+    stops, naming grpo.logps_chunk_tokens); a plain Qwen2 passes."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -466,4 +466,15 @@ def test_logits_that_are_more_than_the_head_of_the_hidden_states_are_not_chunked
     torch.manual_seed(0)
     capped = Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=0.5))
     assert not grpo.logits_from_hidden(capped)
-    assert grpo.logits_from_hidden(Qwen2ForCausalLM(Qwen2Config(**small)))
+    plain = Qwen2ForCausalLM(Qwen2Config(**small))
+    assert grpo.logits_from_hidden(plain)
+
+    trainer = grpo.RoundTrainer.__new__(grpo.RoundTrainer)  # the check alone, on these models
+    trainer.cfg, trainer.sharded = grpo.GRPOConfig(logps_chunk_tokens=256), False
+    trainer.model = plain
+    assert trainer._logps_chunk_tokens() == 256
+    trainer.model = capped
+    with pytest.raises(ValueError, match="grpo.logps_chunk_tokens: Gemma2ForCausalLM's logits are more than"):
+        trainer._logps_chunk_tokens()
+    trainer.cfg = grpo.GRPOConfig()
+    assert trainer._logps_chunk_tokens() == 0  # off: nothing to check

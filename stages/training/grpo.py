@@ -102,7 +102,7 @@ class GRPOConfig(BaseModel):
     transformers' Adafactor with a fixed learning rate (scale_parameter=False, relative_step=False):
     factored second moment, no first moment: far less optimizer memory for full fine-tuning, noisier
     steps. adamw_8bit: bitsandbytes' 8-bit AdamW (moments in 8 bits); needs bitsandbytes and the weights
-    on a CUDA GPU, which this stage (it trains on the CPU) does not give it: the stage stops with an error.
+    on a CUDA GPU (train.device): without them the config is refused, naming this key.
     sgd: plain torch SGD (no momentum), the update is learning_rate * gradient: for checks that compare
     gradients through weights (Adam's first step is the gradient's sign and hides its scale).
     The optimizer state is carried from round to round (optimizer.pt); a round whose previous state was
@@ -214,8 +214,9 @@ class GRPOConfig(BaseModel):
     memory from 27.5 to 23.0 GiB (full fine-tuning) and 22.9 to 18.4 GiB (LoRA), for 5% and 17% more time
     (BENCHMARKS.md, issue 26): a memory knob, for micro-batches that would not fit otherwise. 0 (default): off.
     Only for models whose logits are the output embedding of the decoder's last hidden state (checked when
-    the round loads the model; others, e.g. with logit soft-capping, and FSDP use the plain forward).
-    Changes float rounding only, so it is not in the artifact key."""
+    the round loads the model: another, e.g. with logit soft-capping, stops the round with an error naming
+    this key), and not with train.strategy fsdp (a config error). Changes float rounding only, so it is not
+    in the artifact key."""
     seed: int = 0
 
     @model_validator(mode="after")
@@ -759,16 +760,16 @@ class RoundTrainer:
         self.chunk_tokens = self._logps_chunk_tokens()
 
     def _logps_chunk_tokens(self) -> int:
-        """grpo.logps_chunk_tokens, or 0 under FSDP (the head is sharded with the root module, gathered by its
-        forward) and for a model whose logits are not its lm_head of its decoder's hidden states
-        (`logits_from_hidden`)."""
+        """grpo.logps_chunk_tokens, checked: an error naming it for a model whose logits are not its lm_head
+        of its decoder's hidden states (`logits_from_hidden`) or a sharded one (flows/config.py refuses it with
+        fsdp before a run starts)."""
         wanted = self.cfg.logps_chunk_tokens
-        if not wanted or self.sharded:
-            return 0
-        if not logits_from_hidden(self.model):
-            log.info("optimize: the model's logits are not lm_head(decoder hidden states); log-probs from the "
-                     "whole logits (grpo.logps_chunk_tokens not used)")
-            return 0
+        if wanted and self.sharded:
+            raise ValueError("grpo.logps_chunk_tokens is not built with train.strategy: fsdp; set it to 0")
+        if wanted and not logits_from_hidden(self.model):
+            raise ValueError(f"grpo.logps_chunk_tokens: {type(self.model).__name__}'s logits are more than its "
+                             "lm_head applied to its decoder's hidden states (logit soft-capping or scaling), "
+                             "which the chunks compute; set grpo.logps_chunk_tokens: 0 for this model")
         return wanted
 
     def forward_logps(self, module, batch: dict):
