@@ -111,6 +111,29 @@ def tiny_round(root, num_prompts: int, prompts_per_round: int) -> list[dict]:
     return pq.read_table(root / "rollouts" / "rollouts.parquet").to_pylist()
 
 
+def output_logits_logps(model, tokenizer, prompts: list, sampling) -> tuple:
+    """(new tokens, expected log-probs) of the engine's sampling done again with transformers' `output_logits`:
+    the same seeded generator, and log softmax(raw logits / temperature)[token] of every step, the reference
+    the engine's recorded `sampling_logprobs` must equal bit for bit. expected(row, ids) -> [float]."""
+    import torch
+
+    from stages.rollout.engines import prompt_token_ids
+    from stages.rollout.engines.hf import own_generator
+
+    enc = tokenizer.pad({"input_ids": prompt_token_ids(tokenizer, prompts)}, return_tensors="pt").to(model.device)
+    with torch.no_grad(), own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
+        out = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, do_sample=True,
+                             temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             return_dict_in_generate=True, output_logits=True)
+
+    def expected(row: int, ids: list[int]) -> list[float]:
+        return [torch.log_softmax(out.logits[t][row].float() / sampling.temperature, dim=-1)[token].item()
+                for t, token in enumerate(ids)]
+
+    return out.sequences[:, enc["input_ids"].shape[1]:], expected
+
+
 def write_scored(path, rows: list[dict], advantages: list[float]) -> None:
     """Rollout rows written as a scored parquet whose reward and advantage are `advantages` (one toy reward)."""
     import pyarrow as pa

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from tests.conftest import tiny_say_policy
+from tests.conftest import output_logits_logps, tiny_say_policy
 
 torch = pytest.importorskip("torch")
 
@@ -71,25 +71,15 @@ def test_sampling_logprobs_are_the_raw_logits_log_softmax_of_each_sampled_token(
     log softmax(raw logits / temperature)[token] of every step's raw logits as `output_logits` returns them,
     bit for bit, and the tokens are those sampled without it: transformers runs the caller's processors
     before its temperature and top-p warpers (a transformers that did not would fail here)."""
-    from stages.rollout.engines import prompt_token_ids
-    from stages.rollout.engines.hf import own_generator
     from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(policy / "model", policy / "adapter")
     for sampling in (_sampling(), _sampling(temperature=0.7, top_p=0.9)):
         recorded = _sample(policy, sampling)[:8]  # the first batch of 8
-        enc = tokenizer.pad({"input_ids": prompt_token_ids(tokenizer, _prompts()[:8])}, return_tensors="pt")
-        with torch.no_grad(), own_generator(torch.Generator().manual_seed(sampling.seed)):
-            out = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, do_sample=True,
-                                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                 return_dict_in_generate=True, output_logits=True)
-        new = out.sequences[:, enc["input_ids"].shape[1]:]
+        new, expected = output_logits_logps(model, tokenizer, _prompts()[:8], sampling)
         for row, (ids, logps) in enumerate(recorded):
             assert ids == new[row, : len(ids)].tolist()
-            expected = [torch.log_softmax(out.logits[t][row].float() / sampling.temperature, dim=-1)[token].item()
-                        for t, token in enumerate(ids)]
-            assert logps == expected
+            assert logps == expected(row, ids)
 
 
 def test_token_prompts_sample_as_their_conversations(policy):

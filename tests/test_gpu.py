@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import output_logits_logps, tiny_model
 
 from stages.runtime.devices import DeviceConfig
 
@@ -180,25 +180,19 @@ def test_transformers_engine_generates_on_cuda_in_bf16(tiny, tmp_path, monkeypat
 def test_sampling_logprobs_on_cuda_are_the_raw_logits_log_softmax(tiny):
     """On the GPU's transformers too, the engine's recorded log-probs are log softmax(raw logits / T) of each
     sampled token, bit for bit against `output_logits` (tests/test_determinism.py's check, at T 0.7, top-p 0.9)."""
-    from stages.rollout.engines import Sampling, prompt_token_ids
-    from stages.rollout.engines.hf import generate, own_generator
+    from stages.rollout.engines import Sampling
+    from stages.rollout.engines.hf import generate
     from stages.runtime.policy import load_policy
 
     model, tokenizer = load_policy(tiny / "model", None, devices=CUDA_BF16)
     prompts = [[{"role": "user", "content": f"say {i}"}] for i in range(8)]
     sampling = Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=5)
     rows = generate(model, tokenizer, prompts, sampling, batch_size=8)
-    enc = tokenizer.pad({"input_ids": prompt_token_ids(tokenizer, prompts)}, return_tensors="pt").to(model.device)
-    with torch.no_grad(), own_generator(torch.Generator(device=model.device).manual_seed(sampling.seed)):
-        out = model.generate(**enc, max_new_tokens=8, do_sample=True, temperature=0.7, top_p=0.9, top_k=0,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             return_dict_in_generate=True, output_logits=True)
-    new = out.sequences[:, enc["input_ids"].shape[1]:]
+    new, expected = output_logits_logps(model, tokenizer, prompts, sampling)
     for i, row in enumerate(rows):
         ids = row["completion_token_ids"]
         assert ids == new[i, : len(ids)].tolist()
-        assert row["sampling_logprobs"] == [
-            torch.log_softmax(out.logits[t][i].float() / 0.7, dim=-1)[token].item() for t, token in enumerate(ids)]
+        assert row["sampling_logprobs"] == expected(i, ids)
 
 
 @contextmanager

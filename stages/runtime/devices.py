@@ -140,7 +140,7 @@ def generation_kernels(model):
     15.9 s on lengths not seen before against 4.7 s without cuDNN (BENCHMARKS.md, issue 26). Training keeps
     cuDNN (its shapes repeat; there it was ~15% faster). torch's switch is process-wide, so an optimize round
     running beside a prefetched rollout runs without it meanwhile: other kernels, the same math."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
+    on_gpu = model.device.type == "cuda"
     was = torch.backends.cuda.cudnn_sdp_enabled()
     if on_gpu:
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -254,13 +254,19 @@ def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temp
     """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens under logits / temperature.
     The model computes logits only for the positions that predict them (transformers' `logits_to_keep`);
     with `chunk_tokens`, from its decoder's hidden states a chunk of rows at a time (`chunked_token_logps`)."""
-    tokens = input_ids[:, -logits_to_keep:]
+    return _forward_logps(model, {"input_ids": input_ids, "attention_mask": attention_mask},
+                          input_ids[:, -logits_to_keep:], temperature, chunk_tokens)
+
+
+def _forward_logps(model, inputs: dict, tokens: torch.Tensor, temperature: float, chunk_tokens: int):
+    """(log-probs, entropies) of `tokens`, the last of `inputs`' positions: from the logits of the positions
+    that predict them, or, with `chunk_tokens`, from the decoder's hidden states a chunk of rows at a time."""
+    keep = tokens.size(1)
     if chunk_tokens:
         decoder, head = decoder_and_head(model)
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return chunked_token_logps(head, hidden[:, -(logits_to_keep + 1):], tokens, temperature, chunk_tokens)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
-    return _token_logps(logits, tokens, temperature)
+        hidden = decoder(**inputs).last_hidden_state[:, -(keep + 1):]
+        return chunked_token_logps(head, hidden, tokens, temperature, chunk_tokens)
+    return _token_logps(model(**inputs, logits_to_keep=keep + 1).logits, tokens, temperature)
 
 
 def decoder_and_head(model):
@@ -574,12 +580,7 @@ def batch_logps(model, batch: dict, temperature: float, chunk_tokens: int = 0):
     positions = torch.arange(prompt_length - 1, prompt_length + keep, device=prompt_ids.device).expand(len(index), -1)
     tail_inputs = {"input_ids": tail, "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
                    "past_key_values": cache, "position_ids": positions, "use_cache": True}
-    if chunk_tokens:
-        decoder, head = decoder_and_head(model)
-        hidden = decoder(**tail_inputs).last_hidden_state
-        return chunked_token_logps(head, hidden, completion_ids, temperature, chunk_tokens)
-    logits = model(**tail_inputs, logits_to_keep=keep + 1).logits
-    return _token_logps(logits, completion_ids, temperature)
+    return _forward_logps(model, tail_inputs, completion_ids, temperature, chunk_tokens)
 
 
 def _copy_rows(cache, index: torch.Tensor) -> None:
