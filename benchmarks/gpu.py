@@ -4,6 +4,7 @@
                                         [--model PATH] [--skip-trl] [--skip-vllm] [--tiny] [--budget-s 420]
                                         [--micro-batch-size N] [--also-micro-batch N] [--logps-chunk-tokens N]
                                         [--attention-backends] [--compile] [--profile] [--only a,b]
+                                        [--plain-forward] [--vs-trl-micro-batch N]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -66,7 +67,12 @@ the next section runs):
 Optional optimize sections: `--logps-chunk-tokens N` also times full fine-tuning and LoRA with
 grpo.logps_chunk_tokens N; `--also-micro-batch N` full fine-tuning at micro-batch N (with N's chunks if
 given); `--profile` a short round under torch.profiler; `--compile` (last, slow) full fine-tuning with
-train.compile.
+train.compile; `--plain-forward` LoRA with grpo.shared_prompt_pass false, and the round against TRL run
+a second time with it (`ratio_plain_forward`): one plain forward per micro-batch dispatches about half the
+operators of the shared prompt pass's two (benchmarks/dispatch_ops.py), which is what a small model's
+micro-batch costs on a GPU. `--vs-trl-micro-batch N`: both sides of the round against TRL at micro-batch N.
+The warm-up round of every optimize section has at least one micro-batch of rows, so the timed round's
+batch shapes are ones it has run (train.compile compiles for them there, as in the first rounds of a run).
 """
 
 from __future__ import annotations
@@ -443,7 +449,8 @@ def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes
     cfg = grpo.GRPOConfig(adapter=adapter, beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
                           gradient_accumulation_steps=max(1, rows // micro),
                           learning_rate=1e-6 if adapter == "none" else 2e-4,
-                          logps_chunk_tokens=sizes.get("logps_chunk_tokens", 0))
+                          logps_chunk_tokens=sizes.get("logps_chunk_tokens", 0),
+                          shared_prompt_pass=sizes.get("shared_prompt_pass", True))
     out.mkdir(parents=True)
     with ForwardMeter() as meter:
         started = time.perf_counter()
@@ -464,7 +471,8 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
     Lp, Lc = sizes["opt_prompt_tokens"], sizes["opt_completion_tokens"]
     folder = work / f"optimize-{adapter}"
     folder.mkdir()
-    warm_rows = min(P, sizes["warmup_prompts"]) * G
+    # at least one micro-batch: the timed round's batch shapes are the warm-up's (train.compile specializes on them)
+    warm_rows = min(P, max(sizes["warmup_prompts"], -(-sizes["micro_batch"] // G))) * G
     synthetic_scored(folder / "warmup.parquet", warm_rows // G, G, Lp, Lc, token_limit, counts["vocab_size"], seed=1)
     synthetic_scored(folder / "scored.parquet", P, G, Lp, Lc, token_limit, counts["vocab_size"], seed=2)
     say(f"optimize {adapter}: warm-up round ({warm_rows} rows)")
@@ -487,6 +495,7 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
     trained_multiplier = 6 if adapter == "none" else 4
     computed = meter.flops(counts, trained_multiplier)
     out = {"adapter": adapter, "compile": devices.compile, "logps_chunk_tokens": sizes.get("logps_chunk_tokens", 0),
+           "shared_prompt_pass": sizes.get("shared_prompt_pass", True),
            "rows": P * G, "prompt_tokens": Lp, "completion_tokens": Lc,
            "micro_batch_size": min(sizes["micro_batch"], P * G), "optimizer_steps": metrics.get("optimizer_steps"),
            "trained_rows": metrics.get("trained_rows"), "pi_old_from_step": metrics.get("pi_old_from_step"),
@@ -725,7 +734,8 @@ def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, s
     score_s = time.perf_counter() - started
     micro = sizes["trl_micro_batch"]
     cfg = grpo.GRPOConfig(adapter="lora", beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
-                          gradient_accumulation_steps=len(rows) // micro, learning_rate=2e-4, optim="adamw")
+                          gradient_accumulation_steps=len(rows) // micro, learning_rate=2e-4, optim="adamw",
+                          shared_prompt_pass=sizes.get("shared_prompt_pass", True))
     started = time.perf_counter()
     with ForwardMeter() as meter:
         metrics = with_devices(grpo.run, cfg, model_dir, None, folder / "scored.parquet", 0, 1.0, L,
@@ -813,7 +823,7 @@ def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path,
     return out
 
 
-def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool) -> dict:
+def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, plain_forward: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -826,6 +836,11 @@ def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool) -> 
     say("vs TRL: posttrain timed round")
     ours = posttrain_round(model_dir, prompt_sets[1], sizes, work / "posttrain-timed", 11, devices, on_cuda)
     ours.update(peak_memory(on_cuda))
+    plain = None
+    if plain_forward:  # the same round with one plain forward per micro-batch (grpo.shared_prompt_pass: false)
+        say("vs TRL: posttrain timed round, plain forward")
+        plain = posttrain_round(model_dir, prompt_sets[1], {**sizes, "shared_prompt_pass": False}, work / "posttrain-plain",
+                                11, devices, on_cuda)
     say("vs TRL: TRL GRPOTrainer, 2 steps (the first warms up)")
     reset_peak(on_cuda)
     theirs = trl_round(model_dir, prompt_sets, sizes, work, devices)
@@ -833,8 +848,12 @@ def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool) -> 
     out = {"prompts": P, "generations": sizes["trl_generations"], "max_new_tokens": sizes["trl_new_tokens"],
            "micro_batch_size": sizes["trl_micro_batch"], "rollout_batch": sizes["rollout_batch"],
            "reward": "even_token_share", "adapter": "lora", "posttrain": ours, "trl": theirs}
+    if plain is not None:
+        out["posttrain_plain_forward"] = plain
     if len(theirs["step_s"]) >= 2:
         out["ratio"] = round(ours["round_s"] / theirs["step_s"][-1], 3)
+        if plain is not None:
+            out["ratio_plain_forward"] = round(plain["round_s"] / theirs["step_s"][-1], 3)
     return out
 
 
@@ -869,7 +888,8 @@ def table(results: dict) -> str:
             mfu = (f"MFU {100 * r['mfu']:.1f}% (computed {100 * r['mfu_computed']:.1f}%)" if "mfu" in r else "")
             memory = f"peak {r['peak_gpu_mem_gib']} GiB" if r.get("peak_gpu_mem_gib") is not None else ""
             fused = (" compiled" if r.get("compile") else "") + (
-                f" chunks of {r['logps_chunk_tokens']}" if r.get("logps_chunk_tokens") else "")
+                f" chunks of {r['logps_chunk_tokens']}" if r.get("logps_chunk_tokens") else "") + (
+                " plain forward" if r.get("shared_prompt_pass") is False else "")
             lines.append(f"optimize {r['adapter']:>4} mb{r['micro_batch_size']:<3}{fused}: {r['tokens_per_s']:>10.0f} "
                          f"tok/s  {mfu}  "
                          f"{memory}  "
@@ -894,6 +914,10 @@ def table(results: dict) -> str:
                      f"posttrain {ours['round_s']:.1f} s (rollout {ours['rollout_s']:.1f}, optimize "
                      f"{ours['optimize_s']:.1f}), TRL step {theirs['step_s'][-1]:.1f} s, "
                      f"ratio {trl.get('ratio')}")
+        plain = trl.get("posttrain_plain_forward")
+        if plain:
+            lines.append(f"  plain forward (grpo.shared_prompt_pass false): posttrain {plain['round_s']:.1f} s "
+                         f"(optimize {plain['optimize_s']:.1f}), ratio {trl.get('ratio_plain_forward')}")
     elif trl:
         lines.append(f"vs TRL: {trl.get('error') or trl.get('skipped')}")
     return "\n".join(lines)
@@ -914,6 +938,10 @@ def main() -> None:
     parser.add_argument("--logps-chunk-tokens", type=int, default=0,
                         help="also time full fine-tuning and LoRA with grpo.logps_chunk_tokens N (the lm_head's "
                              "log-probs a few rows at a time), and full fine-tuning at --also-micro-batch with it")
+    parser.add_argument("--plain-forward", action="store_true",
+                        help="also time LoRA and the round against TRL with grpo.shared_prompt_pass false")
+    parser.add_argument("--vs-trl-micro-batch", type=int, default=None,
+                        help="the micro-batch of both sides of the round against TRL (default 16)")
     parser.add_argument("--attention-backends", action="store_true",
                         help="also time generate on new shapes with cuDNN attention off and on")
     parser.add_argument("--compile", action="store_true",
@@ -936,6 +964,8 @@ def main() -> None:
     sizes = dict(SIZES["tiny" if args.tiny else "full"])
     if args.micro_batch_size:
         sizes["micro_batch"] = args.micro_batch_size
+    if args.vs_trl_micro_batch:
+        sizes["trl_micro_batch"] = args.vs_trl_micro_batch
     devices = DeviceConfig(device=args.device, precision=args.precision)
     placement.check_machine(devices)
     target = placement.device(devices)
@@ -993,6 +1023,9 @@ def main() -> None:
         if args.logps_chunk_tokens:
             section("optimize_lora_chunked", optimize, "lora", folder, work, chunked, counts, peak, devices,
                     on_cuda)
+        if args.plain_forward:
+            section("optimize_lora_plain", optimize, "lora", folder, work, {**sizes, "shared_prompt_pass": False},
+                    counts, peak, devices, on_cuda)
         if args.profile:
             section("profile", profile_optimize, folder, work, sizes, counts, devices, on_cuda)
         section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)
@@ -1001,7 +1034,7 @@ def main() -> None:
         if args.skip_trl:
             results["vs_trl"] = {"skipped": "--skip-trl"}
         else:
-            section("vs_trl", vs_trl, folder, sizes, work, devices, on_cuda)
+            section("vs_trl", vs_trl, folder, sizes, work, devices, on_cuda, args.plain_forward)
         if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles); last, it is slow
             fused = devices.model_copy(update={"compile": True})
             compiled_sizes = {**chunked, "micro_batch": args.also_micro_batch or sizes["micro_batch"]}

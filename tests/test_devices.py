@@ -184,6 +184,40 @@ def test_optimize_lora_in_bf16_trains_an_fp32_adapter_on_a_bf16_base(tiny):
     assert _saved_dtypes(out) == {"torch.float32"}
 
 
+def test_lora_under_autocast_skips_peft_input_casts_with_the_same_numbers(tiny):
+    """bf16: peft's cast of an adapted linear's input to the fp32 adapter (and autocast's straight back) is off
+    (devices.adapter_inputs_uncast); the micro-batch's log-probs and adapter gradients are the same bit for bit
+    as with the casts, for fewer copies. fp32 leaves peft as it is."""
+    root, scored = tiny
+    cfg = grpo.GRPOConfig(adapter="lora", micro_batch_size=8)
+    model, _ = grpo._load_trainable(cfg, root / "model", None, BF16)
+    adapted = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert adapted and not any(m.cast_input_dtype_enabled for m in adapted)
+    fp32_model, _ = grpo._load_trainable(cfg, root / "model", None, FP32)
+    assert all(m.cast_input_dtype_enabled for m in fp32_model.modules() if hasattr(m, "cast_input_dtype_enabled"))
+
+    rows = pq.read_table(scored).to_pylist()[:8]
+    batch = grpo.collate(rows, 0)
+    results = []
+    for cast in (True, False):
+        for module in adapted:
+            module.cast_input_dtype_enabled = cast
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with devices.autocast(BF16):
+                logps, _ = grpo.batch_logps(model, batch, 1.0)
+            (logps * batch["completion_mask"]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        copies = sum(e.name == "aten::copy_" for e in prof.events())
+        results.append((logps.detach(), grads, copies))
+    (logps_cast, grads_cast, copies_cast), (logps_uncast, grads_uncast, copies_uncast) = results
+    assert torch.equal(logps_cast, logps_uncast)
+    assert grads_cast.keys() == grads_uncast.keys() and all(torch.equal(grads_cast[n], grads_uncast[n])
+                                                            for n in grads_cast)
+    # at least the two forward copies of each adapted linear in each of the shared prompt pass's two passes
+    assert copies_cast - copies_uncast >= 2 * 2 * len(adapted), (copies_cast, copies_uncast, len(adapted))
+
+
 def test_gradient_checkpointing_gives_the_same_round(tiny):
     root, scored = tiny
     plain, out = _optimize(root, scored, "no_ckpt", DeviceConfig(device="cpu", precision="fp32"), adapter="none",
@@ -224,6 +258,14 @@ def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
     assert features.dtype == torch.float32 and features.shape[0] == 2
 
 
+def test_compiled_round_runs_the_plain_forward(tiny, monkeypatch):
+    root, scored = tiny
+    monkeypatch.setattr(grpo, "batch_logps", lambda *a, **k: pytest.fail("the shared prompt pass ran"))
+    summary, _ = _optimize(root, scored, "compiled_default", DeviceConfig(device="cpu", compile=True),
+                           adapter="none")
+    assert summary["optimizer_steps"] > 0
+
+
 def test_vllm_sleep_mode_without_a_gpu_is_refused(tiny_config):
     with pytest.raises(ConfigError, match="rollout.vllm.sleep_mode .*CUDA only"):
         load_config(tiny_config, ["rollout.engine=vllm", "rollout.vllm.sleep_mode=true"])
@@ -239,6 +281,19 @@ def test_compiled_blocks_train_the_same_round(tiny):
                                     DeviceConfig(device="cpu", compile=True))
     blocks = model.get_decoder().layers
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
+
+
+def test_compiled_blocks_share_one_graph_in_the_plain_forward(tiny):
+    """The plain forward runs without a KV cache, so the compiled blocks are not specialized on their layer
+    index: one graph serves every block (with a cache: one per block)."""
+    from torch._dynamo.utils import counters
+
+    root, scored = tiny
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    _optimize(root, scored, "compiled_plain", DeviceConfig(device="cpu", compile=True), adapter="none",
+              shared_prompt_pass=False)
+    assert counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_each_reward_worker_is_its_own_local_rank():

@@ -6,7 +6,7 @@ reference model, and LoRA), the transformers rollout engine (with a merged LoRA 
 their optimizer state are float32 with the forward passes under bf16 autocast, frozen weights (a reference, a
 LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
-On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl` runs end to end and writes
+On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward` runs end to end and writes
 every section's numbers.
 """
 
@@ -234,7 +234,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     """benchmarks/gpu.py end to end with a tiny model on the CPU (TRL left out: it only adds time here)."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
-                           "--skip-trl", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "--skip-trl", "--plain-forward", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -248,7 +248,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert results["peak"]["tflops"] > 0
     assert results["model"]["n_params"] == results["model"]["n_body"] + results["model"]["n_head"]  # tied
 
-    for key, adapter in (("optimize_full", "none"), ("optimize_lora", "lora")):
+    for key, adapter in (("optimize_full", "none"), ("optimize_lora", "lora"), ("optimize_lora_plain", "lora")):
         r = results[key]
         assert r["adapter"] == adapter and r["optimizer_steps"] == 1 and r["trained_rows"] == r["rows"]
         for number in ("tokens_per_s", "window_s", "round_wall_s", "mfu", "mfu_computed", "model_tflops_6nt",
@@ -260,6 +260,11 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
         assert r["placement"]["autocast"] and r["placement"]["autocast_dtype"] == "torch.bfloat16"
         assert r["placement"]["frozen_dtypes"] == (["torch.bfloat16"] if adapter == "lora" else [])
         assert all(dtypes == ["torch.float32"] for dtypes in r["saved_dtypes"].values()), r["saved_dtypes"]
+
+    shared, plain = results["optimize_lora"], results["optimize_lora_plain"]
+    assert shared["shared_prompt_pass"] and plain["shared_prompt_pass"] is False
+    assert plain["body_tokens_computed"] == plain["tokens"] > shared["body_tokens_computed"]  # every row's prompt
+    assert "plain forward" in proc.stdout
 
     generation = results["generation"]["transformers"]
     assert generation["generated_tokens"] > 0

@@ -17,6 +17,7 @@ from conftest import tiny_round, write_scored
 from pydantic import ValidationError
 
 from stages.data.schemas import REPLAYED, write_table
+from stages.runtime import devices
 from stages.training import grpo
 
 ROWS = 32  # 8 prompts x 4 generations
@@ -471,6 +472,7 @@ def test_logits_that_are_more_than_the_head_of_the_hidden_states_are_not_chunked
 
     trainer = grpo.RoundTrainer.__new__(grpo.RoundTrainer)  # the check alone, on these models
     trainer.cfg, trainer.sharded = grpo.GRPOConfig(logps_chunk_tokens=256), False
+    trainer.placement, trainer.devices = devices, None  # checked under the round's autocast (none: fp32 on CPU)
     trainer.model = plain
     assert trainer._logps_chunk_tokens() == 256
     trainer.model = capped

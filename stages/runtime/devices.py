@@ -8,6 +8,7 @@
   runs (reference model, reward scorer, EBFT's feature model, rollout and eval policies, the base under a
   LoRA adapter);
 - `autocast(devices)` around its training forward passes, `grad_scaler(devices)` for its loss (fp16);
+- `adapter_inputs_uncast(model, devices)` on a PEFT model it trains under autocast;
 - `trainer_arguments(devices)` for the HF/TRL Trainer stages (sft, the dpo family, reward models).
 
 Precision, as HF Trainer (and so TRL and axolotl's LoRA runs) does it with `bf16: true`:
@@ -60,8 +61,9 @@ class DeviceConfig(BaseModel):
     compile: bool = False
     """torch.compile each transformer block of the models being trained (optimize, sft, the dpo family, reward
     models), as torchtune does: elementwise ops fused into fewer kernels, so a GPU waits less on the host's
-    kernel launches (BENCHMARKS.md, issue 26). The first step of a process compiles (tens of seconds);
-    later rounds in the same process reuse it. Same math up to rounding, so in no key (axolotl's
+    kernel launches (BENCHMARKS.md, issue 26). The first rounds of a process compile (tens of seconds on a
+    GPU): for the shapes they meet, then, once a shape changes, for dynamic shapes; later rounds in the same
+    process reuse them. Same math up to rounding, so in no key (axolotl's
     `torch_compile`)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] | None = None
     """transformers' attention kernel for every model loaded; unset: transformers' default (sdpa where the
@@ -169,11 +171,14 @@ def compiled(model, devices: DeviceConfig | None = None):
     if blocks is None:
         model.compile()
         return model
-    # Each block is specialized on its own layer index (its KV-cache slot), so dynamo compiles once per block
-    # (twice with the shared prompt pass's cache); its default limit of 8 would leave the other blocks eager.
+    # Without a KV cache (the optimize stage's forward) one graph serves every block, in a few variants (with
+    # and without gradients, static shapes then dynamic ones: 9 over five rounds, benchmarks/compile_graphs.py).
+    # With one (transformers' default outside gradient checkpointing, where a caller passes no use_cache) each
+    # block is specialized on its layer index, its cache slot: a few graphs per block. Dynamo's default limit
+    # of 8 graphs in all would leave blocks eager; 8 per block covers both.
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 4 * len(blocks)))
+    setattr(config, name, max(getattr(config, name), 8 * len(blocks)))
     for block in blocks:
         block.compile()
     return model
@@ -193,6 +198,23 @@ def load_frozen(auto_class, path: Path | str, devices: DeviceConfig | None = Non
     model = _load(auto_class, path, devices, compute_dtype(devices), **kwargs)
     model.requires_grad_(False)
     return model.eval()
+
+
+def adapter_inputs_uncast(model, devices: DeviceConfig | None = None):
+    """`model` (a PEFT model) with peft's cast of each adapted linear's input to the adapter's dtype turned off
+    when forwards run under autocast (bf16/fp16). There the input is in the compute dtype (the frozen base's),
+    peft casts it to the adapter's fp32 and autocast casts it straight back: an exact round trip costing four
+    copies of the activations per adapted linear and micro-batch (two forward, two backward; one in nine of a
+    LoRA micro-batch's GPU kernels, benchmarks/dispatch_ops.py). The model must then run under `autocast`
+    (an fp32 adapter on a bf16 input outside it is a dtype error, not a silent change). fp32: unchanged."""
+    if precision(devices) == "fp32":
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+    return model
 
 
 def autocast(devices: DeviceConfig | None = None):

@@ -203,7 +203,10 @@ class GRPOConfig(BaseModel):
     copied to each row with gradients flowing back into the one pass (`batch_logps`): the same log-probs and
     gradients as a plain forward up to float rounding, for a fraction of the prompt compute (2.3x faster on
     the quickstart's 64-row micro-batches). False: one plain forward over prompt and completion per
-    micro-batch, as TRL. FSDP (`train.strategy: fsdp`) always runs the plain forward (module docstring)."""
+    micro-batch, as TRL: half the operators to dispatch (benchmarks/dispatch_ops.py), which is what a small
+    model's micro-batch costs on a GPU. FSDP (`train.strategy: fsdp`), `train.gradient_checkpointing` (no KV
+    cache) and `train.compile` (a graph per block and pass with the cache, one for all blocks without:
+    benchmarks/compile_graphs.py) run the plain forward whatever this says."""
     logps_chunk_tokens: int = not_in_key(0, ge=0)
     """Compute the log-probs from the lm_head a few rows at a time, about this many tokens per chunk
     (`chunked_token_logps`): the (rows, positions, vocabulary) logits and their fp32 log-softmax exist for one
@@ -253,8 +256,10 @@ def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temp
                      chunk_tokens: int = 0):
     """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens under logits / temperature.
     The model computes logits only for the positions that predict them (transformers' `logits_to_keep`);
-    with `chunk_tokens`, from its decoder's hidden states a chunk of rows at a time (`chunked_token_logps`)."""
-    return _forward_logps(model, {"input_ids": input_ids, "attention_mask": attention_mask},
+    with `chunk_tokens`, from its decoder's hidden states a chunk of rows at a time (`chunked_token_logps`).
+    No KV cache: one pass has no use for one, and a cache makes `train.compile` specialize every block on its
+    own layer index (a compilation per block instead of one shared by all)."""
+    return _forward_logps(model, {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
                           input_ids[:, -logits_to_keep:], temperature, chunk_tokens)
 
 
@@ -480,16 +485,12 @@ def scheduled_lr(step: int, learning_rate: float, scheduler_type: str, warmup_st
 
 
 def pad(rows: list[list], value, side: str, dtype) -> torch.Tensor:
-    """Stack ragged lists into a (B, max_len) tensor padded on `side`."""
+    """Stack ragged lists into a (B, max_len) tensor padded on `side`: padded as lists, made a tensor in one
+    call (a copy per row would be a host operator per row on every micro-batch)."""
     width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if r:
-            if side == "left":
-                out[i, width - len(r) :] = torch.tensor(r, dtype=dtype)
-            else:
-                out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    if side == "left":
+        return torch.tensor([[value] * (width - len(r)) + list(r) for r in rows], dtype=dtype)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict:
@@ -533,10 +534,12 @@ def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None, devi
     base = placement.load_frozen(AutoModelForCausalLM, base_dir, devices)
     base = placement.compiled(placement.checkpointed(base, devices), devices)
     if prev_dir is not None:
-        return PeftModel.from_pretrained(base, prev_dir, is_trainable=True), None
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(base, lora), None
+        model = PeftModel.from_pretrained(base, prev_dir, is_trainable=True)
+    else:
+        model = get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                lora_dropout=cfg.lora_dropout,
+                                                target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
+    return placement.adapter_inputs_uncast(model, devices), None
 
 
 def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -755,9 +758,10 @@ class RoundTrainer:
         self.optimizer = make_optimizer(cfg, self.params)
         self.optimizer_state = _load_optimizer_state(cfg, self.optimizer, prev_adapter_dir, self.sharded)
         self.scaler = placement.grad_scaler(devices)  # fp16 only
-        # the shared prompt pass needs the KV cache, which gradient checkpointing turns off
+        # the shared prompt pass needs the KV cache, which gradient checkpointing turns off; compiled blocks
+        # would be compiled per block and per pass with it, and share one graph without (devices.compiled)
         self.plain_forward = (self.sharded or not cfg.shared_prompt_pass
-                              or (devices is not None and devices.gradient_checkpointing))
+                              or (devices is not None and (devices.gradient_checkpointing or devices.compile)))
         self.chunk_tokens = self._logps_chunk_tokens()
 
     def _logps_chunk_tokens(self) -> int:
@@ -767,7 +771,9 @@ class RoundTrainer:
         wanted = self.cfg.logps_chunk_tokens
         if wanted and self.sharded:
             raise ValueError("grpo.logps_chunk_tokens is not built with train.strategy: fsdp; set it to 0")
-        if wanted and not logits_from_hidden(self.model):
+        with self.placement.autocast(self.devices):  # as every forward of the trained model runs
+            plain_head = bool(wanted) and logits_from_hidden(self.model)
+        if wanted and not plain_head:
             raise ValueError(f"grpo.logps_chunk_tokens: {type(self.model).__name__}'s logits are more than its "
                              "lm_head applied to its decoder's hidden states (logit soft-capping or scaling), "
                              "which the chunks compute; set grpo.logps_chunk_tokens: 0 for this model")
@@ -775,7 +781,7 @@ class RoundTrainer:
 
     def forward_logps(self, module, batch: dict):
         """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
-        docstring), with gradient checkpointing, or when grpo.shared_prompt_pass is off; the head's log-probs
+        docstring), with gradient checkpointing or compile, or when grpo.shared_prompt_pass is off; the head's log-probs
         a chunk of rows at a time where `chunk_tokens` says so."""
         with self.placement.autocast(self.devices):
             if self.plain_forward:
