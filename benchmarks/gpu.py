@@ -4,7 +4,7 @@
                                         [--model PATH] [--skip-trl] [--skip-vllm] [--tiny] [--budget-s 420]
                                         [--micro-batch-size N] [--also-micro-batch N] [--logps-chunk-tokens N]
                                         [--attention-backends] [--compile] [--profile] [--only a,b]
-                                        [--plain-forward] [--vs-trl-micro-batch N]
+                                        [--plain-forward] [--vs-trl-micro-batch N] [--skip a,b]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -948,6 +948,8 @@ def main() -> None:
                         help="also time full fine-tuning with train.compile (each block torch.compiled), at --also-micro-batch if given; runs last")
     parser.add_argument("--only", default=None,
                         help="comma-separated section name prefixes to run (e.g. optimize_compiled,peak)")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated section names not to run (exact names, e.g. optimize_full_chunked)")
     parser.add_argument("--profile", action="store_true",
                         help="a short full-fine-tuning round under torch.profiler: where the time goes")
     parser.add_argument("--budget-s", type=float, default=420.0,
@@ -980,6 +982,8 @@ def main() -> None:
 
     def section(name: str, fn, *a):
         if args.only and not any(name.startswith(prefix) for prefix in args.only.split(",")):
+            return None
+        if name in args.skip.split(","):
             return None
         if time.perf_counter() - STARTED > args.budget_s:
             results[name] = {"skipped": f"past --budget-s {args.budget_s:.0f} s"}
