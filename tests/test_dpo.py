@@ -142,16 +142,21 @@ def test_dpo_raises_held_out_preference_accuracy(tiny, tmp_path):
     assert merged_accuracy == pytest.approx(summary["eval_accuracy_after"], abs=2 / 64)
 
 
-def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny, tmp_path, precision):
     """axolotl's eval_steps: preference accuracy every 3 steps (not at the last), logged at its step; the adapter
-    is the same as without it. With no held-out pairs it is an error naming it."""
+    is the same as without it, in bf16 too (the eval runs between steps, outside the trainer's autocast).
+    With no held-out pairs it is an error naming it."""
     from safetensors.torch import load_file
 
     seen: list[tuple[dict, int]] = []
+    devices = DeviceConfig(device="cpu", precision=precision)
     cfg = dict(rl="dpo", learning_rate=5e-3, max_steps=6, **FAST)
     every = dpo.run(dpo.PreferenceOptimizationConfig(eval_steps=3, **cfg), tiny / "model", tiny / "prefs",
-                    tmp_path / "every", on_metrics=lambda m, s: seen.append((m, s)))
-    plain = dpo.run(dpo.PreferenceOptimizationConfig(**cfg), tiny / "model", tiny / "prefs", tmp_path / "plain")
+                    tmp_path / "every", on_metrics=lambda m, s: seen.append((m, s)), devices=devices)
+    plain = dpo.run(dpo.PreferenceOptimizationConfig(**cfg), tiny / "model", tiny / "prefs", tmp_path / "plain",
+                    devices=devices)
+    assert every["precision"] == precision
     assert [step for step, _ in every["eval_history"]] == [3] and "eval_history" not in plain
     assert [(s, m["preference/eval_accuracy"]) for m, s in seen if "preference/eval_accuracy" in m] == \
         [tuple(h) for h in every["eval_history"]]

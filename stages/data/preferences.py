@@ -233,6 +233,11 @@ def _text(row: dict, field: str) -> str:
     return value
 
 
+def _string_prompt(row: dict, field: str) -> list[dict]:
+    """The row's optional `system` string, then its `field` string as the user's turn."""
+    return _optional_system(row) + [{"role": "user", "content": _text(row, field)}]
+
+
 def _optional_system(row: dict, field: str = "system") -> list[dict]:
     value = row.get(field)
     if value is None or (isinstance(value, str) and not value.strip()):
@@ -281,7 +286,7 @@ def _strings_pair(prompt_field: str, chosen_field: str, rejected_field: str):
 
     def builder(cfg: PreferenceConfig):
         def transform_fn(row: dict) -> dict:
-            return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt_field)}],
+            return {"prompt": _string_prompt(row, prompt_field),
                     "chosen": _text(row, chosen_field), "rejected": _text(row, rejected_field)}
 
         return transform_fn, {"fields": {"prompt": prompt_field, "chosen": chosen_field, "rejected": rejected_field}}
@@ -418,7 +423,7 @@ def _ultra(cfg: PreferenceConfig):
     chat_template.argilla)."""
 
     def transform_fn(row: dict) -> dict:
-        return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, "prompt")}],
+        return {"prompt": _string_prompt(row, "prompt"),
                 "chosen": _last_answer(row, cfg.field_chosen, cfg),
                 "rejected": _last_answer(row, cfg.field_rejected, cfg)}
 
@@ -456,7 +461,7 @@ def _chatml_default(cfg: PreferenceConfig):
     def transform_fn(row: dict) -> dict:
         prompt = first(row, ("prompt", "input", "question", "instruction"))
         chosen, rejected = first(row, ("chosen", "chosen_response")), first(row, ("rejected", "rejected_response"))
-        return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt)}],
+        return {"prompt": _string_prompt(row, prompt),
                 "chosen": _text(row, chosen), "rejected": _text(row, rejected)}
 
     return transform_fn, {"fields": {}}
@@ -505,7 +510,7 @@ def _kto_strings(prompt_field: str):
 
     def builder(cfg: PreferenceConfig):
         def transform_fn(row: dict) -> dict:
-            return {"prompt": _optional_system(row) + [{"role": "user", "content": _text(row, prompt_field)}],
+            return {"prompt": _string_prompt(row, prompt_field),
                     "completion": _text(row, "completion"), "label": _present(row, "label")}
 
         return transform_fn, {"fields": {"prompt": prompt_field, "completion": "completion", "label": "label"}}
