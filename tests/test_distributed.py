@@ -349,11 +349,12 @@ def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
 
 
 PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_steps": 4, "save_steps": None,
-                      "max_length": 64}
+                      "max_length": 64, "eval_steps": 10}
 
 
 def preference_stage(module: str, root: str, out: str, rl: str = "dpo", on_metrics=None, group=None) -> dict:
-    """stages.training.<module>.run (dpo with loss `rl`, or reward_model) on 96 demo pairs: 24 steps of 4 pairs."""
+    """stages.training.<module>.run (dpo with loss `rl`, or reward_model) on 96 demo pairs: 24 steps of 4 pairs,
+    held-out accuracy every 10 steps."""
     import importlib
 
     stage = importlib.import_module(f"stages.training.{module}")
@@ -379,6 +380,9 @@ def test_preference_stages_two_processes_equal_one(tmp_path, module, rl):
                              distributed.TrainConfig(num_processes=2), module)
     assert two["steps"] == one["steps"] == (48 if rl == "kto" else 24)  # kto: each pair is two rows
     assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert [step for step, _ in two["eval_history"]] == [step for step, _ in one["eval_history"]] == \
+        ([10, 20, 30, 40] if rl == "kto" else [10, 20])  # eval_steps on two ranks: at the same steps
+    assert [value for _, value in two["eval_history"]] == pytest.approx([value for _, value in one["eval_history"]])
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
