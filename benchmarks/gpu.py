@@ -5,6 +5,7 @@
                                         [--micro-batch-size N] [--also-micro-batch N] [--logps-chunk-tokens N]
                                         [--attention-backends] [--compile] [--profile] [--only a,b]
                                         [--plain-forward] [--vs-trl-micro-batch N] [--skip a,b]
+                                        [--prefetch-rounds N]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -71,6 +72,9 @@ train.compile; `--plain-forward` LoRA with grpo.shared_prompt_pass false, and th
 a second time with it (`ratio_plain_forward`): one plain forward per micro-batch dispatches about half the
 operators of the shared prompt pass's two (benchmarks/dispatch_ops.py), which is what a small model's
 micro-batch costs on a GPU. `--vs-trl-micro-batch N`: both sides of the round against TRL at micro-batch N.
+`--prefetch-rounds N` (section `prefetch`, after vs_trl): N rounds of the same work as the pipeline runs them
+with rollout.async_prefetch, round k+1's rollout in a thread beside round k's optimize (`prefetch_rounds`);
+their mean round time after the first, and its ratio to TRL's step (with --plain-forward, that forward).
 The warm-up round of every optimize section has at least one micro-batch of rows, so the timed round's
 batch shapes are ones it has run (train.compile compiles for them there, as in the first rounds of a run).
 """
@@ -703,54 +707,129 @@ def group_advantages(rewards: list[float], generations: int) -> list[float]:
     return out
 
 
-def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, seed: int, devices,
-                    on_cuda: bool) -> dict:
-    """Rollout (transformers engine) + score (plain Python, written as scored Parquet) + grpo.run (LoRA)."""
+def rollout_scored(engine, policy, prompts: list, sizes: dict, folder: Path, seed: int, round_index: int = 0) -> dict:
+    """Rollout (the transformers engine) + score (plain Python: group-normalized advantages, as TRL's
+    scale_rewards=group), written as `folder`/scored.parquet: {rollout_s, score_s, rewards, lengths}."""
     import pyarrow as pa
 
     from stages.data.schemas import SCORED, write_table
-    from stages.rollout.engines import Policy, Sampling
-    from stages.training import grpo
+    from stages.rollout.engines import Sampling
 
     G, L = sizes["trl_generations"], sizes["trl_new_tokens"]
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     expanded = [p for p in prompts for _ in range(G)]  # a group's rows side by side, as stages.rollout.rollout does
-    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
     sync()
     started = time.perf_counter()
-    outputs = engine.generate(Policy(model_dir), expanded, Sampling(max_new_tokens=L, temperature=1.0, seed=seed))
+    outputs = engine.generate(policy, expanded, Sampling(max_new_tokens=L, temperature=1.0, seed=seed))
     sync()
     rollout_s = time.perf_counter() - started
-    free_memory()
     started = time.perf_counter()
     rewards = [even_token_share(o["completion_token_ids"]) for o in outputs]
     advantages = group_advantages(rewards, G)
     rows = [{"rollout_id": f"s{seed}-{i}", "prompt_id": f"s{seed}-p{i // G}", "group_index": i % G,
-             "prompt": expanded[i], "round_index": 0, "policy_version": 0, "engine": "transformers", "rerolled": False,
-             **o, "rewards": [("even_token_share", r)], "reward": r, "advantage": a, "errors": []}
+             "prompt": expanded[i], "round_index": round_index, "policy_version": policy.version,
+             "engine": "transformers", "rerolled": False, **o, "rewards": [("even_token_share", r)], "reward": r,
+             "advantage": a, "errors": []}
             for i, (o, r, a) in enumerate(zip(outputs, rewards, advantages))]
     write_table(pa.Table.from_pylist([{k: row[k] for k in SCORED.names} for row in rows], schema=SCORED),
                 folder / "scored.parquet", SCORED)
-    score_s = time.perf_counter() - started
+    return {"rollout_s": rollout_s, "score_s": time.perf_counter() - started, "rewards": rewards,
+            "lengths": [len(o["completion_token_ids"]) for o in outputs]}
+
+
+def optimize_scored(model_dir: Path, prev_dir: Path | None, folder: Path, round_index: int, sizes: dict, devices,
+                    on_cuda: bool) -> dict:
+    """grpo.run (LoRA, the round against TRL's settings) on `folder`/scored.parquet into `folder`/optimize:
+    {metrics, optimize_s (load + train + save), train_s (first forward to the AdamW step's end)}."""
+    import pyarrow.parquet as pq
+
+    from stages.training import grpo
+
     micro = sizes["trl_micro_batch"]
+    rows = pq.read_metadata(folder / "scored.parquet").num_rows
     cfg = grpo.GRPOConfig(adapter="lora", beta=0.0, loss_type="dapo", rounds=1, micro_batch_size=micro,
-                          gradient_accumulation_steps=len(rows) // micro, learning_rate=2e-4, optim="adamw",
+                          gradient_accumulation_steps=rows // micro, learning_rate=2e-4, optim="adamw",
                           shared_prompt_pass=sizes.get("shared_prompt_pass", True))
     started = time.perf_counter()
     with ForwardMeter() as meter:
-        metrics = with_devices(grpo.run, cfg, model_dir, None, folder / "scored.parquet", 0, 1.0, L,
-                               folder / "optimize", on_step=meter.on_step, devices=devices, on_cuda=on_cuda)
+        metrics = with_devices(grpo.run, cfg, model_dir, prev_dir, folder / "scored.parquet", round_index, 1.0,
+                               sizes["trl_new_tokens"], folder / "optimize", on_step=meter.on_step, devices=devices,
+                               on_cuda=on_cuda)
         sync()
-    optimize_s = time.perf_counter() - started
-    train_s = meter.last - meter.first if meter.first and meter.last else None
-    lengths = [len(o["completion_token_ids"]) for o in outputs]
+    return {"metrics": metrics, "optimize_s": time.perf_counter() - started,
+            "train_s": meter.last - meter.first if meter.first and meter.last else None}
+
+
+def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, seed: int, devices,
+                    on_cuda: bool) -> dict:
+    """Rollout (transformers engine) + score (plain Python, written as scored Parquet) + grpo.run (LoRA)."""
+    from stages.rollout.engines import Policy
+
+    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    sampled = rollout_scored(engine, Policy(model_dir), prompts, sizes, folder, seed)
+    free_memory()
+    trained = optimize_scored(model_dir, None, folder, 0, sizes, devices, on_cuda)
     shutil.rmtree(folder, ignore_errors=True)
     free_memory()
+    rollout_s, score_s, optimize_s, metrics = (sampled["rollout_s"], sampled["score_s"], trained["optimize_s"],
+                                               trained["metrics"])
     return {"rollout_s": round(rollout_s, 2), "score_s": round(score_s, 3), "optimize_s": round(optimize_s, 2),
-            "optimize_train_s": round(train_s, 2) if train_s else None,  # first forward to the AdamW step's end
-            "round_s": round(rollout_s + score_s + optimize_s, 2), "sequences": len(rows),
-            "completion_tokens_mean": round(statistics.mean(lengths), 1), "trained_rows": metrics.get("trained_rows"),
-            "optimizer_steps": metrics.get("optimizer_steps"), "reward_mean": round(statistics.mean(rewards), 4)}
+            "optimize_train_s": round(trained["train_s"], 2) if trained["train_s"] else None,
+            "round_s": round(rollout_s + score_s + optimize_s, 2), "sequences": len(sampled["rewards"]),
+            "completion_tokens_mean": round(statistics.mean(sampled["lengths"]), 1),
+            "trained_rows": metrics.get("trained_rows"), "optimizer_steps": metrics.get("optimizer_steps"),
+            "reward_mean": round(statistics.mean(sampled["rewards"]), 4)}
+
+
+def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, rounds: int) -> dict:
+    """posttrain's GRPO rounds as the pipeline runs them with rollout.async_prefetch (prefetch_depth 1,
+    max_staleness 1): round k+1's rollout, from the policy after round k-1, runs in a thread beside round k's
+    optimize, in one process (Prefect's thread pool runs the flow's tasks so). Each round: the same work as
+    the round against TRL (its prompts, settings and micro-batch). Reported: each round's wall time from the
+    end of the previous one (round 0 includes its own synchronous rollout and is the warm-up) and their
+    mean over rounds 1..N-1: the pipeline's round time, to set against TRL's step."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from stages.rollout.engines import Policy
+
+    P = sizes["trl_prompts"]
+    prompts = digit_prompts(AutoTokenizer.from_pretrained(model_dir), P * (rounds + 1), sizes["trl_prompt_tokens"],
+                            seed=7)
+    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    folders = [work / f"prefetch-{k}" for k in range(rounds + 1)]
+
+    def policy_after(k: int) -> Policy:  # the policy trained by rounds 0..k-1
+        return Policy(model_dir, adapter_dir=folders[k - 1] / "optimize" if k else None, version=k)
+
+    rollout_scored(engine, policy_after(0), prompts[:P], sizes, folders[0], 100, 0)  # round 0's, synchronous
+    round_s, waits, optimize_s = [], [], []
+    started = time.perf_counter()
+    for k in range(rounds):
+        # round k+1's rollout starts with round k's optimize, from the newest policy there is (round k-1's)
+        box: dict = {}
+        thread = threading.Thread(target=lambda k=k: box.update(result=rollout_scored(
+            engine, policy_after(k), prompts[(k + 1) * P:(k + 2) * P], sizes, folders[k + 1], 101 + k, k + 1)))
+        if k + 1 < rounds:
+            thread.start()
+        trained = optimize_scored(model_dir, folders[k - 1] / "optimize" if k else None, folders[k], k, sizes, devices,
+                                  on_cuda)
+        optimize_s.append(round(trained["optimize_s"], 2))
+        waited = time.perf_counter()
+        if k + 1 < rounds:
+            thread.join()
+            if "result" not in box:
+                raise RuntimeError(f"round {k + 1}'s prefetched rollout failed (its traceback is above)")
+        waits.append(round(time.perf_counter() - waited, 2))
+        round_s.append(round(time.perf_counter() - started, 2))
+        started = time.perf_counter()
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    free_memory()
+    steady = round_s[1:] or round_s
+    return {"rounds": rounds, "shared_prompt_pass": sizes.get("shared_prompt_pass", True), "round_s": round_s,
+            "optimize_s": optimize_s, "waited_for_rollout_s": waits, "mean_round_s": round(statistics.mean(steady), 2)}
 
 
 def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path, devices) -> dict:
@@ -920,6 +999,14 @@ def table(results: dict) -> str:
                          f"(optimize {plain['optimize_s']:.1f}), ratio {trl.get('ratio_plain_forward')}")
     elif trl:
         lines.append(f"vs TRL: {trl.get('error') or trl.get('skipped')}")
+    prefetch = results.get("prefetch", {})
+    if "mean_round_s" in prefetch:
+        ratio = f", ratio to TRL's step {prefetch['ratio_to_trl_step']}" if "ratio_to_trl_step" in prefetch else ""
+        lines.append(f"async prefetch, {prefetch['rounds']} rounds "
+                     f"({'shared prompt pass' if prefetch['shared_prompt_pass'] else 'plain forward'}): mean round "
+                     f"{prefetch['mean_round_s']:.1f} s after the first{ratio}")
+    elif prefetch:
+        lines.append(f"prefetch: {prefetch.get('error') or prefetch.get('skipped')}")
     return "\n".join(lines)
 
 
@@ -942,6 +1029,9 @@ def main() -> None:
                         help="also time LoRA and the round against TRL with grpo.shared_prompt_pass false")
     parser.add_argument("--vs-trl-micro-batch", type=int, default=None,
                         help="the micro-batch of both sides of the round against TRL (default 16)")
+    parser.add_argument("--prefetch-rounds", type=int, default=0,
+                        help="also run N GRPO rounds with round k+1's rollout beside round k's optimize (the "
+                             "pipeline's async prefetch) and report their mean round time")
     parser.add_argument("--attention-backends", action="store_true",
                         help="also time generate on new shapes with cuDNN attention off and on")
     parser.add_argument("--compile", action="store_true",
@@ -1039,6 +1129,14 @@ def main() -> None:
             results["vs_trl"] = {"skipped": "--skip-trl"}
         else:
             section("vs_trl", vs_trl, folder, sizes, work, devices, on_cuda, args.plain_forward)
+        if args.prefetch_rounds:
+            forward = {**sizes, "shared_prompt_pass": not args.plain_forward}  # --plain-forward: that forward
+            prefetch = section("prefetch", prefetch_rounds, folder, forward, work, devices, on_cuda,
+                               args.prefetch_rounds)
+            trl_step = (results.get("vs_trl") or {}).get("trl", {}).get("step_s")
+            if isinstance(prefetch, dict) and "mean_round_s" in prefetch and trl_step:
+                prefetch["ratio_to_trl_step"] = round(prefetch["mean_round_s"] / trl_step[-1], 3)
+                save()
         if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles); last, it is slow
             fused = devices.model_copy(update={"compile": True})
             compiled_sizes = {**chunked, "micro_batch": args.also_micro_batch or sizes["micro_batch"]}

@@ -14,16 +14,17 @@
 # less what the image has (numpy, sympy, mpmath, pyyaml, regex, requests and its deps, jinja2, markupsafe,
 # fsspec, typing_extensions, tqdm, pydantic: ~49 MB left), installed by pip's resolver from those folders.
 # Writes to $OUT (set by the device tool): nvidia-smi.txt, pytest-gpu.txt and gpu.json (every section's numbers,
-# rewritten after each), flow-install.txt and pytest-flow.txt. BUDGET_S (default 300): benchmark sections not
-# started by then are skipped.
+# rewritten after each), flow-install.txt and pytest-flow.txt. BUDGET_S (default 330): benchmark sections not
+# started by then are skipped. About 8 minutes of command on an H200 (estimated from the leases before).
 # EXTRA_ARGS: more benchmarks/gpu.py arguments. A dry run on a CPU machine:
 #   OUT=/tmp/lease PYTHON=.venv/bin/python WHEELS=none EXTRA_ARGS="--tiny --device cpu" bash benchmarks/gpu_lease.sh
 #
 # What it measures, beyond the second lease (BENCHMARKS.md, issue 26): LoRA and the round against TRL with
-# grpo.shared_prompt_pass false (--plain-forward: half the operators to dispatch), full fine-tuning at 64-row
-# micro-batches (chunked log-probs: fits an H100), and train.compile at 64 rows after a warm-up of the same
-# batch shape (the plain forward's one graph for all blocks). The chunked 16-row sections, measured before,
-# are skipped.
+# grpo.shared_prompt_pass false (--plain-forward: half the operators to dispatch), four rounds as the pipeline
+# runs them with async prefetch (--prefetch-rounds: round k+1's rollout beside round k's optimize), full
+# fine-tuning at 64-row micro-batches (chunked log-probs: fits an H100), and train.compile at 64 rows after a
+# warm-up of the same batch shape (the plain forward's one graph for all blocks). Sections measured before
+# (full fine-tuning at 16 rows, the chunked 16-row ones, generation) are skipped.
 set -uo pipefail
 : "${OUT:?the device tool sets OUT}"
 PYTHON=${PYTHON:-python3}
@@ -35,8 +36,9 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 timeout 180 "$PYTHON" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt"
-"$PYTHON" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s "${BUDGET_S:-300}" --plain-forward --also-micro-batch 64 \
-    --logps-chunk-tokens 4096 --compile --skip optimize_full_chunked,optimize_lora_chunked ${EXTRA_ARGS:-} 2>&1 | tail -40
+"$PYTHON" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s "${BUDGET_S:-330}" --plain-forward --also-micro-batch 64 \
+    --logps-chunk-tokens 4096 --compile --prefetch-rounds 4 \
+    --skip optimize_full,optimize_full_chunked,optimize_lora_chunked,generation ${EXTRA_ARGS:-} 2>&1 | tail -40
 FLOW_WHEELS=${FLOW_WHEELS:-.whl-flow}
 if compgen -G "$FLOW_WHEELS/*.whl" > /dev/null; then
     "$PYTHON" -m pip install -q --no-index --find-links "$FLOW_WHEELS" --find-links "$WHEELS" prefect==3.7.7 \
