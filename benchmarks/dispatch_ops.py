@@ -21,7 +21,10 @@ does not depend on the width) in bf16 autocast on fp32 weights (train.precision 
 - TRL's GRPOTrainer (trl, LoRA, use_cpu): its `compute_loss` and the `accelerator.backward` of each
   micro-batch of a training step, the same rows' shapes (TRL generates its completions here; a random model
   runs to max_completion_length).
-A warm-up round runs first on each side. Counts only: times on this CPU mean nothing for a GPU.
+A warm-up round runs first on each side. `host_ms`: the wall time of one micro-batch's forward + backward on
+this CPU, one thread, unprofiled (a round of its own, before the counted one): with a model this narrow the
+arithmetic is small, so it is mostly what the host spends dispatching -- a proxy for what a GPU waits on,
+not a GPU time.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import collections
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +62,18 @@ class Counter:
 
     def __init__(self):
         self.leaf = self.kernels = self.calls = 0
+        self.seconds = 0.0
         self.names = collections.Counter()
+
+    def timed(self, fn):
+        """`fn`, its wall time added to `seconds` (no profiler: what the host spends)."""
+        def timing(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return timing
 
     def wrap(self, fn):
         import torch
@@ -81,11 +96,13 @@ class Counter:
 
     def per(self, micro_batches: int) -> dict:
         return {"leaf_ops": self.leaf // micro_batches, "kernel_ops": self.kernels // micro_batches,
+                "host_ms": round(1000 * self.seconds / micro_batches, 1),
                 "top_kernel_ops": {k: v // micro_batches for k, v in self.names.most_common(8)}}
 
 
 def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, vocab: int) -> dict:
-    """Counts over one timed round's micro-batches (a warm-up round first)."""
+    """Host time over one round's micro-batches (`accumulate`: forward and backward), then counts over the same
+    round again (a warm-up round first)."""
     import gpu
     from stages.runtime.devices import DeviceConfig
     from stages.training import grpo
@@ -102,10 +119,12 @@ def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, voc
     grpo.run(cfg, model_dir, None, work / f"{name}-warmup.parquet", 0, 1.0, args.completion_tokens,
              work / f"{name}-warmup", devices=devices)
     counter, original = Counter(), grpo.RoundTrainer.accumulate
-    grpo.RoundTrainer.accumulate = counter.wrap(original)
     try:
-        metrics = grpo.run(cfg, model_dir, None, work / f"{name}-timed.parquet", 0, 1.0, args.completion_tokens,
-                           work / f"{name}-timed", devices=devices)
+        for measure in (counter.timed, counter.wrap):  # a timed round, then the same round counted
+            grpo.RoundTrainer.accumulate = measure(original)
+            out = work / f"{name}-{measure.__name__}"
+            metrics = grpo.run(cfg, model_dir, None, work / f"{name}-timed.parquet", 0, 1.0, args.completion_tokens,
+                               out, devices=devices)
     finally:
         grpo.RoundTrainer.accumulate = original
     return {"adapter": adapter, "shared_prompt_pass": shared, "trained_rows": metrics.get("trained_rows"),
@@ -113,7 +132,8 @@ def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, voc
 
 
 def trl(model_dir: Path, work: Path, args) -> dict:
-    """Counts over TRL's second optimizer step (the first warms up): compute_loss and backward per micro-batch."""
+    """Host time over TRL's second optimizer step and counts over its third (the first warms up): compute_loss and
+    backward per micro-batch."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -126,13 +146,13 @@ def trl(model_dir: Path, work: Path, args) -> dict:
     ours = PosttrainGRPO()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = args.rows // args.generations
-    dataset = Dataset.from_list([{"prompt": p} for p in gpu.digit_prompts(tokenizer, 2 * prompts,
+    dataset = Dataset.from_list([{"prompt": p} for p in gpu.digit_prompts(tokenizer, 3 * prompts,
                                                                         args.prompt_tokens, seed=4)])
     config = GRPOConfig(
         output_dir=str(work / "trl"), use_cpu=True, bf16=True, seed=0, shuffle_dataset=False,
         num_generations=args.generations, generation_batch_size=args.rows, max_completion_length=args.completion_tokens,
         per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.rows // args.micro_batch,
-        max_steps=2, num_iterations=1, learning_rate=2e-4, lr_scheduler_type="constant", optim="adamw_torch",
+        max_steps=3, num_iterations=1, learning_rate=2e-4, lr_scheduler_type="constant", optim="adamw_torch",
         loss_type="dapo", beta=0.0, scale_rewards="group", use_vllm=False, save_strategy="no", report_to="none",
         logging_steps=1, disable_tqdm=True, temperature=1.0, top_k=0, top_p=1.0)
     set_seed(0)
@@ -146,17 +166,21 @@ def trl(model_dir: Path, work: Path, args) -> dict:
     original_loss, original_backward = trainer.compute_loss, trainer.accelerator.backward
     steps = {"n": 0}
 
-    def compute_loss(*a, **k):  # the second step's micro-batches only
-        return (counter.wrap(original_loss) if steps["n"] >= micro_batches else original_loss)(*a, **k)
+    def measured(fn):  # step 1: as is; step 2: timed; step 3: counted
+        step = steps["n"] // micro_batches
+        return fn if step == 0 else counter.timed(fn) if step == 1 else counter.wrap(fn)
+
+    def compute_loss(*a, **k):
+        return measured(original_loss)(*a, **k)
 
     def backward(*a, **k):
-        counted = steps["n"] >= micro_batches
+        result = measured(original_backward)(*a, **k)
         steps["n"] += 1
-        return (counter.wrap(original_backward) if counted else original_backward)(*a, **k)
+        return result
 
     trainer.compute_loss, trainer.accelerator.backward = compute_loss, backward
     trainer.train()
-    return {"adapter": "lora", "trl": __import__("trl").__version__, "micro_batches_counted": steps["n"] - micro_batches,
+    return {"adapter": "lora", "trl": __import__("trl").__version__, "micro_batches_counted": steps["n"] - 2 * micro_batches,
             **counter.per(micro_batches)}
 
 
