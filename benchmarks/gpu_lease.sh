@@ -11,8 +11,8 @@
 # .whl-flow/ (git-ignored too), optional: Prefect, MLflow (mlflow-skinny) and the rest a whole run needs, for
 # the end-to-end GPU test (tests/test_precision_pipeline.py, last): pip download for Python 3.12 of
 #   prefect==3.7.7 fastapi==0.135.3 mlflow-skinny==3.17.2 math-verify==0.9.0 gguf==0.19.0 rich "packaging<26.3"
-# less what the image has (numpy, sympy, mpmath, pyyaml, regex, requests and its deps, jinja2, markupsafe,
-# fsspec, typing_extensions, tqdm, pydantic: ~49 MB left), installed by pip's resolver from those folders.
+# less what the image surely has at versions that fit (numpy, sympy, mpmath, regex; pydantic is in .whl/): ~52 MB,
+# installed by pip's resolver from those folders into the image's environment (what it has stays).
 # Writes to $OUT (set by the device tool): nvidia-smi.txt, pytest-gpu.txt and gpu.json (every section's numbers,
 # rewritten after each), flow-install.txt and pytest-flow.txt. BUDGET_S (default 330): benchmark sections not
 # started by then are skipped. About 8 minutes of command on an H200 (estimated from the leases before).
