@@ -61,7 +61,7 @@ class Counter:
     """Sums the leaf aten operators of every profiled call it wraps."""
 
     def __init__(self):
-        self.leaf = self.kernels = self.calls = 0
+        self.leaf = self.kernels = 0
         self.seconds = 0.0
         self.names = collections.Counter()
 

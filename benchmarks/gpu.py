@@ -800,24 +800,25 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
     engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
     folders = [work / f"prefetch-{k}" for k in range(rounds + 1)]
 
-    def policy_after(k: int) -> Policy:  # the policy trained by rounds 0..k-1
-        return Policy(model_dir, adapter_dir=folders[k - 1] / "optimize" if k else None, version=k)
+    def adapter_after(k: int) -> Path | None:  # what rounds 0..k-1 trained
+        return folders[k - 1] / "optimize" if k else None
+
+    def policy_after(k: int) -> Policy:
+        return Policy(model_dir, adapter_dir=adapter_after(k), version=k)
 
     rollout_scored(engine, policy_after(0), prompts[:P], sizes, folders[0], 100, 0)  # round 0's, synchronous
     round_s, waits, optimize_s = [], [], []
     started = time.perf_counter()
     for k in range(rounds):
-        # round k+1's rollout starts with round k's optimize, from the newest policy there is (round k-1's)
-        box: dict = {}
-        thread = threading.Thread(target=lambda k=k: box.update(result=rollout_scored(
-            engine, policy_after(k), prompts[(k + 1) * P:(k + 2) * P], sizes, folders[k + 1], 101 + k, k + 1)))
-        if k + 1 < rounds:
+        prefetching, box = k + 1 < rounds, {}
+        if prefetching:  # round k+1's rollout starts with round k's optimize, from the newest policy (round k-1's)
+            thread = threading.Thread(target=lambda: box.update(result=rollout_scored(
+                engine, policy_after(k), prompts[(k + 1) * P:(k + 2) * P], sizes, folders[k + 1], 101 + k, k + 1)))
             thread.start()
-        trained = optimize_scored(model_dir, folders[k - 1] / "optimize" if k else None, folders[k], k, sizes, devices,
-                                  on_cuda)
+        trained = optimize_scored(model_dir, adapter_after(k), folders[k], k, sizes, devices, on_cuda)
         optimize_s.append(round(trained["optimize_s"], 2))
         waited = time.perf_counter()
-        if k + 1 < rounds:
+        if prefetching:
             thread.join()
             if "result" not in box:
                 raise RuntimeError(f"round {k + 1}'s prefetched rollout failed (its traceback is above)")

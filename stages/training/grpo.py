@@ -769,11 +769,13 @@ class RoundTrainer:
         of its decoder's hidden states (`logits_from_hidden`) or a sharded one (flows/config.py refuses it with
         fsdp before a run starts)."""
         wanted = self.cfg.logps_chunk_tokens
-        if wanted and self.sharded:
+        if not wanted:
+            return 0
+        if self.sharded:
             raise ValueError("grpo.logps_chunk_tokens is not built with train.strategy: fsdp; set it to 0")
         with self.placement.autocast(self.devices):  # as every forward of the trained model runs
-            plain_head = bool(wanted) and logits_from_hidden(self.model)
-        if wanted and not plain_head:
+            plain_head = logits_from_hidden(self.model)
+        if not plain_head:
             raise ValueError(f"grpo.logps_chunk_tokens: {type(self.model).__name__}'s logits are more than its "
                              "lm_head applied to its decoder's hidden states (logit soft-capping or scaling), "
                              "which the chunks compute; set grpo.logps_chunk_tokens: 0 for this model")
@@ -781,8 +783,8 @@ class RoundTrainer:
 
     def forward_logps(self, module, batch: dict):
         """(log-probs, entropies) of a collated batch, under autocast: one plain forward when sharded (module
-        docstring), with gradient checkpointing or compile, or when grpo.shared_prompt_pass is off; the head's log-probs
-        a chunk of rows at a time where `chunk_tokens` says so."""
+        docstring), with gradient checkpointing or compile, or when grpo.shared_prompt_pass is off; the head's
+        log-probs a chunk of rows at a time where `chunk_tokens` says so."""
         with self.placement.autocast(self.devices):
             if self.plain_forward:
                 return completion_logps(module, *_inputs(batch), self.temperature, self.chunk_tokens)
