@@ -5,7 +5,7 @@
                                         [--micro-batch-size N] [--also-micro-batch N] [--logps-chunk-tokens N]
                                         [--attention-backends] [--compile] [--profile] [--only a,b]
                                         [--plain-forward] [--vs-trl-micro-batch N] [--skip a,b]
-                                        [--prefetch-rounds N]
+                                        [--prefetch-rounds N] [--prefetch-worker-process]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -75,6 +75,9 @@ micro-batch costs on a GPU. `--vs-trl-micro-batch N`: both sides of the round ag
 `--prefetch-rounds N` (section `prefetch`, after vs_trl): N rounds of the same work as the pipeline runs them
 with rollout.async_prefetch, round k+1's rollout in a thread beside round k's optimize (`prefetch_rounds`);
 their mean round time after the first, and its ratio to TRL's step (with --plain-forward, that forward).
+`--prefetch-worker-process` (section `prefetch_worker_process`): the same rounds again with each rollout in the
+pipeline's rollout.worker_process, a spawned process with its own interpreter, so that generation and the
+optimizer do not take turns dispatching on one GIL.
 The warm-up round of every optimize section has at least one micro-batch of rows, so the timed round's
 batch shapes are ones it has run (train.compile compiles for them there, as in the first rounds of a run).
 """
@@ -137,6 +140,12 @@ STARTED = time.perf_counter()
 
 def say(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:6.1f} s] {message}", flush=True)
+
+
+def significant(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (a CPU without bf16 matmul units reads ~0.001 TFLOP/s: rounding to
+    decimals would make it 0)."""
+    return float(f"{x:.{digits}g}")
 
 
 def sync() -> None:
@@ -325,7 +334,7 @@ def matmul_peak(device, n: int, warmups: int = 3, repeats: int = 10) -> dict:
     del a, b
     free_memory()
     return {"n": n, "dtype": "bfloat16", "warmups": warmups, "repeats": repeats, "seconds_each": seconds,
-            "tflops": round(2 * n**3 / seconds / 1e12, 2)}
+            "tflops": significant(2 * n**3 / seconds / 1e12)}
 
 
 # ---------------------------------------------------------------- 3: optimize
@@ -508,13 +517,13 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
            "forward_calls": len(meter.calls),
            "body_tokens_computed": sum(c[1] for c in meter.calls),
            "logit_positions_computed": sum(c[2] for c in meter.calls),
-           "model_tflops_6nt": round(6 * counts["n_params"] * tokens / window / 1e12, 2),
-           "model_tflops_computed": round(computed / window / 1e12, 2),
+           "model_tflops_6nt": significant(6 * counts["n_params"] * tokens / window / 1e12),
+           "model_tflops_computed": significant(computed / window / 1e12),
            "placement": meter.placement, "saved_dtypes": saved, **memory,
            "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm")}
     if peak:
-        out["mfu"] = round(6 * counts["n_params"] * tokens / window / (peak["tflops"] * 1e12), 4)
-        out["mfu_computed"] = round(computed / window / (peak["tflops"] * 1e12), 4)
+        out["mfu"] = significant(6 * counts["n_params"] * tokens / window / (peak["tflops"] * 1e12))
+        out["mfu_computed"] = significant(computed / window / (peak["tflops"] * 1e12))
     return out
 
 
@@ -710,9 +719,6 @@ def group_advantages(rewards: list[float], generations: int) -> list[float]:
 def rollout_scored(engine, policy, prompts: list, sizes: dict, folder: Path, seed: int, round_index: int = 0) -> dict:
     """Rollout (the transformers engine) + score (plain Python: group-normalized advantages, as TRL's
     scale_rewards=group), written as `folder`/scored.parquet: {rollout_s, score_s, rewards, lengths}."""
-    import pyarrow as pa
-
-    from stages.data.schemas import SCORED, write_table
     from stages.rollout.engines import Sampling
 
     G, L = sizes["trl_generations"], sizes["trl_new_tokens"]
@@ -723,18 +729,28 @@ def rollout_scored(engine, policy, prompts: list, sizes: dict, folder: Path, see
     outputs = engine.generate(policy, expanded, Sampling(max_new_tokens=L, temperature=1.0, seed=seed))
     sync()
     rollout_s = time.perf_counter() - started
-    started = time.perf_counter()
-    rewards = [even_token_share(o["completion_token_ids"]) for o in outputs]
-    advantages = group_advantages(rewards, G)
     rows = [{"rollout_id": f"s{seed}-{i}", "prompt_id": f"s{seed}-p{i // G}", "group_index": i % G,
              "prompt": expanded[i], "round_index": round_index, "policy_version": policy.version,
-             "engine": "transformers", "rerolled": False, **o, "rewards": [("even_token_share", r)], "reward": r,
-             "advantage": a, "errors": []}
-            for i, (o, r, a) in enumerate(zip(outputs, rewards, advantages))]
+             "engine": "transformers", "rerolled": False, **o} for i, o in enumerate(outputs)]
+    return {"rollout_s": rollout_s, **scored(rows, G, folder)}
+
+
+def scored(rows: list[dict], generations: int, folder: Path) -> dict:
+    """Rollout rows (a group's rows side by side) with the benchmark's reward and group advantages, written as
+    `folder`/scored.parquet: {score_s, rewards, lengths}."""
+    import pyarrow as pa
+
+    from stages.data.schemas import SCORED, write_table
+
+    started = time.perf_counter()
+    rewards = [even_token_share(row["completion_token_ids"]) for row in rows]
+    advantages = group_advantages(rewards, generations)
+    rows = [{**row, "rewards": [("even_token_share", r)], "reward": r, "advantage": a, "errors": []}
+            for row, r, a in zip(rows, rewards, advantages)]
     write_table(pa.Table.from_pylist([{k: row[k] for k in SCORED.names} for row in rows], schema=SCORED),
                 folder / "scored.parquet", SCORED)
-    return {"rollout_s": rollout_s, "score_s": time.perf_counter() - started, "rewards": rewards,
-            "lengths": [len(o["completion_token_ids"]) for o in outputs]}
+    return {"score_s": time.perf_counter() - started, "rewards": rewards,
+            "lengths": [len(row["completion_token_ids"]) for row in rows]}
 
 
 def optimize_scored(model_dir: Path, prev_dir: Path | None, folder: Path, round_index: int, sizes: dict, devices,
@@ -781,13 +797,17 @@ def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, s
             "reward_mean": round(statistics.mean(sampled["rewards"]), 4)}
 
 
-def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, rounds: int) -> dict:
+def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, rounds: int,
+                    worker_process: bool = False) -> dict:
     """posttrain's GRPO rounds as the pipeline runs them with rollout.async_prefetch (prefetch_depth 1,
     max_staleness 1): round k+1's rollout, from the policy after round k-1, runs in a thread beside round k's
-    optimize, in one process (Prefect's thread pool runs the flow's tasks so). Each round: the same work as
-    the round against TRL (its prompts, settings and micro-batch). Reported: each round's wall time from the
-    end of the previous one (round 0 includes its own synchronous rollout and is the warm-up) and their
-    mean over rounds 1..N-1: the pipeline's round time, to set against TRL's step."""
+    optimize (Prefect's thread pool runs the flow's tasks so). `worker_process`: that thread hands the rollout
+    to the pipeline's rollout.worker_process (stages/rollout/rollout_worker.py: `stages.rollout.rollout.run` in
+    a spawned process that keeps its engine), so generation dispatches on its own interpreter, beside the
+    optimizer's. Each round: the same work as the round against TRL (its prompt sizes, settings and
+    micro-batch). Reported: each round's wall time from the end of the previous one (round 0 includes its
+    own synchronous rollout and is the warm-up) and their mean over rounds 1..N-1: the pipeline's round
+    time, to set against TRL's step."""
     import threading
 
     from transformers import AutoTokenizer
@@ -797,8 +817,8 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
     P = sizes["trl_prompts"]
     prompts = digit_prompts(AutoTokenizer.from_pretrained(model_dir), P * (rounds + 1), sizes["trl_prompt_tokens"],
                             seed=7)
-    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
     folders = [work / f"prefetch-{k}" for k in range(rounds + 1)]
+    sample, close = (worker_sampler if worker_process else thread_sampler)(prompts, sizes, work, devices, on_cuda)
 
     def adapter_after(k: int) -> Path | None:  # what rounds 0..k-1 trained
         return folders[k - 1] / "optimize" if k else None
@@ -806,31 +826,78 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
     def policy_after(k: int) -> Policy:
         return Policy(model_dir, adapter_dir=adapter_after(k), version=k)
 
-    rollout_scored(engine, policy_after(0), prompts[:P], sizes, folders[0], 100, 0)  # round 0's, synchronous
-    round_s, waits, optimize_s = [], [], []
-    started = time.perf_counter()
-    for k in range(rounds):
-        prefetching, box = k + 1 < rounds, {}
-        if prefetching:  # round k+1's rollout starts with round k's optimize, from the newest policy (round k-1's)
-            thread = threading.Thread(target=lambda: box.update(result=rollout_scored(
-                engine, policy_after(k), prompts[(k + 1) * P:(k + 2) * P], sizes, folders[k + 1], 101 + k, k + 1)))
-            thread.start()
-        trained = optimize_scored(model_dir, adapter_after(k), folders[k], k, sizes, devices, on_cuda)
-        optimize_s.append(round(trained["optimize_s"], 2))
-        waited = time.perf_counter()
-        if prefetching:
-            thread.join()
-            if "result" not in box:
-                raise RuntimeError(f"round {k + 1}'s prefetched rollout failed (its traceback is above)")
-        waits.append(round(time.perf_counter() - waited, 2))
-        round_s.append(round(time.perf_counter() - started, 2))
+    try:
+        sample(0, policy_after(0), folders[0])  # round 0's, synchronous
+        round_s, waits, optimize_s = [], [], []
         started = time.perf_counter()
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
-    free_memory()
+        for k in range(rounds):
+            prefetching, box = k + 1 < rounds, {}
+            if prefetching:  # round k+1's rollout starts with round k's optimize, from the newest policy (k-1's)
+                thread = threading.Thread(target=lambda: box.update(result=sample(k + 1, policy_after(k),
+                                                                                  folders[k + 1])))
+                thread.start()
+            trained = optimize_scored(model_dir, adapter_after(k), folders[k], k, sizes, devices, on_cuda)
+            optimize_s.append(round(trained["optimize_s"], 2))
+            waited = time.perf_counter()
+            if prefetching:
+                thread.join()
+                if "result" not in box:
+                    raise RuntimeError(f"round {k + 1}'s prefetched rollout failed (its traceback is above)")
+            waits.append(round(time.perf_counter() - waited, 2))
+            round_s.append(round(time.perf_counter() - started, 2))
+            started = time.perf_counter()
+    finally:
+        close()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        free_memory()
     steady = round_s[1:] or round_s
-    return {"rounds": rounds, "shared_prompt_pass": sizes.get("shared_prompt_pass", True), "round_s": round_s,
+    return {"rounds": rounds, "shared_prompt_pass": sizes.get("shared_prompt_pass", True),
+            "rollout_in": "worker process" if worker_process else "thread", "round_s": round_s,
             "optimize_s": optimize_s, "waited_for_rollout_s": waits, "mean_round_s": round(statistics.mean(steady), 2)}
+
+
+def thread_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: bool):
+    """sample(k, policy, folder): round k's slice of `prompts` by a transformers engine in this process, scored
+    into `folder`; and the engine's close."""
+    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    P = sizes["trl_prompts"]
+
+    def sample(k: int, policy, folder: Path) -> dict:
+        return rollout_scored(engine, policy, prompts[k * P:(k + 1) * P], sizes, folder, 100 + k, k)
+
+    return sample, engine.close
+
+
+def worker_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: bool):
+    """sample(k, policy, folder): round k's prompts by the rollout stage in the pipeline's rollout worker process
+    (the transformers engine there), scored into `folder`; and the worker's close."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.data.schemas import PROMPTS, write_table
+    from stages.rollout import rollout
+    from stages.rollout.rollout_worker import RolloutWorker
+
+    prompts_path = work / "prefetch-prompts.parquet"
+    write_table(pa.Table.from_pylist([{"prompt_id": f"p{i}", "prompt": p, "answer": ""} for i, p in enumerate(prompts)],
+                                     schema=PROMPTS), prompts_path, PROMPTS)
+    G = sizes["trl_generations"]
+    cfg = rollout.RolloutConfig(engine="transformers", num_generations=G, prompts_per_round=sizes["trl_prompts"],
+                                max_completion_length=sizes["trl_new_tokens"], temperature=1.0,
+                                generation_batch_size=sizes["rollout_batch"], worker_process=True, seed=1)
+    worker = RolloutWorker()
+    options = rollout.engine_options(cfg, 16, devices)
+
+    def sample(k: int, policy, folder: Path) -> dict:
+        (folder / "rollout").mkdir(parents=True)  # the caller makes the stage's folder (the pipeline: materialize)
+        started = time.perf_counter()
+        worker.run(cfg, policy, prompts_path, k, folder / "rollout", options)
+        rollout_s = time.perf_counter() - started
+        rows = pq.read_table(folder / "rollout" / "rollouts.parquet").to_pylist()
+        return {"rollout_s": rollout_s, **scored(rows, G, folder)}
+
+    return sample, worker.close
 
 
 def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path, devices) -> dict:
@@ -961,7 +1028,7 @@ def table(results: dict) -> str:
                      f"{results.get('precision')}")
     peak = results.get("peak")
     if isinstance(peak, dict) and "tflops" in peak:
-        lines.append(f"bf16 matmul peak ({peak['n']}^3): {peak['tflops']:.1f} TFLOP/s")
+        lines.append(f"bf16 matmul peak ({peak['n']}^3): {peak['tflops']:.4g} TFLOP/s")
     for key in [k for k in results if k.startswith("optimize_")]:
         r = results.get(key, {})
         if "tokens_per_s" in r:
@@ -1000,14 +1067,15 @@ def table(results: dict) -> str:
                          f"(optimize {plain['optimize_s']:.1f}), ratio {trl.get('ratio_plain_forward')}")
     elif trl:
         lines.append(f"vs TRL: {trl.get('error') or trl.get('skipped')}")
-    prefetch = results.get("prefetch", {})
-    if "mean_round_s" in prefetch:
-        ratio = f", ratio to TRL's step {prefetch['ratio_to_trl_step']}" if "ratio_to_trl_step" in prefetch else ""
-        lines.append(f"async prefetch, {prefetch['rounds']} rounds "
-                     f"({'shared prompt pass' if prefetch['shared_prompt_pass'] else 'plain forward'}): mean round "
-                     f"{prefetch['mean_round_s']:.1f} s after the first{ratio}")
-    elif prefetch:
-        lines.append(f"prefetch: {prefetch.get('error') or prefetch.get('skipped')}")
+    for name in ("prefetch", "prefetch_worker_process"):
+        prefetch = results.get(name, {})
+        if "mean_round_s" in prefetch:
+            ratio = f", ratio to TRL's step {prefetch['ratio_to_trl_step']}" if "ratio_to_trl_step" in prefetch else ""
+            lines.append(f"async prefetch, rollout in a {prefetch['rollout_in']}, {prefetch['rounds']} rounds "
+                         f"({'shared prompt pass' if prefetch['shared_prompt_pass'] else 'plain forward'}): "
+                         f"mean round {prefetch['mean_round_s']:.1f} s after the first{ratio}")
+        elif prefetch:
+            lines.append(f"{name}: {prefetch.get('error') or prefetch.get('skipped')}")
     return "\n".join(lines)
 
 
@@ -1033,6 +1101,9 @@ def main() -> None:
     parser.add_argument("--prefetch-rounds", type=int, default=0,
                         help="also run N GRPO rounds with round k+1's rollout beside round k's optimize (the "
                              "pipeline's async prefetch) and report their mean round time")
+    parser.add_argument("--prefetch-worker-process", action="store_true",
+                        help="with --prefetch-rounds: run them again with each rollout in the pipeline's "
+                             "rollout.worker_process (a spawned process), section prefetch_worker_process")
     parser.add_argument("--attention-backends", action="store_true",
                         help="also time generate on new shapes with cuDNN attention off and on")
     parser.add_argument("--compile", action="store_true",
@@ -1134,10 +1205,13 @@ def main() -> None:
             forward = {**sizes, "shared_prompt_pass": not args.plain_forward}  # --plain-forward: that forward
             prefetch = section("prefetch", prefetch_rounds, folder, forward, work, devices, on_cuda,
                                args.prefetch_rounds)
+            in_worker = (section("prefetch_worker_process", prefetch_rounds, folder, forward, work, devices, on_cuda,
+                                 args.prefetch_rounds, True) if args.prefetch_worker_process else None)
             trl_step = (results.get("vs_trl") or {}).get("trl", {}).get("step_s")
-            if isinstance(prefetch, dict) and "mean_round_s" in prefetch and trl_step:
-                prefetch["ratio_to_trl_step"] = round(prefetch["mean_round_s"] / trl_step[-1], 3)
-                save()
+            for measured in (prefetch, in_worker):
+                if isinstance(measured, dict) and "mean_round_s" in measured and trl_step:
+                    measured["ratio_to_trl_step"] = round(measured["mean_round_s"] / trl_step[-1], 3)
+            save()
         if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles); last, it is slow
             fused = devices.model_copy(update={"compile": True})
             compiled_sizes = {**chunked, "micro_batch": args.also_micro_batch or sizes["micro_batch"]}

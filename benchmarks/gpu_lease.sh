@@ -20,8 +20,9 @@
 #   OUT=/tmp/lease PYTHON=.venv/bin/python WHEELS=none EXTRA_ARGS="--tiny --device cpu" bash benchmarks/gpu_lease.sh
 #
 # What it measures, beyond the second lease (BENCHMARKS.md, issue 26): LoRA and the round against TRL with
-# grpo.shared_prompt_pass false (--plain-forward: half the operators to dispatch), four rounds as the pipeline
-# runs them with async prefetch (--prefetch-rounds: round k+1's rollout beside round k's optimize), full
+# grpo.shared_prompt_pass false (--plain-forward: half the operators to dispatch), three rounds as the pipeline
+# runs them with async prefetch (--prefetch-rounds: round k+1's rollout beside round k's optimize), in a thread
+# and again in the rollout worker process (--prefetch-worker-process: generation on its own interpreter), full
 # fine-tuning at 64-row micro-batches (chunked log-probs: fits an H100), and train.compile at 64 rows after a
 # warm-up of the same batch shape (the plain forward's one graph for all blocks). Sections measured before
 # (full fine-tuning at 16 rows, the chunked 16-row ones, generation) are skipped.
@@ -37,7 +38,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 timeout 180 "$PYTHON" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt"
 "$PYTHON" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s "${BUDGET_S:-330}" --plain-forward --also-micro-batch 64 \
-    --logps-chunk-tokens 4096 --compile --prefetch-rounds 4 \
+    --logps-chunk-tokens 4096 --compile --prefetch-rounds 3 --prefetch-worker-process \
     --skip optimize_full,optimize_full_chunked,optimize_lora_chunked,generation ${EXTRA_ARGS:-} 2>&1 | tail -40
 FLOW_WHEELS=${FLOW_WHEELS:-.whl-flow}
 if compgen -G "$FLOW_WHEELS/*.whl" > /dev/null; then

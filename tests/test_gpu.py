@@ -6,9 +6,8 @@ reference model, and LoRA), the transformers rollout engine (with a merged LoRA 
 their optimizer state are float32 with the forward passes under bf16 autocast, frozen weights (a reference, a
 LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
-On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward --prefetch-rounds 2` runs end
-to end and writes
-every section's numbers.
+On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward --prefetch-rounds 2
+--prefetch-worker-process` runs end to end and writes every section's numbers.
 """
 
 from __future__ import annotations
@@ -235,7 +234,8 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     """benchmarks/gpu.py end to end with a tiny model on the CPU (TRL left out: it only adds time here)."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
-                           "--skip-trl", "--plain-forward", "--prefetch-rounds", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "--skip-trl", "--plain-forward", "--prefetch-rounds", "2", "--prefetch-worker-process",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -266,9 +266,12 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert shared["shared_prompt_pass"] and plain["shared_prompt_pass"] is False
     assert plain["body_tokens_computed"] == plain["tokens"] > shared["body_tokens_computed"]  # every row's prompt
     assert "plain forward" in proc.stdout
-    prefetch = results["prefetch"]  # two rounds, the second's rollout beside the first's optimize
-    assert prefetch["shared_prompt_pass"] is False and len(prefetch["round_s"]) == len(prefetch["optimize_s"]) == 2
-    assert prefetch["mean_round_s"] > 0 and "ratio_to_trl_step" not in prefetch  # no TRL step to divide by
+    for name, where in (("prefetch", "thread"), ("prefetch_worker_process", "worker process")):
+        prefetch = results[name]  # two rounds, the second's rollout beside the first's optimize
+        assert prefetch["rollout_in"] == where and prefetch["shared_prompt_pass"] is False
+        assert len(prefetch["round_s"]) == len(prefetch["optimize_s"]) == 2
+        assert prefetch["mean_round_s"] > 0 and "ratio_to_trl_step" not in prefetch  # no TRL step to divide by
+        assert f"rollout in a {where}, 2 rounds" in proc.stdout
 
     generation = results["generation"]["transformers"]
     assert generation["generated_tokens"] > 0
