@@ -67,7 +67,8 @@ the next section runs):
    optimize stage's window as in section 3 (its load and save are the rest of optimize_s).
 Optional optimize sections: `--logps-chunk-tokens N` also times full fine-tuning and LoRA with
 grpo.logps_chunk_tokens N; `--also-micro-batch N` full fine-tuning at micro-batch N (with N's chunks if
-given); `--profile` a short round under torch.profiler; `--compile` (last, slow) full fine-tuning with
+given); `--profile` where full fine-tuning's forward and backward spend the GPU's time, at --also-micro-batch
+with its chunks if given (`profile_optimize`); `--compile` (last, slow) full fine-tuning with
 train.compile; `--plain-forward` LoRA with grpo.shared_prompt_pass false, and the round against TRL run
 a second time with it (`ratio_plain_forward`): one plain forward per micro-batch dispatches about half the
 operators of the shared prompt pass's two (benchmarks/dispatch_ops.py), which is what a small model's
@@ -528,33 +529,55 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
 
 
 def profile_optimize(model_dir: Path, work: Path, sizes: dict, counts: dict, devices, on_cuda: bool) -> dict:
-    """One full-fine-tuning round of 4 micro-batches under torch.profiler: the ops that take the GPU's time
-    (self CUDA time), the host's, and how busy the GPU was (kernel time / the round's window). Where the
-    optimize stage's time goes, for the next change; the profiler's overhead makes its times a little long."""
+    """Where a full-fine-tuning step's forward and backward spend the GPU's time, at `sizes`' micro-batch and
+    log-prob chunks: two micro-batches' rows, a round run once unprofiled (warm-up) and once with
+    torch.profiler on around `RoundTrainer.accumulate` only (every micro-batch's forward and backward; not
+    loading, saving or the AdamW step). Reported: accumulate's wall time (synchronized), the kernels' time
+    in it (device-side events only, each kernel once), their ratio (how busy the GPU was), and the aten
+    operators that launched the most kernel time, with their call counts and host time. The profiler's
+    overhead makes the host side a little slower than unprofiled."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer
 
+    from stages.training import grpo
+
     token_limit = len(AutoTokenizer.from_pretrained(model_dir))
     G, Lp, Lc = sizes["opt_generations"], sizes["opt_prompt_tokens"], sizes["opt_completion_tokens"]
-    rows = min(4 * sizes["micro_batch"], sizes["opt_prompts"] * G)
+    rows = min(2 * sizes["micro_batch"], sizes["opt_prompts"] * G)
     folder = work / "profile"
     folder.mkdir()
     synthetic_scored(folder / "scored.parquet", max(1, rows // G), G, Lp, Lc, token_limit, counts["vocab_size"], seed=3)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities) as prof:
-        metrics, meter, wall = optimize_round("none", model_dir, folder / "scored.parquet", folder / "out", sizes, Lc,
-                                              rows, devices, on_cuda)
-    shutil.rmtree(folder, ignore_errors=True)
-    averages = prof.key_averages()
+    original, box = grpo.RoundTrainer.accumulate, {}
+
+    def profiled(*args, **kwargs):
+        sync()
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            result = original(*args, **kwargs)
+            sync()
+        box["wall_s"], box["prof"] = time.perf_counter() - started, prof
+        return result
+
+    optimize_round("none", model_dir, folder / "scored.parquet", folder / "warmup", sizes, Lc, rows, devices, on_cuda)
+    grpo.RoundTrainer.accumulate = profiled
+    try:
+        optimize_round("none", model_dir, folder / "scored.parquet", folder / "out", sizes, Lc, rows, devices,
+                       on_cuda)
+    finally:
+        grpo.RoundTrainer.accumulate = original
+        shutil.rmtree(folder, ignore_errors=True)
+    averages = box["prof"].key_averages()
+    kernel_s = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
     key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-    top = sorted(averages, key=lambda e: getattr(e, key, 0.0), reverse=True)[:20]
-    window = (meter.last - meter.first) if meter.first and meter.last else wall
-    kernel_s = sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e6 if on_cuda else None
-    return {"rows": rows, "window_s": round(window, 3), "round_wall_s": round(wall, 2),
-            "gpu_kernel_s": round(kernel_s, 3) if kernel_s is not None else None,
-            "gpu_busy_in_round": round(kernel_s / wall, 3) if kernel_s is not None else None,
-            "top_ops": [{"name": e.key[:80], "self_s": round(getattr(e, key, 0.0) / 1e6, 4), "calls": e.count,
-                         "cpu_total_s": round(e.cpu_time_total / 1e6, 4)} for e in top]}
+    operators = sorted((e for e in averages if e.key.startswith("aten::")), key=lambda e: getattr(e, key),
+                       reverse=True)[:25]
+    return {"rows": rows, "micro_batch": sizes["micro_batch"], "logps_chunk_tokens": sizes.get("logps_chunk_tokens", 0),
+            "accumulate_wall_s": round(box["wall_s"], 3), "gpu_kernel_s": round(kernel_s, 3) if on_cuda else None,
+            "gpu_busy": round(kernel_s / box["wall_s"], 3) if on_cuda else None,
+            "top_ops": [{"name": e.key[:80], "self_s": round(getattr(e, key) / 1e6, 4), "calls": e.count,
+                         "cpu_total_s": round(e.cpu_time_total / 1e6, 4)} for e in operators]}
 
 
 def saved_dtypes(folder: Path) -> dict:
@@ -1113,7 +1136,7 @@ def main() -> None:
     parser.add_argument("--skip", default="",
                         help="comma-separated section names not to run (exact names, e.g. optimize_full_chunked)")
     parser.add_argument("--profile", action="store_true",
-                        help="a short full-fine-tuning round under torch.profiler: where the time goes")
+                        help="where full fine-tuning's forward and backward spend the GPU's time (torch.profiler)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="sections not started by then are skipped (recorded as such)")
     args = parser.parse_args()
@@ -1192,8 +1215,9 @@ def main() -> None:
         if args.plain_forward:
             section("optimize_lora_plain", optimize, "lora", folder, work, {**sizes, "shared_prompt_pass": False},
                     counts, peak, devices, on_cuda)
-        if args.profile:
-            section("profile", profile_optimize, folder, work, sizes, counts, devices, on_cuda)
+        if args.profile:  # at the widest micro-batch timed, with its chunks
+            profiled = {**chunked, "micro_batch": args.also_micro_batch} if args.also_micro_batch else sizes
+            section("profile", profile_optimize, folder, work, profiled, counts, devices, on_cuda)
         section("generation", generation, folder, sizes, devices, on_cuda, args.skip_vllm)
         if args.attention_backends:
             section("attention_backends", attention_backends, folder, sizes, devices, on_cuda)

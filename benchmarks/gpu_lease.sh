@@ -14,8 +14,9 @@
 # less what the image surely has at versions that fit (numpy, sympy, mpmath, regex; pydantic is in .whl/): ~52 MB,
 # installed by pip's resolver from those folders into the image's environment (what it has stays).
 # Writes to $OUT (set by the device tool): nvidia-smi.txt, pytest-gpu.txt and gpu.json (every section's numbers,
-# rewritten after each), flow-install.txt and pytest-flow.txt. BUDGET_S (default 330): benchmark sections not
-# started by then are skipped. About 8 minutes of command on an H200 (estimated from the leases before).
+# rewritten after each), flow-install.txt and pytest-flow.txt. BUDGET_S (default 300): benchmark sections not
+# started by then are skipped. About 9 minutes of command on an H200 (estimated from the leases before); the flow
+# test runs last, so a run cut at timeout_s loses only it (gpu.json is rewritten after every section).
 # EXTRA_ARGS: more benchmarks/gpu.py arguments. A dry run on a CPU machine:
 #   OUT=/tmp/lease PYTHON=.venv/bin/python WHEELS=none EXTRA_ARGS="--tiny --device cpu" bash benchmarks/gpu_lease.sh
 #
@@ -23,7 +24,8 @@
 # grpo.shared_prompt_pass false (--plain-forward: half the operators to dispatch), three rounds as the pipeline
 # runs them with async prefetch (--prefetch-rounds: round k+1's rollout beside round k's optimize), in a thread
 # and again in the rollout worker process (--prefetch-worker-process: generation on its own interpreter), full
-# fine-tuning at 64-row micro-batches (chunked log-probs: fits an H100), and train.compile at 64 rows after a
+# fine-tuning at 64-row micro-batches (chunked log-probs: fits an H100) and where its forward and backward spend
+# the GPU's time (--profile: kernel time by operator, and how busy the GPU was), and train.compile at 64 rows after a
 # warm-up of the same batch shape (the plain forward's one graph for all blocks). Sections measured before
 # (full fine-tuning at 16 rows, the chunked 16-row ones, generation) are skipped.
 set -uo pipefail
@@ -37,8 +39,8 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 timeout 180 "$PYTHON" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt"
-"$PYTHON" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s "${BUDGET_S:-330}" --plain-forward --also-micro-batch 64 \
-    --logps-chunk-tokens 4096 --compile --prefetch-rounds 3 --prefetch-worker-process \
+"$PYTHON" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s "${BUDGET_S:-300}" --plain-forward --also-micro-batch 64 \
+    --logps-chunk-tokens 4096 --compile --prefetch-rounds 3 --prefetch-worker-process --profile \
     --skip optimize_full,optimize_full_chunked,optimize_lora_chunked,generation ${EXTRA_ARGS:-} 2>&1 | tail -40
 FLOW_WHEELS=${FLOW_WHEELS:-.whl-flow}
 if compgen -G "$FLOW_WHEELS/*.whl" > /dev/null; then

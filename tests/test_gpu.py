@@ -7,7 +7,7 @@ their optimizer state are float32 with the forward passes under bf16 autocast, f
 LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
 On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward --prefetch-rounds 2
---prefetch-worker-process` runs end to end and writes every section's numbers.
+--prefetch-worker-process --profile` runs end to end and writes every section's numbers.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
                            "--skip-trl", "--plain-forward", "--prefetch-rounds", "2", "--prefetch-worker-process",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "--profile", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -261,6 +261,10 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
         assert r["placement"]["autocast"] and r["placement"]["autocast_dtype"] == "torch.bfloat16"
         assert r["placement"]["frozen_dtypes"] == (["torch.bfloat16"] if adapter == "lora" else [])
         assert all(dtypes == ["torch.float32"] for dtypes in r["saved_dtypes"].values()), r["saved_dtypes"]
+
+    profiled = results["profile"]  # forward and backward only, under torch.profiler
+    assert profiled["accumulate_wall_s"] > 0 and profiled["gpu_busy"] is None  # no GPU
+    assert any(op["name"] == "aten::mm" and op["calls"] > 0 for op in profiled["top_ops"])
 
     shared, plain = results["optimize_lora"], results["optimize_lora_plain"]
     assert shared["shared_prompt_pass"] and plain["shared_prompt_pass"] is False

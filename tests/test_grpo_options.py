@@ -438,6 +438,34 @@ def test_chunked_logps_give_the_plain_logps_and_gradients_with_a_row_or_two_at_a
             assert torch.allclose(grad, grads[key], rtol=1e-3, atol=1e-6), (name, key)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logps_read_bf16_logits_as_their_fp32_copy_would(temperature):
+    """_token_logps at temperature 1 takes the log-softmax of the bf16 logits in fp32 without an fp32 copy of
+    them (nor a division by 1): log-probs, entropies and the logits' gradient are those of the copy's, bit for
+    bit; other temperatures divide an fp32 copy, as before."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 7, 1000) * 4).bfloat16()
+    tokens = torch.randint(0, 1000, (3, 6))
+    weights = torch.linspace(-1, 1, 6)
+    results = []
+    for fn in (grpo._token_logps, _fp32_copy_token_logps):
+        x = logits.clone().requires_grad_(True)
+        logps, entropy = fn(x, tokens, temperature)
+        (logps * weights).sum().backward()
+        assert logps.dtype == entropy.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+        results.append((logps.detach(), entropy, x.grad))
+    for ours, copied in zip(*results):
+        assert torch.equal(ours, copied)
+
+
+def _fp32_copy_token_logps(logits, tokens, temperature):
+    """_token_logps as it was written before: the log-softmax of an fp32 copy of the logits, divided."""
+    log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
+
+
 def test_a_round_with_chunked_logps_trains_as_the_whole_logits_do(tiny, monkeypatch):
     """grpo.logps_chunk_tokens set: the round runs the chunked head (off by default) and ends where the
     whole-logits round does, up to float rounding."""

@@ -331,8 +331,14 @@ def _head_token_logps(head, hidden, tokens, temperature):
 
 def _token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     """(log-prob of each of `tokens`, entropy) from logits whose position t predicts tokens[:, t]; the
-    last position of `logits` predicts past the tokens and is dropped."""
-    log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
+    last position of `logits` predicts past the tokens and is dropped. The log-softmax is in fp32; at
+    temperature 1 it reads the (bf16) logits itself: no fp32 copy of them and no division, forward or
+    backward (the same numbers: tests/test_grpo_options.py)."""
+    logits = logits[:, :-1, :]
+    if temperature == 1.0:
+        log_p = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
     logps = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_p.exp() * log_p).sum(-1)
