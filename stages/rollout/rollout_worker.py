@@ -48,11 +48,23 @@ def _main(conn, cpus: list[int] | None, torch_threads: int | None) -> None:
                                       round_index, Path(out_dir), engine_settings,
                                       on_progress=lambda done, total: conn.send(("progress", done, total)),
                                       reroll_prompt_ids=reroll_prompt_ids)
-                conn.send(("done", summary))
+                reply = ("done", summary)
             except Exception as exc:  # sent back whole: the flow re-raises it with the worker's traceback
-                conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+                reply = ("error", type(exc).__name__, str(exc), traceback.format_exc())
+            _release_gpu_cache()  # before the reply: the trainer may start on the same GPU when it comes
+            conn.send(reply)
     finally:
         close_engines()
+
+
+def _release_gpu_cache() -> None:
+    """Hand the GPU memory this process's caching allocator holds but no tensor uses (the round's KV caches
+    and logits) back to the driver: the trainer beside it on the same GPU is another process, whose
+    allocator cannot reuse it. The engine's weights stay. No-op without CUDA."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class RolloutWorker:
