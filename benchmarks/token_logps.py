@@ -10,7 +10,7 @@ tensor, forward and backward, memory-bound on any device. `posttrain`: `_token_l
 (at temperature 1: log_softmax of the bf16 logits with dtype=float32, no fp32 copy, no division);
 `fp32-copy`: the formulation it replaced (an fp32 copy of the logits, divided by the temperature, then
 log_softmax). Prints the median seconds of forward + backward (log-probs, entropies, the logits' gradient)
-over --repeats after one warm-up; compare the two variants with farm-bench or by their printed medians.
+over --repeats after one warm-up; run the two variants in turn and compare their printed medians.
 """
 
 from __future__ import annotations
