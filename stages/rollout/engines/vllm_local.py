@@ -247,6 +247,14 @@ class VLLMEngine:
                 worker_extension_cls=f"{__name__}.WeightUpdateExtension",
                 **extra,
             )
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def step_between_model_loads():  # an async-prefetch rollout beside a stage loading a model: see MODEL_LOADING
+            with MODEL_LOADING:
+                return step()
+
+        engine.step = step_between_model_loads  # LLM.generate runs its requests one engine step at a time
 
     def _set_weights(self, model_dir: Path) -> None:
         """Make the engine sample from `model_dir`'s weights if it holds other ones.
