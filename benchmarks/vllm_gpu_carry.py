@@ -19,8 +19,10 @@ what the calls before it left in /tmp):
 
   run(command="bash benchmarks/gpu_vllm_lease.sh stash", carry=[".vllm-carry-1"])      # and so on, then
   run(command="bash benchmarks/gpu_vllm_lease.sh", carry=[".vllm-carry-N", ".whl"], timeout_s=600)
+  run(command="bash benchmarks/gpu_vllm_lease.sh rounds", timeout_s=600)
 
-(the last call stashes its part too, then assembles, installs and measures: benchmarks/gpu_vllm_lease.sh).
+(the part-N call stashes its part too, then assembles, installs and times generation; the last call the GRPO
+rounds against TRL's: benchmarks/gpu_vllm_lease.sh).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def main() -> None:
     for folder in folders[:-1]:
         print(f'  run(command="bash benchmarks/gpu_vllm_lease.sh stash", carry=["{folder.name}"])')
     print(f'  run(command="bash benchmarks/gpu_vllm_lease.sh", carry=["{folders[-1].name}", ".whl"], timeout_s=600)')
+    print('  run(command="bash benchmarks/gpu_vllm_lease.sh rounds", timeout_s=600)')
 
 
 if __name__ == "__main__":
