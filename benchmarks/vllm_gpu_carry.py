@@ -1,6 +1,6 @@
 """Pack CUDA vLLM for a lent GPU machine in parts that each fit one device call (issue 26, goal 3).
 
-  python3 benchmarks/vllm_gpu_carry.py [--parts-mb 60]        # ~1 minute: downloads ~350 MB from PyPI
+  python3 benchmarks/vllm_gpu_carry.py [--parts-mb 60]        # ~30 s here: downloads ~350 MB from PyPI
 
 The lent machines (Python 3.12, torch 2.11.0+cu130, no package index) can receive 64 MiB per call, the working
 tree included. vLLM 0.26.0 is the newest release that pins their torch (0.27.1+ pin 2.13.0); its wheel is
