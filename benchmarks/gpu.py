@@ -386,7 +386,8 @@ def synthetic_scored(path: Path, prompts: int, generations: int, prompt_tokens: 
 class ForwardMeter:
     """Counts what stages.training.grpo runs through the model during one grpo.run, and times its training window.
 
-    Wraps grpo.batch_logps and grpo.completion_logps (looked up at call time by the stage): the first call
+    Wraps logprobs.batch_logps and logprobs.completion_logps (stages/training/logprobs.py, looked up at call
+    time by the stage): the first call
     (synchronized) starts the window; `on_step` (called by the stage after each optimizer step,
     synchronized) ends it. Each call adds its body tokens (positions through the transformer blocks: a
     shared prompt pass counts each distinct prompt once) and logit positions (where the lm_head runs), with
@@ -423,9 +424,9 @@ class ForwardMeter:
         import torch
 
         from stages.rollout.engines.hf import repeats
-        from stages.training import grpo
+        from stages.training import logprobs
 
-        self._saved = (grpo.batch_logps, grpo.completion_logps)
+        self._saved = (logprobs.batch_logps, logprobs.completion_logps)
         original_batch, original_plain = self._saved
 
         def batch_logps(model, batch, temperature, chunk_tokens=0):
@@ -437,7 +438,7 @@ class ForwardMeter:
             else:
                 distinct, _ = repeats([tuple(i) for i in prompt_ids.tolist()])
             shared = len(distinct) < rows and prompt_length >= 2
-            if shared:  # as grpo.batch_logps: each distinct prompt less its last token once, then every row
+            if shared:  # as logprobs.batch_logps: each distinct prompt less its last token once, then every row
                 prompt_logits = 0 if chunk_tokens else len(distinct)  # chunked: the prompt pass runs no head
                 self.calls.append((torch.is_grad_enabled(), len(distinct) * (prompt_length - 1)
                                    + rows * (completion_length + 1), prompt_logits + rows * (completion_length + 1)))
@@ -454,13 +455,13 @@ class ForwardMeter:
                 self.calls.append((torch.is_grad_enabled(), rows * length, rows * (logits_to_keep + 1)))
             return original_plain(model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
 
-        grpo.batch_logps, grpo.completion_logps = batch_logps, completion_logps
+        logprobs.batch_logps, logprobs.completion_logps = batch_logps, completion_logps
         return self
 
     def __exit__(self, *exc):
-        from stages.training import grpo
+        from stages.training import logprobs
 
-        grpo.batch_logps, grpo.completion_logps = self._saved
+        logprobs.batch_logps, logprobs.completion_logps = self._saved
 
     def flops(self, counts: dict, trained_multiplier: int) -> float:
         return sum((trained_multiplier if grad else 2) * (counts["n_body"] * body + counts["n_head"] * logits)

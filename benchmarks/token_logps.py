@@ -1,4 +1,4 @@
-"""The optimize stage's log-softmax over the vocabulary: forward + backward time of `grpo._token_logps`.
+"""The optimize stage's log-softmax over the vocabulary: forward + backward time of `logprobs.token_logps` (stages/training/logprobs.py).
 
   PYTHONPATH=. .venv/bin/python benchmarks/token_logps.py [--variant posttrain|fp32-copy] [--rows 4]
                                                           [--positions 256] [--vocab 151936]
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def fp32_copy_token_logps(logits, tokens, temperature):
-    """The formulation `_token_logps` replaced (tests/test_grpo_options.py keeps the same one)."""
+    """The formulation `token_logps` replaced (tests/test_grpo_options.py keeps the same one)."""
     import torch
 
     log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
@@ -46,9 +46,9 @@ def main() -> None:
 
     import torch
 
-    from stages.training import grpo
+    from stages.training import logprobs
 
-    fn = grpo._token_logps if args.variant == "posttrain" else fp32_copy_token_logps
+    fn = logprobs.token_logps if args.variant == "posttrain" else fp32_copy_token_logps
     torch.manual_seed(0)
     logits = (torch.randn(args.rows, args.positions + 1, args.vocab) * 3).bfloat16()
     tokens = torch.randint(0, args.vocab, (args.rows, args.positions))

@@ -25,7 +25,7 @@ from stages.rollout.engines.hf import TransformersEngine
 from stages.runtime import devices
 from stages.runtime.devices import DeviceConfig
 from stages.runtime.policy import load_policy
-from stages.training import ebft, export, grpo
+from stages.training import ebft, export, grpo, logprobs
 
 BF16 = DeviceConfig(device="cpu", precision="bf16")
 FP32 = DeviceConfig(device="cpu", precision="fp32")
@@ -205,7 +205,7 @@ def test_lora_under_autocast_skips_peft_input_casts_with_the_same_numbers(tiny):
         model.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with devices.autocast(BF16):
-                logps, _ = grpo.batch_logps(model, batch, 1.0)
+                logps, _ = logprobs.batch_logps(model, batch, 1.0)
             (logps * batch["completion_mask"]).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         copies = sum(e.name == "aten::copy_" for e in prof.events())
@@ -260,7 +260,7 @@ def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
 
 def test_compiled_round_runs_the_plain_forward(tiny, monkeypatch):
     root, scored = tiny
-    monkeypatch.setattr(grpo, "batch_logps", lambda *a, **k: pytest.fail("the shared prompt pass ran"))
+    monkeypatch.setattr(logprobs, "batch_logps", lambda *a, **k: pytest.fail("the shared prompt pass ran"))
     summary, _ = _optimize(root, scored, "compiled_default", DeviceConfig(device="cpu", compile=True),
                            adapter="none")
     assert summary["optimizer_steps"] > 0

@@ -60,7 +60,7 @@ def _placement(model) -> dict:
 def optimize_models(monkeypatch):
     """Every model stages.training.grpo runs a forward of (the trained policy, a reference), as it first runs it:
     {id(model): placement, with whether gradients and autocast (and its dtype) were on}."""
-    from stages.training import grpo
+    from stages.training import logprobs
 
     seen: dict[int, dict] = {}
 
@@ -69,7 +69,7 @@ def optimize_models(monkeypatch):
             seen[id(model)] = {**_placement(model), "grad": torch.is_grad_enabled(),
                                "autocast": (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))}
 
-    original_batch, original_plain = grpo.batch_logps, grpo.completion_logps
+    original_batch, original_plain = logprobs.batch_logps, logprobs.completion_logps
 
     def batch_logps(model, *args, **kwargs):
         record(model)
@@ -79,8 +79,8 @@ def optimize_models(monkeypatch):
         record(model)
         return original_plain(model, *args, **kwargs)
 
-    monkeypatch.setattr(grpo, "batch_logps", batch_logps)
-    monkeypatch.setattr(grpo, "completion_logps", completion_logps)
+    monkeypatch.setattr(logprobs, "batch_logps", batch_logps)
+    monkeypatch.setattr(logprobs, "completion_logps", completion_logps)
     yield seen
 
 
@@ -90,7 +90,7 @@ def optimize_models(monkeypatch):
 def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adapter, beta):
     from transformers import AutoTokenizer
 
-    from stages.training import grpo
+    from stages.training import grpo, logprobs
 
     bench = _benchmark()
     scored = tmp_path / "scored.parquet"
@@ -98,8 +98,8 @@ def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adap
                            token_limit=len(AutoTokenizer.from_pretrained(tiny / "model")), model_vocab=300)
     cfg = grpo.GRPOConfig(adapter=adapter, beta=beta, micro_batch_size=8, gradient_accumulation_steps=2,
                           learning_rate=1e-3, logps_chunk_tokens=0 if beta else 64)
-    chunked, chunks = grpo.chunked_token_logps, []
-    monkeypatch.setattr(grpo, "chunked_token_logps", lambda *args: chunks.append(args[-1]) or chunked(*args))
+    chunked, chunks = logprobs.chunked_token_logps, []
+    monkeypatch.setattr(logprobs, "chunked_token_logps", lambda *args: chunks.append(args[-1]) or chunked(*args))
     with optimize_models(monkeypatch) as seen:
         metrics = grpo.run(cfg, tiny / "model", None, scored, 0, 1.0, 10, tmp_path / "r0", devices=CUDA_BF16)
     assert metrics["optimizer_steps"] == 1

@@ -40,7 +40,9 @@ import math
 import pytest
 import torch
 
-from stages.training.grpo import LOSS_TYPES, collate, completion_logps, grpo_loss
+from stages.training.grpo import collate
+from stages.training.grpo_loss import LOSS_TYPES, grpo_loss
+from stages.training.logprobs import completion_logps
 
 TEMPERATURE = 0.7
 BETA = 0.04
@@ -363,7 +365,7 @@ def test_unknown_loss_type_raises():
 def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
     """The sampling correction (TRL's vllm_importance_sampling_*), GSPO's sequence-level ratio and
     DeepSeek-V3.2's off-policy mask give TRL's loss and gradients on the same batch."""
-    from stages.training.grpo import off_policy_mask, sampling_correction
+    from stages.training.grpo_loss import off_policy_mask, sampling_correction
 
     inputs = dict(batch["inputs"])
     mask = inputs["completion_mask"].float()
@@ -415,7 +417,6 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
 def test_mean_ratio_is_the_token_mean_of_pi_over_pi_old():
     """axolotl's `mean_ratio` (training-stability guide): exp(logp - old_logp) averaged over the completion
     tokens the mask keeps."""
-    from stages.training.grpo import grpo_loss
 
     logps = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
     old = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.6, 0.3, 0.1]]))

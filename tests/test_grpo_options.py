@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from stages.data.schemas import REPLAYED, write_table
 from stages.runtime import devices
-from stages.training import grpo
+from stages.training import grpo, logprobs
 
 ROWS = 32  # 8 prompts x 4 generations
 ADVANTAGES = [1.0, -0.5, 0.8, -1.3]  # per group index: both signs, none zero
@@ -315,8 +315,8 @@ def test_shared_prompt_pass_gives_the_plain_logps_and_gradients(tiny):
     batch = grpo.collate([{**r, "advantage": 1.0} for r in sorted(rows, key=lambda r: r["prompt_id"])[:12]],
                          pad_token_id=0)  # 3 groups of 4
     results = []
-    for fn in (lambda: grpo.completion_logps(model, *grpo._inputs(batch), 0.7),
-               lambda: grpo.batch_logps(model, batch, 0.7)):
+    for fn in (lambda: logprobs.completion_logps(model, *logprobs.plain_inputs(batch), 0.7),
+               lambda: logprobs.batch_logps(model, batch, 0.7)):
         model.zero_grad()
         logps, entropy = fn()
         (logps * batch["completion_mask"] * torch.linspace(-1, 1, logps.size(1))).sum().backward()
@@ -337,8 +337,8 @@ def test_shared_prompt_pass_can_be_switched_off(tiny, monkeypatch):
     root, rows = tiny
     scored = _scored(root, "shared_scored", rows)
     calls = []
-    shared_pass = grpo.batch_logps
-    monkeypatch.setattr(grpo, "batch_logps", lambda *args: calls.append(1) or shared_pass(*args))
+    shared_pass = logprobs.batch_logps
+    monkeypatch.setattr(logprobs, "batch_logps", lambda *args: calls.append(1) or shared_pass(*args))
     _, shared_steps, shared_out = _run(root, scored, "shared_on")
     assert calls
     calls.clear()
@@ -364,7 +364,7 @@ def test_shared_prompt_pass_backward_adds_in_a_fixed_order(tiny):
     model = AutoModelForCausalLM.from_pretrained(root / "model")
     batch = grpo.collate([{**r, "advantage": 1.0} for r in sorted(rows, key=lambda r: r["prompt_id"])[:12]],
                          pad_token_id=0)  # 3 groups of 4
-    logps, _ = grpo.batch_logps(model, batch, 1.0)
+    logps, _ = logprobs.batch_logps(model, batch, 1.0)
     nodes, seen, todo = set(), set(), [logps.grad_fn]
     while todo:
         node = todo.pop()
@@ -406,17 +406,17 @@ def test_chunked_logps_give_the_plain_logps_and_gradients_with_a_row_or_two_at_a
     if adapter == "lora":
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  init_lora_weights=False))
-    assert grpo.logits_from_hidden(model)
+    assert logprobs.logits_from_hidden(model)
     batch = grpo.collate([{**r, "advantage": 1.0} for r in sorted(rows, key=lambda r: r["prompt_id"])[:12]],
                          pad_token_id=0)  # 3 groups of 4
     positions = batch["completion_ids"].size(1) + 1
     head_rows = []
-    grpo.decoder_and_head(model)[1].register_forward_hook(lambda _m, args, _o: head_rows.append(args[0].size(0)))
+    logprobs.decoder_and_head(model)[1].register_forward_hook(lambda _m, args, _o: head_rows.append(args[0].size(0)))
     results = {}
     for name, fn in {
-        "plain": lambda: grpo.completion_logps(model, *grpo._inputs(batch), 0.7),
-        "plain_chunked": lambda: grpo.completion_logps(model, *grpo._inputs(batch), 0.7, 2 * positions),
-        "shared_chunked": lambda: grpo.batch_logps(model, batch, 0.7, positions),
+        "plain": lambda: logprobs.completion_logps(model, *logprobs.plain_inputs(batch), 0.7),
+        "plain_chunked": lambda: logprobs.completion_logps(model, *logprobs.plain_inputs(batch), 0.7, 2 * positions),
+        "shared_chunked": lambda: logprobs.batch_logps(model, batch, 0.7, positions),
     }.items():
         model.zero_grad()
         head_rows.clear()
@@ -440,7 +440,7 @@ def test_chunked_logps_give_the_plain_logps_and_gradients_with_a_row_or_two_at_a
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logps_read_bf16_logits_as_their_fp32_copy_would(temperature):
-    """_token_logps at temperature 1 takes the log-softmax of the bf16 logits in fp32 without an fp32 copy of
+    """token_logps at temperature 1 takes the log-softmax of the bf16 logits in fp32 without an fp32 copy of
     them (nor a division by 1): log-probs, entropies and the logits' gradient are those of the copy's, bit for
     bit; other temperatures divide an fp32 copy, as before."""
     torch.manual_seed(0)
@@ -448,7 +448,7 @@ def test_token_logps_read_bf16_logits_as_their_fp32_copy_would(temperature):
     tokens = torch.randint(0, 1000, (3, 6))
     weights = torch.linspace(-1, 1, 6)
     results = []
-    for fn in (grpo._token_logps, _fp32_copy_token_logps):
+    for fn in (logprobs.token_logps, _fp32_copy_token_logps):
         x = logits.clone().requires_grad_(True)
         logps, entropy = fn(x, tokens, temperature)
         (logps * weights).sum().backward()
@@ -459,7 +459,7 @@ def test_token_logps_read_bf16_logits_as_their_fp32_copy_would(temperature):
 
 
 def _fp32_copy_token_logps(logits, tokens, temperature):
-    """_token_logps as it was written before: the log-softmax of an fp32 copy of the logits, divided."""
+    """token_logps as it was written before: the log-softmax of an fp32 copy of the logits, divided."""
     log_p = torch.log_softmax(logits[:, :-1, :].float() / temperature, dim=-1)
     with torch.no_grad():
         entropy = -(log_p.exp() * log_p).sum(-1)
@@ -471,9 +471,9 @@ def test_a_round_with_chunked_logps_trains_as_the_whole_logits_do(tiny, monkeypa
     whole-logits round does, up to float rounding."""
     root, rows = tiny
     scored = _scored(root, "chunk_scored", rows)
-    chunked = grpo.chunked_token_logps
+    chunked = logprobs.chunked_token_logps
     calls = []
-    monkeypatch.setattr(grpo, "chunked_token_logps", lambda *args: calls.append(args[-1]) or chunked(*args))
+    monkeypatch.setattr(logprobs, "chunked_token_logps", lambda *args: calls.append(args[-1]) or chunked(*args))
     _, whole_steps, whole_out = _run(root, scored, "chunks_off")
     assert not calls
     _, chunked_steps, chunked_out = _run(root, scored, "chunks_on", logps_chunk_tokens=20)
@@ -494,9 +494,9 @@ def test_logits_that_are_more_than_the_head_of_the_hidden_states_are_not_chunked
                  num_key_value_heads=1, head_dim=8)
     torch.manual_seed(0)
     capped = Gemma2ForCausalLM(Gemma2Config(**small, final_logit_softcapping=0.5))
-    assert not grpo.logits_from_hidden(capped)
+    assert not logprobs.logits_from_hidden(capped)
     plain = Qwen2ForCausalLM(Qwen2Config(**small))
-    assert grpo.logits_from_hidden(plain)
+    assert logprobs.logits_from_hidden(plain)
 
     trainer = grpo.RoundTrainer.__new__(grpo.RoundTrainer)  # the check alone, on these models
     trainer.cfg, trainer.sharded = grpo.GRPOConfig(logps_chunk_tokens=256), False

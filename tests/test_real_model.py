@@ -62,7 +62,7 @@ def test_smollm2_gguf_through_grpo_rounds_on_vllm_then_export(prefect_harness, t
     import torch
 
     from stages.runtime.policy import load_policy
-    from stages.training.grpo import completion_logps
+    from stages.training.logprobs import completion_logps
 
     round0_adapter = next(p.parent for p in (root / "optimize").glob("*/adapter_model.safetensors")
                           if json.loads((p.parent / "_manifest.json").read_text())["config"]["round"] == 0)

@@ -1,6 +1,6 @@
 """The vLLM engines against real vLLM (no mocks): LoRA versions, full-weight updates in
 place, the vllm_server engine on a real `vllm serve`, and sampling log-probs that agree
-with the trainer's own (stages.training.grpo.completion_logps) on the same tokens.
+with the trainer's own (stages.training.logprobs.completion_logps) on the same tokens.
 
 One tiny Qwen2 (hidden 128, 2 heads of 64, 2 layers) and one engine per module: the engine
 start costs ~30 s and the server start ~1 minute on 2 CPU cores.
@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,11 +101,11 @@ def sampling(**kw):
 
 
 def trainer_logps(model_dir: Path, adapter_dir: Path | None, rows: list[dict]) -> list[list[float]]:
-    """The optimize stage's log-probs of each row's completion tokens (stages.training.grpo.completion_logps)."""
+    """The optimize stage's log-probs of each row's completion tokens (stages.training.logprobs.completion_logps)."""
     import torch
 
     from stages.runtime.policy import load_policy
-    from stages.training.grpo import completion_logps
+    from stages.training.logprobs import completion_logps
 
     model, _ = load_policy(model_dir, adapter_dir, merge=False)
     out = []

@@ -11,6 +11,7 @@ patches named in ABLATION_PATCHES (comma-separated). Only that benchmark puts th
 import os
 
 import stages.training.grpo
+import stages.training.logprobs
 
 PATCHES = {name for name in os.environ.get("ABLATION_PATCHES", "").split(",") if name}
 
@@ -32,6 +33,6 @@ unknown = PATCHES - {"atomic_grad_order", "trl_dapo_normalizer"}
 if unknown:
     raise SystemExit(f"ABLATION_PATCHES: unknown patch(es) {sorted(unknown)}")
 if "atomic_grad_order" in PATCHES:
-    stages.training.grpo._copy_rows = _copy_rows_by_indexing
+    stages.training.logprobs._copy_rows = _copy_rows_by_indexing
 if "trl_dapo_normalizer" in PATCHES:
     stages.training.grpo.dapo_normalizer = _round_mean_normalizer

@@ -12,7 +12,7 @@ model with the LoRA adapter disabled (PEFT's `disable_adapter`).
 
 A round: shuffle the scored rows, cut them into optimizer steps of gradient_accumulation_steps
 micro-batches, compute pi_old once, then `num_iterations` passes over the steps (TRL's mu). Rows
-that share a prompt run it through the model once (`batch_logps`); with dapo and beta 0 a step's
+that share a prompt run it through the model once (`logprobs.batch_logps`); with dapo and beta 0 a step's
 rows are regrouped by prompt, since dapo's gradient does not depend on how a step is cut.
 Micro-batches with no signal (all advantages 0, or all masked by `mask_truncated_completions`)
 are skipped (`skip_zero_advantage_batches`); each step clips the gradient norm to
@@ -31,7 +31,7 @@ world_size-th micro-batch of a step and the gradients are summed before the step
 With `train.strategy: fsdp` the model is sharded (FSDP2); every forward then gathers weights from all
 ranks, so each rank makes the same number of forward calls: a rank short of a micro-batch runs a one-row
 filler whose loss is multiplied by 0, and a micro-batch's log-probs come from one plain forward, not
-`batch_logps`'s shared prompt pass (two forwards before one backward: FSDP2 reshards a block after the
+`logprobs.batch_logps`'s shared prompt pass (two forwards before one backward: FSDP2 reshards a block after the
 backward of the second and the first then finds its weights freed). The plain forward's float rounding
 differs from the shared pass's by ~1e-7, so AdamW, which turns noise in near-zero gradient entries into
 whole steps, ends a few 1e-4 of the learning rate away from a one-process run (SGD: < 1e-6).
@@ -51,10 +51,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.runtime.imports import LazyModule
 from stages.runtime.keys import key_when_set, not_in_key
 from stages.scoring.advantages import ZERO_ADVANTAGE
+from stages.training import logprobs
+from stages.training.grpo_loss import grpo_loss, off_policy_mask, sampling_correction
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
-
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class GRPOConfig(BaseModel):
     rounding, ~1e-6 per token)."""
     shared_prompt_pass: bool = True
     """Rows of a micro-batch that share a prompt (a GRPO group) run it through the model once, its KV cache
-    copied to each row with gradients flowing back into the one pass (`batch_logps`): the same log-probs and
+    copied to each row with gradients flowing back into the one pass (`logprobs.batch_logps`): the same log-probs and
     gradients as a plain forward up to float rounding, for a fraction of the prompt compute (2.3x faster on
     the quickstart's 64-row micro-batches). False: one plain forward over prompt and completion per
     micro-batch, as TRL: half the operators to dispatch (benchmarks/dispatch_ops.py), which is what a small
@@ -209,7 +209,7 @@ class GRPOConfig(BaseModel):
     benchmarks/compile_graphs.py) run the plain forward whatever this says."""
     logps_chunk_tokens: int = not_in_key(0, ge=0)
     """Compute the log-probs from the lm_head a few rows at a time, about this many tokens per chunk
-    (`chunked_token_logps`): the (rows, positions, vocabulary) logits and their fp32 log-softmax exist for one
+    (`logprobs.chunked_token_logps`): the (rows, positions, vocabulary) logits and their fp32 log-softmax exist for one
     chunk at a time, and the backward recomputes each chunk's (torch.utils.checkpoint), as Liger's fused
     linear losses and TRL's `use_liger_loss` avoid materializing them. With a 150k vocabulary the whole
     micro-batch's logits take much of the optimize stage's memory. Costs one more lm_head matmul per chunk in
@@ -249,218 +249,7 @@ class GRPOConfig(BaseModel):
         return self
 
 
-# ---------------------------------------------------------------- the math, pure functions
-
-
-def completion_logps(model, input_ids, attention_mask, logits_to_keep: int, temperature: float,
-                     chunk_tokens: int = 0):
-    """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens under logits / temperature.
-    The model computes logits only for the positions that predict them (transformers' `logits_to_keep`);
-    with `chunk_tokens`, from its decoder's hidden states a chunk of rows at a time (`chunked_token_logps`).
-    No KV cache: one pass has no use for one, and a cache makes `train.compile` specialize every block on its
-    own layer index (a compilation per block instead of one shared by all)."""
-    return _forward_logps(model, {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
-                          input_ids[:, -logits_to_keep:], temperature, chunk_tokens)
-
-
-def _forward_logps(model, inputs: dict, tokens: torch.Tensor, temperature: float, chunk_tokens: int):
-    """(log-probs, entropies) of `tokens`, the last of `inputs`' positions: from the logits of the positions
-    that predict them, or, with `chunk_tokens`, from the decoder's hidden states a chunk of rows at a time."""
-    keep = tokens.size(1)
-    if chunk_tokens:
-        decoder, head = decoder_and_head(model)
-        hidden = decoder(**inputs).last_hidden_state[:, -(keep + 1):]
-        return chunked_token_logps(head, hidden, tokens, temperature, chunk_tokens)
-    return _token_logps(model(**inputs, logits_to_keep=keep + 1).logits, tokens, temperature)
-
-
-def decoder_and_head(model):
-    """(the model's decoder, returning hidden states; its output embedding, the lm_head), under a PEFT
-    wrapper too: HF causal LMs compute `lm_head(decoder(...).last_hidden_state)`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
-
-
-def logits_from_hidden(model) -> bool:
-    """Whether the model's logits are its lm_head applied to its decoder's last hidden state, as
-    `chunked_token_logps` assumes: checked on four tokens in eval mode. False for heads that do more
-    (Gemma 2's soft-capping, logit scaling) and for models whose decoder or head is not found. Compiled
-    blocks run eagerly for it (no compilation for its shape)."""
-    try:
-        decoder, head = decoder_and_head(model)
-    except (AttributeError, TypeError, ValueError):
-        return False
-    if decoder is None or head is None or decoder is model:
-        return False
-    device = next(model.parameters()).device
-    ids = torch.arange(4, device=device).unsqueeze(0)
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            whole = model(input_ids=ids).logits.float()
-            parts = head(decoder(input_ids=ids).last_hidden_state).float()
-    finally:
-        model.train(training)
-    return whole.shape == parts.shape and torch.allclose(whole, parts, rtol=1e-3, atol=1e-3)
-
-
-def chunked_token_logps(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_tokens: int):
-    """`_token_logps` of head(hidden), a chunk of about `chunk_tokens` tokens (whole rows) at a time: the
-    logits exist for one chunk at a time; with gradients each chunk is checkpointed (its logits recomputed
-    in the backward), so none are kept between forward and backward. `hidden` holds one position more
-    than `tokens`, as `_token_logps`'s logits."""
-    from torch.utils.checkpoint import checkpoint
-
-    rows = max(1, chunk_tokens // hidden.size(1))
-    logps, entropies = [], []
-    for start in range(0, hidden.size(0), rows):
-        part = (head, hidden[start : start + rows], tokens[start : start + rows], temperature)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            logp, entropy = checkpoint(_head_token_logps, *part, use_reentrant=False)
-        else:
-            logp, entropy = _head_token_logps(*part)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), torch.cat(entropies)
-
-
-def _head_token_logps(head, hidden, tokens, temperature):
-    return _token_logps(head(hidden), tokens, temperature)
-
-
-def _token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """(log-prob of each of `tokens`, entropy) from logits whose position t predicts tokens[:, t]; the
-    last position of `logits` predicts past the tokens and is dropped. The log-softmax is in fp32; at
-    temperature 1 it reads the (bf16) logits itself: no fp32 copy of them and no division, forward or
-    backward (the same numbers: tests/test_grpo_options.py)."""
-    logits = logits[:, :-1, :]
-    if temperature == 1.0:
-        log_p = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logps = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(log_p.exp() * log_p).sum(-1)
-    return logps, entropy
-
-
-def grpo_loss(
-    logps: torch.Tensor,
-    old_logps: torch.Tensor,
-    ref_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    loss_type: str,
-    epsilon: float,
-    epsilon_high: float,
-    beta: float,
-    max_completion_length: int,
-    num_items_in_batch: float,
-    gradient_accumulation_steps: int,
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: str = "token",
-    is_weights: torch.Tensor | None = None,
-    off_policy_keep: torch.Tensor | None = None,
-    stats_as_tensors: bool = False,
-) -> tuple[torch.Tensor, dict]:
-    """The loss of one micro-batch, scaled for accumulation exactly as TRL scales it. One function on purpose: it
-    mirrors TRL's GRPOTrainer._compute_loss as one piece (ratio, clip, masks, KL, aggregation per loss_type, clip
-    statistics), so the two read side by side; its body is 50 lines, the rest is signature and docstring.
-
-    Shapes: logps, old_logps, ref_logps, mask (B, T); advantages (B,).
-    `num_items_in_batch`: completion tokens in the whole optimizer step (dapo's normalizer).
-    `is_weights`: sampling correction, (B, T) or (B, 1), from `sampling_correction`.
-    `off_policy_keep`: (B, 1) 1 = keep, 0 = drop, from `off_policy_mask`.
-
-    >>> t = torch.zeros(1, 2); m = torch.ones(1, 2)
-    >>> loss, _ = grpo_loss(t, t, None, torch.tensor([1.0]), m, loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
-    ...                     beta=0.0, max_completion_length=2, num_items_in_batch=2, gradient_accumulation_steps=1)
-    >>> loss.item()  # ratio 1, advantage 1: loss -1
-    -1.0
-    """
-    mask = mask.to(logps.dtype)
-    advantages = advantages.unsqueeze(1)
-    log_ratio = logps - old_logps
-    if importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    elif importance_sampling_level != "token":
-        raise ValueError(f"grpo.importance_sampling_level: unknown {importance_sampling_level!r}; "
-                         "use token or sequence")
-    coef_1 = torch.exp(log_ratio)
-    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if off_policy_keep is not None:
-        per_token_loss = per_token_loss * off_policy_keep
-    if is_weights is not None:
-        per_token_loss = per_token_loss * is_weights
-    per_token_kl = None
-    if ref_logps is not None:
-        per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        if use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1  # not detached, as in TRL
-        if beta != 0.0:
-            per_token_loss = per_token_loss + beta * per_token_kl
-
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / gradient_accumulation_steps
-    elif loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
-        loss = loss / gradient_accumulation_steps
-    elif loss_type == "dapo":
-        loss = (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)
-    else:
-        raise ValueError(f"grpo.loss_type: unknown {loss_type!r}; use one of {LOSS_TYPES}")
-
-    with torch.no_grad():
-        tokens = mask.sum().clamp(min=1.0)
-        clipped = ((coef_1 < 1 - epsilon) & (advantages < 0)) | ((coef_1 > 1 + epsilon_high) & (advantages > 0))
-        clipped = clipped.expand_as(mask)
-        stats = {
-            "clip_ratio": (clipped.to(mask.dtype) * mask).sum() / tokens,
-            # pi / pi_old over the completion tokens (axolotl's guide: mean_ratio, healthy near 1)
-            "mean_ratio": (coef_1.expand_as(mask) * mask).sum() / tokens,
-            "kl": ((per_token_kl * mask).sum() / tokens if per_token_kl is not None
-                   else torch.zeros((), device=mask.device)),
-            "tokens": mask.sum(),
-        }
-    if stats_as_tensors:  # 0-dim tensors on the loss's device: read them once per step (one host sync)
-        return loss, stats
-    return loss, {k: float(v) for k, v in stats.items()}
-
-
-def sampling_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
-                        cap: float) -> torch.Tensor:
-    """pi_old / pi_sampling per token (B, T) or per sequence (B, 1), truncated at or masked above `cap`.
-
-    >>> old = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.9]])); m = torch.ones(2, 2)
-    >>> sampling = torch.log(torch.tensor([[0.5, 0.1], [0.9, 0.9]]))
-    >>> sampling_correction(old, sampling, m, "token_truncate", 3.0).tolist()
-    [[1.0, 3.0], [1.0, 1.0]]
-    >>> sampling_correction(old, sampling, m, "sequence_mask", 3.0).flatten().tolist()
-    [0.0, 1.0]
-    """
-    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(-1, keepdim=True)
-    ratio = torch.exp(diff)
-    if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    if mode.endswith("mask"):
-        return ratio.masked_fill(ratio > cap, 0.0)
-    raise ValueError(f"grpo.vllm_importance_sampling_mode: unknown {mode!r}")
-
-
-def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor,
-                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """(B, 1): 0 for sequences with negative advantage whose mean per-token log(pi_sampling / pi_theta)
-    exceeds `threshold`, else 1 (TRL's get_off_policy_mask)."""
-    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
-    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return ((advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+# ---------------------------------------------------------------- schedule and batches
 
 
 def scheduled_lr(step: int, learning_rate: float, scheduler_type: str, warmup_steps: int,
@@ -501,7 +290,7 @@ def pad(rows: list[list], value, side: str, dtype) -> torch.Tensor:
 
 def collate(rows: list[dict], pad_token_id: int) -> dict:
     """TRL's layout: prompts left-padded, completions right-padded, masks alongside; `prompt_distinct` /
-    `prompt_index` (which rows share a prompt, for `batch_logps`) are worked out here, on the host, so that a
+    `prompt_index` (which rows share a prompt, for `logprobs.batch_logps`) are worked out here, on the host, so that a
     batch on a GPU needs no read back."""
     from stages.rollout.engines.hf import repeats
 
@@ -546,62 +335,6 @@ def _load_trainable(cfg: GRPOConfig, base_dir: Path, prev_dir: Path | None, devi
                                                 lora_dropout=cfg.lora_dropout,
                                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
     return placement.adapter_inputs_uncast(model, devices), None
-
-
-def _inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    return input_ids, attention_mask, batch["completion_ids"].size(1)
-
-
-def batch_logps(model, batch: dict, temperature: float, chunk_tokens: int = 0):
-    """`completion_logps` of a collated batch; rows that share a prompt (a GRPO group) run it once.
-
-    The prompt minus its last token goes through the model once per distinct prompt, its KV cache is
-    copied to every row that has it (by indexing, so gradients flow back into the one prompt pass),
-    and each row then runs its last prompt token and its completion on top of that cache, with the
-    positions the plain forward gives them. Same log-probs and gradients as the plain forward up to
-    float rounding (tests/test_grpo_options.py), for a fraction of the prompt compute. `chunk_tokens`: as
-    `completion_logps`."""
-    from transformers import DynamicCache
-
-    from stages.rollout.engines.hf import repeats
-
-    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-    if "prompt_index" in batch:  # collate's, worked out on the host
-        distinct, index = batch["prompt_distinct"], batch["prompt_index"]
-    else:
-        found = repeats([tuple(i) for i in prompt_ids.tolist()])
-        distinct, index = (torch.tensor(v, device=prompt_ids.device) for v in found)
-    if len(distinct) == len(index) or prompt_ids.size(1) < 2:
-        return completion_logps(model, *_inputs(batch), temperature, chunk_tokens)
-    cache = DynamicCache(config=model.config)
-    prompt_inputs = {"input_ids": prompt_ids[distinct, :-1], "attention_mask": prompt_mask[distinct, :-1],
-                     "past_key_values": cache, "use_cache": True}
-    if chunk_tokens:  # the cache is what this pass is for: no head
-        decoder_and_head(model)[0](**prompt_inputs)
-    else:
-        model(**prompt_inputs, logits_to_keep=1)
-    _copy_rows(cache, index)
-    prompt_length, keep = prompt_ids.size(1), completion_ids.size(1)
-    tail = torch.cat([prompt_ids[:, -1:], completion_ids], dim=1)
-    positions = torch.arange(prompt_length - 1, prompt_length + keep, device=prompt_ids.device).expand(len(index), -1)
-    tail_inputs = {"input_ids": tail, "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1),
-                   "past_key_values": cache, "position_ids": positions, "use_cache": True}
-    return _forward_logps(model, tail_inputs, completion_ids, temperature, chunk_tokens)
-
-
-def _copy_rows(cache, index: torch.Tensor) -> None:
-    """Give each row of a batch its prompt's KV cache: row i gets the cache of prompt index[i].
-
-    `index_select`, not `DynamicCache.batch_select_indices`: the latter indexes with a tensor, whose backward
-    (`index_put_` with accumulate) adds the rows' gradients with atomic float adds on several CPU threads, in
-    an order that depends on thread timing -- reruns under CPU load then differ by ~1e-8 (BENCHMARKS.md,
-    issue 13). index_select's backward (`index_add_`) adds them in a fixed order."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, index)
-        layer.values = layer.values.index_select(0, index)
 
 
 def dapo_normalizer(steps: list[list[list[dict]]], step_index: int, masked_out: set[str]) -> float:
@@ -688,7 +421,7 @@ def _trains(cfg: GRPOConfig, micro_batch: list[dict], masked_out: set[str]) -> b
 def _step_runs(cfg: GRPOConfig, micro_batches: list[list[dict]], masked_out: set[str]) -> list[list[dict]]:
     """The micro-batches an optimizer step runs forward and backward. dapo with beta 0: the step's rows,
     less those without signal when skip_zero_advantage_batches is on (their loss and gradient are 0),
-    with a group's rows side by side so that they share one prompt pass (batch_logps), cut again into
+    with a group's rows side by side so that they share one prompt pass (logprobs.batch_logps), cut again into
     micro_batch_size: dapo divides by the whole step's token count, so the step's gradient is the same
     sum over the same rows however they are cut. Other losses normalize per micro-batch: the
     micro-batches as cut, those without signal skipped."""
@@ -772,7 +505,7 @@ class RoundTrainer:
 
     def _logps_chunk_tokens(self) -> int:
         """grpo.logps_chunk_tokens, checked: an error naming it for a model whose logits are not its lm_head
-        of its decoder's hidden states (`logits_from_hidden`) or a sharded one (flows/config.py refuses it with
+        of its decoder's hidden states (`logprobs.logits_from_hidden`) or a sharded one (flows/config.py refuses it with
         fsdp before a run starts)."""
         wanted = self.cfg.logps_chunk_tokens
         if not wanted:
@@ -780,7 +513,7 @@ class RoundTrainer:
         if self.sharded:
             raise ValueError("grpo.logps_chunk_tokens is not built with train.strategy: fsdp; set it to 0")
         with self.placement.autocast(self.devices):  # as every forward of the trained model runs
-            plain_head = logits_from_hidden(self.model)
+            plain_head = logprobs.logits_from_hidden(self.model)
         if not plain_head:
             raise ValueError(f"grpo.logps_chunk_tokens: {type(self.model).__name__}'s logits are more than its "
                              "lm_head applied to its decoder's hidden states (logit soft-capping or scaling), "
@@ -793,8 +526,9 @@ class RoundTrainer:
         log-probs a chunk of rows at a time where `chunk_tokens` says so."""
         with self.placement.autocast(self.devices):
             if self.plain_forward:
-                return completion_logps(module, *_inputs(batch), self.temperature, self.chunk_tokens)
-            return batch_logps(module, batch, self.temperature, self.chunk_tokens)
+                return logprobs.completion_logps(module, *logprobs.plain_inputs(batch), self.temperature,
+                                                 self.chunk_tokens)
+            return logprobs.batch_logps(module, batch, self.temperature, self.chunk_tokens)
 
     def collated(self, micro_batch: list[dict], masked_out: set[str], old: dict | None = None) -> dict:
         """The micro-batch's tensors on the models' device, with its loss mask's per-row `keep` and, given
