@@ -97,7 +97,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -187,21 +186,6 @@ def peak_memory(on_cuda: bool) -> dict:
         return {"peak_gpu_mem_gib": None}
     return {"peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
-
-
-def takes_devices(fn) -> bool:
-    """Whether a stage function (or class) takes the `devices` keyword yet."""
-    return "devices" in inspect.signature(fn).parameters
-
-
-def with_devices(fn, *args, devices, on_cuda: bool, **kwargs):
-    """fn(*args, devices=devices, **kwargs); where fn does not take `devices` yet, fn(*args, **kwargs) on CPU
-    (its default), and on CUDA an error (the stage would run on the CPU: not the number this measures)."""
-    if takes_devices(fn):
-        return fn(*args, devices=devices, **kwargs)
-    if on_cuda:
-        raise RuntimeError(f"{fn.__module__}.{fn.__qualname__} does not take devices= yet: it would run on the CPU")
-    return fn(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- the model
@@ -469,7 +453,7 @@ class ForwardMeter:
 
 
 def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes: dict, completion_tokens: int,
-                   rows: int, devices, on_cuda: bool) -> tuple[dict, ForwardMeter, float]:
+                   rows: int, devices) -> tuple[dict, ForwardMeter, float]:
     from stages.training import grpo
 
     micro = min(sizes["micro_batch"], rows)
@@ -481,8 +465,8 @@ def optimize_round(adapter: str, model_dir: Path, scored: Path, out: Path, sizes
     out.mkdir(parents=True)
     with ForwardMeter() as meter:
         started = time.perf_counter()
-        metrics = with_devices(grpo.run, cfg, model_dir, None, scored, 0, 1.0, completion_tokens, out,
-                               on_step=meter.on_step, devices=devices, on_cuda=on_cuda)
+        metrics = grpo.run(cfg, model_dir, None, scored, 0, 1.0, completion_tokens, out, on_step=meter.on_step,
+                           devices=devices)
         sync()
         wall = time.perf_counter() - started
     return metrics, meter, wall
@@ -497,20 +481,20 @@ def optimize(adapter: str, model_dir: Path, work: Path, sizes: dict, counts: dic
     P, G = sizes["opt_prompts"], sizes["opt_generations"]
     Lp, Lc = sizes["opt_prompt_tokens"], sizes["opt_completion_tokens"]
     folder = work / f"optimize-{adapter}"
+    shutil.rmtree(folder, ignore_errors=True)  # what an earlier section of this adapter left when it failed
     folder.mkdir()
     # at least one micro-batch: the timed round's batch shapes are the warm-up's (train.compile specializes on them)
     warm_rows = min(P, max(sizes["warmup_prompts"], -(-sizes["micro_batch"] // G))) * G
     synthetic_scored(folder / "warmup.parquet", warm_rows // G, G, Lp, Lc, token_limit, counts["vocab_size"], seed=1)
     synthetic_scored(folder / "scored.parquet", P, G, Lp, Lc, token_limit, counts["vocab_size"], seed=2)
     say(f"optimize {adapter}: warm-up round ({warm_rows} rows)")
-    optimize_round(adapter, model_dir, folder / "warmup.parquet", folder / "warmup", sizes, Lc, warm_rows, devices,
-                   on_cuda)
+    optimize_round(adapter, model_dir, folder / "warmup.parquet", folder / "warmup", sizes, Lc, warm_rows, devices)
     shutil.rmtree(folder / "warmup", ignore_errors=True)
     free_memory()
     reset_peak(on_cuda)
     say(f"optimize {adapter}: timed round ({P * G} rows of {Lp}+{Lc} tokens)")
     metrics, meter, wall = optimize_round(adapter, model_dir, folder / "scored.parquet", folder / "timed", sizes, Lc,
-                                          P * G, devices, on_cuda)
+                                          P * G, devices)
     memory = peak_memory(on_cuda)
     saved = saved_dtypes(folder / "timed")
     shutil.rmtree(folder, ignore_errors=True)
@@ -573,11 +557,10 @@ def profile_optimize(model_dir: Path, work: Path, sizes: dict, counts: dict, dev
         box["wall_s"], box["prof"] = time.perf_counter() - started, prof
         return result
 
-    optimize_round("none", model_dir, folder / "scored.parquet", folder / "warmup", sizes, Lc, rows, devices, on_cuda)
+    optimize_round("none", model_dir, folder / "scored.parquet", folder / "warmup", sizes, Lc, rows, devices)
     grpo.RoundTrainer.accumulate = profiled
     try:
-        optimize_round("none", model_dir, folder / "scored.parquet", folder / "out", sizes, Lc, rows, devices,
-                       on_cuda)
+        optimize_round("none", model_dir, folder / "scored.parquet", folder / "out", sizes, Lc, rows, devices)
     finally:
         grpo.RoundTrainer.accumulate = original
         shutil.rmtree(folder, ignore_errors=True)
@@ -614,10 +597,10 @@ def saved_dtypes(folder: Path) -> dict:
 # ---------------------------------------------------------------- 4: generation
 
 
-def transformers_engine(batch_size: int, devices, on_cuda: bool):
+def transformers_engine(batch_size: int, devices):
     from stages.rollout.engines.hf import TransformersEngine
 
-    return with_devices(TransformersEngine, batch_size=batch_size, devices=devices, on_cuda=on_cuda)
+    return TransformersEngine(batch_size=batch_size, devices=devices)
 
 
 def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: bool) -> dict:
@@ -632,7 +615,7 @@ def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: 
     sampling = Sampling(max_new_tokens=sizes["gen_new_tokens"], temperature=1.0, seed=0)
     batch = len(prompts)
     out = {"prompts": len(prompts), "max_new_tokens": sampling.max_new_tokens, "batch_size": batch}
-    engine = transformers_engine(batch, devices, on_cuda)
+    engine = transformers_engine(batch, devices)
     say("generation: transformers engine warm-up")
     engine.generate(Policy(model_dir), prompts, Sampling(max_new_tokens=8, seed=1))
     free_memory()
@@ -650,7 +633,7 @@ def generation(model_dir: Path, sizes: dict, devices, on_cuda: bool, skip_vllm: 
     engine.close()
     del rows
     free_memory()
-    model, tokenizer = with_devices(load_policy, model_dir, devices=devices, on_cuda=on_cuda)
+    model, tokenizer = load_policy(model_dir, devices=devices)
     params = list(model.parameters())
     say("generation: generate() on the loaded policy")
     sync()
@@ -680,7 +663,7 @@ def attention_backends(model_dir: Path, sizes: dict, devices, on_cuda: bool) -> 
 
     if not on_cuda:
         return {"measured": False, "why": "cuDNN attention is CUDA's"}
-    model, tokenizer = with_devices(load_policy, model_dir, devices=devices, on_cuda=on_cuda)
+    model, tokenizer = load_policy(model_dir, devices=devices)
     out = {}
     for name, cudnn, prompt_tokens in (("cudnn_off", False, 160), ("cudnn_on", True, 96)):
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
@@ -789,8 +772,8 @@ def scored(rows: list[dict], generations: int, folder: Path) -> dict:
             "lengths": [len(row["completion_token_ids"]) for row in rows]}
 
 
-def optimize_scored(model_dir: Path, prev_dir: Path | None, folder: Path, round_index: int, sizes: dict, devices,
-                    on_cuda: bool) -> dict:
+def optimize_scored(model_dir: Path, prev_dir: Path | None, folder: Path, round_index: int, sizes: dict,
+                    devices) -> dict:
     """grpo.run (LoRA, the round against TRL's settings) on `folder`/scored.parquet into `folder`/optimize:
     {metrics, optimize_s (load + train + save), train_s (first forward to the AdamW step's end)}."""
     import pyarrow.parquet as pq
@@ -804,23 +787,21 @@ def optimize_scored(model_dir: Path, prev_dir: Path | None, folder: Path, round_
                           shared_prompt_pass=sizes.get("shared_prompt_pass", True))
     started = time.perf_counter()
     with ForwardMeter() as meter:
-        metrics = with_devices(grpo.run, cfg, model_dir, prev_dir, folder / "scored.parquet", round_index, 1.0,
-                               sizes["trl_new_tokens"], folder / "optimize", on_step=meter.on_step, devices=devices,
-                               on_cuda=on_cuda)
+        metrics = grpo.run(cfg, model_dir, prev_dir, folder / "scored.parquet", round_index, 1.0,
+                           sizes["trl_new_tokens"], folder / "optimize", on_step=meter.on_step, devices=devices)
         sync()
     return {"metrics": metrics, "optimize_s": time.perf_counter() - started,
             "train_s": meter.last - meter.first if meter.first and meter.last else None}
 
 
-def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, seed: int, devices,
-                    on_cuda: bool) -> dict:
+def posttrain_round(model_dir: Path, prompts: list, sizes: dict, folder: Path, seed: int, devices) -> dict:
     """Rollout (transformers engine) + score (plain Python, written as scored Parquet) + grpo.run (LoRA)."""
     from stages.rollout.engines import Policy
 
-    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    engine = transformers_engine(sizes["rollout_batch"], devices)
     sampled = rollout_scored(engine, Policy(model_dir), prompts, sizes, folder, seed)
     free_memory()
-    trained = optimize_scored(model_dir, None, folder, 0, sizes, devices, on_cuda)
+    trained = optimize_scored(model_dir, None, folder, 0, sizes, devices)
     shutil.rmtree(folder, ignore_errors=True)
     free_memory()
     rollout_s, score_s, optimize_s, metrics = (sampled["rollout_s"], sampled["score_s"], trained["optimize_s"],
@@ -860,7 +841,7 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
                             seed=7)
     folders = [work / f"prefetch-{k}" for k in range(rounds + 1)]
     if sampler == "thread":
-        sample, close = thread_sampler(prompts, sizes, work, devices, on_cuda)
+        sample, close = thread_sampler(prompts, sizes, devices)
     else:
         sample, close = stage_sampler(model_dir, prompts, sizes, work, devices, on_cuda,
                                       engine="vllm" if sampler == "vllm" else "transformers",
@@ -882,7 +863,7 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
                 thread = threading.Thread(target=lambda: box.update(result=sample(k + 1, policy_after(k),
                                                                                   folders[k + 1])))
                 thread.start()
-            trained = optimize_scored(model_dir, adapter_after(k), folders[k], k, sizes, devices, on_cuda)
+            trained = optimize_scored(model_dir, adapter_after(k), folders[k], k, sizes, devices)
             optimize_s.append(round(trained["optimize_s"], 2))
             waited = time.perf_counter()
             if prefetching:
@@ -904,10 +885,10 @@ def prefetch_rounds(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: 
             "waited_for_rollout_s": waits, "mean_round_s": round(statistics.mean(steady), 2)}
 
 
-def thread_sampler(prompts: list, sizes: dict, work: Path, devices, on_cuda: bool):
+def thread_sampler(prompts: list, sizes: dict, devices):
     """sample(k, policy, folder): round k's slice of `prompts` by a transformers engine in this process, scored
     into `folder`; and the engine's close."""
-    engine = transformers_engine(sizes["rollout_batch"], devices, on_cuda)
+    engine = transformers_engine(sizes["rollout_batch"], devices)
     P = sizes["trl_prompts"]
 
     def sample(k: int, policy, folder: Path) -> dict:
@@ -1051,16 +1032,16 @@ def vs_trl(model_dir: Path, sizes: dict, work: Path, devices, on_cuda: bool, pla
     both = digit_prompts(tokenizer, 2 * P, sizes["trl_prompt_tokens"], seed=4)
     prompt_sets = [both[:P], both[P:]]  # warm-up, timed: the same on both sides
     say(f"vs TRL: posttrain warm-up round ({P} prompts x {sizes['trl_generations']})")
-    posttrain_round(model_dir, prompt_sets[0], sizes, work / "posttrain-warmup", 10, devices, on_cuda)
+    posttrain_round(model_dir, prompt_sets[0], sizes, work / "posttrain-warmup", 10, devices)
     reset_peak(on_cuda)
     say("vs TRL: posttrain timed round")
-    ours = posttrain_round(model_dir, prompt_sets[1], sizes, work / "posttrain-timed", 11, devices, on_cuda)
+    ours = posttrain_round(model_dir, prompt_sets[1], sizes, work / "posttrain-timed", 11, devices)
     ours.update(peak_memory(on_cuda))
     plain = None
     if plain_forward:  # the same round with one plain forward per micro-batch (grpo.shared_prompt_pass: false)
         say("vs TRL: posttrain timed round, plain forward")
-        plain = posttrain_round(model_dir, prompt_sets[1], {**sizes, "shared_prompt_pass": False}, work / "posttrain-plain",
-                                11, devices, on_cuda)
+        plain = posttrain_round(model_dir, prompt_sets[1], {**sizes, "shared_prompt_pass": False},
+                                work / "posttrain-plain", 11, devices)
     say("vs TRL: TRL GRPOTrainer, 2 steps (the first warms up)")
     reset_peak(on_cuda)
     theirs = trl_round(model_dir, prompt_sets, sizes, work, devices)

@@ -232,17 +232,18 @@ def test_sft_trains_on_cuda_in_bf16(tiny, tmp_path):
 
 
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
-    """benchmarks/gpu.py end to end with a tiny model on the CPU (TRL left out: it only adds time here)."""
+    """benchmarks/gpu.py end to end with a tiny model on the CPU, the round against TRL's GRPOTrainer included
+    (its ratios are what a GPU lease reads; here they mean nothing)."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--device", "cpu",
-                           "--skip-trl", "--plain-forward", "--prefetch-rounds", "2", "--prefetch-worker-process",
+                           "--plain-forward", "--prefetch-rounds", "2", "--prefetch-worker-process",
                            "--profile", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     assert not errors, errors
-    assert "GRPO round" not in proc.stdout and "optimize none:" in proc.stdout  # the table, without TRL's row
+    assert "GRPO round" in proc.stdout and "optimize none:" in proc.stdout  # the table
 
     env = results["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["precision"] == "bf16"
@@ -275,7 +276,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
         prefetch = results[name]  # two rounds, the second's rollout beside the first's optimize
         assert prefetch["rollout_in"] == where and prefetch["shared_prompt_pass"] is False
         assert len(prefetch["round_s"]) == len(prefetch["optimize_s"]) == 2
-        assert prefetch["mean_round_s"] > 0 and "ratio_to_trl_step" not in prefetch  # no TRL step to divide by
+        assert prefetch["mean_round_s"] > 0 and prefetch["ratio_to_trl_step"] > 0
         assert f"rollout in a {where}, 2 rounds" in proc.stdout
 
     generation = results["generation"]["transformers"]
@@ -283,7 +284,13 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert generation["generate_tokens_per_s"] > 0 and generation["engine_call_tokens_per_s"] > 0
     assert generation["policy_dtypes"] == ["torch.bfloat16"]
     assert results["generation"]["vllm"]["measured"] is False and results["generation"]["vllm"]["why"]
-    assert results["vs_trl"] == {"skipped": "--skip-trl"}
+    vs_trl = results["vs_trl"]  # a warm-up and a timed round on each side, the same prompts
+    assert len(vs_trl["trl"]["step_s"]) == vs_trl["trl"]["optimizer_steps"] == 2
+    assert vs_trl["trl"]["generation"].startswith("transformers") and vs_trl["trl"]["devices"] == ["cpu"]
+    for ours in (vs_trl["posttrain"], vs_trl["posttrain_plain_forward"]):
+        assert ours["optimizer_steps"] == 1 and ours["sequences"] == vs_trl["prompts"] * vs_trl["generations"]
+        assert ours["round_s"] > 0 and ours["optimize_train_s"] > 0
+    assert vs_trl["ratio"] > 0 and vs_trl["ratio_plain_forward"] > 0
 
 
 def test_gpu_benchmark_vllm_rounds_tiny_on_cpu(tmp_path):
