@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stages.data.base_model import BaseModelConfig
 from stages.data.demo_data import DemoDataConfig
-from stages.data.preferences import DemoPairsConfig, PreferenceConfig
+from stages.data.demo_pairs import DemoPairsConfig
+from stages.data.preferences import PreferenceConfig
 from stages.data.transform import TransformConfig
 from stages.evaluation.evaluate import EvalConfig
 from stages.evaluation.health import HealthConfig

@@ -15,7 +15,7 @@ from typing import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from stages.data import base_model, demo_data, model_source, preferences, schemas, transform
+from stages.data import base_model, demo_data, demo_pairs, model_source, preferences, schemas, transform
 from stages.evaluation import evaluate
 from stages.rollout import atropos, rollout
 from stages.rollout.engines import Policy, import_eagerly
@@ -452,8 +452,8 @@ def preferences_task(ctx: RunContext) -> Artifact:
         return materialize(ctx, "preferences", preferences, section, {},
                            lambda out, _: preferences.run(prefs, out))
     section = {"demo_pairs": cfg.demo_pairs.model_dump(mode="json"), "demo_data": cfg.demo_data.model_dump(mode="json")}
-    return materialize(ctx, "preferences", preferences, section, {},
-                       lambda out, _: preferences.write_demo_pairs(cfg.demo_pairs, out, demo=cfg.demo_data))
+    return materialize(ctx, "preferences", demo_pairs, section, {},
+                       lambda out, _: demo_pairs.write_demo_pairs(cfg.demo_pairs, out, demo=cfg.demo_data))
 
 
 @task(name="preference_optimization", task_run_name="{label}", cache_policy=NO_CACHE)

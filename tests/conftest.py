@@ -152,7 +152,7 @@ def tiny_preference_model(root, num_train: int, num_eval: int):
     """A tiny Qwen2 causal LM with the ChatML template under root/model and demo preference pairs
     under root/prefs (shared by the DPO and reward-model tests)."""
     from stages.data.demo_data import DemoDataConfig
-    from stages.data.preferences import DemoPairsConfig, write_demo_pairs
+    from stages.data.demo_pairs import DemoPairsConfig, write_demo_pairs
 
     tiny_model(root, [f"<|im_start|>user\nWhich is the largest of {i % 9 + 1}, {i * 3 % 9 + 1}?<|im_end|>\n"
                       f"<|im_start|>assistant\n<answer>{i % 9 + 1}</answer><|im_end|>" for i in range(200)])

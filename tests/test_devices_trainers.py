@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stages.data.demo_data import DemoDataConfig
-from stages.data.preferences import DemoPairsConfig, write_demo_pairs
+from stages.data.demo_pairs import DemoPairsConfig, write_demo_pairs
 from stages.runtime.devices import DeviceConfig, trainer_arguments
 from stages.training import dpo, sft
 from stages.scoring.rewards import reward_model as rm_scoring

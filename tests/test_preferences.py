@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from stages.data import demo_data, preferences
+from stages.data import demo_data, demo_pairs, preferences
 from stages.data.demo_data import DemoDataConfig, format_answer
-from stages.data.preferences import PREFERENCES, BadRowsError, DemoPairsConfig, PreferenceConfig
+from stages.data.demo_pairs import DemoPairsConfig
+from stages.data.preferences import PREFERENCES, BadRowsError, PreferenceConfig
 from stages.data.sources import BadRowError
 
 SYSTEM = "Be brief."
@@ -577,9 +578,9 @@ def test_demo_pairs_are_correct_and_disjoint_from_demo_eval(tmp_path, digits):
     demo = DemoDataConfig(num_sft=50, num_train=50, num_eval=200, number_digits=digits, seed=7)
     demo_data.run(demo, tmp_path)  # the eval split the pipeline would evaluate on
     eval_questions = set(pq.read_table(tmp_path / "eval.parquet").column("question").to_pylist())
-    assert preferences.demo_eval_questions(demo) == eval_questions
+    assert demo_pairs.demo_eval_questions(demo) == eval_questions
 
-    pairs = preferences.demo_pair_rows(DemoPairsConfig(num_train=400, num_eval=100), demo)
+    pairs = demo_pairs.demo_pair_rows(DemoPairsConfig(num_train=400, num_eval=100), demo)
 
     questions = {split: [r["prompt"][-1]["content"] for r in rows] for split, rows in pairs.items()}
     assert len(questions["train"]) == 400 and len(questions["eval"]) == 100
@@ -606,7 +607,7 @@ def test_demo_pairs_written_and_deterministic(tmp_path):
     demo = DemoDataConfig(num_sft=20, num_train=20, num_eval=20)
     cfg = DemoPairsConfig(num_train=30, num_eval=10, rejected="second_largest", system_prompt="Answer in tags.")
 
-    summary = preferences.write_demo_pairs(cfg, tmp_path, demo)
+    summary = demo_pairs.write_demo_pairs(cfg, tmp_path, demo)
 
     assert summary["train"]["kept"] == 30 and summary["eval"]["kept"] == 10
     rows = _read(tmp_path)
@@ -615,7 +616,7 @@ def test_demo_pairs_written_and_deterministic(tmp_path):
     for row in rows:
         numbers = sorted(_numbers(row["prompt"][-1]["content"]))
         assert row["rejected"] == [assistant(format_answer(numbers[-2]))]
-    again = preferences.demo_pair_rows(cfg, demo)
+    again = demo_pairs.demo_pair_rows(cfg, demo)
     assert [r["prompt"] for r in again["train"]] == [r["prompt"] for r in rows]
 
 

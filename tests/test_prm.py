@@ -9,7 +9,8 @@ import pytest
 
 from stages.data import base_model
 from stages.data.demo_data import DemoDataConfig
-from stages.data.preferences import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs, write_split
+from stages.data.demo_pairs import DemoPairsConfig, demo_pair_rows, demo_steps, write_demo_pairs
+from stages.data.preferences import write_split
 from stages.scoring.rewards import reward_model as rm_scoring
 from stages.training import reward_model as rm
 from stages.training.dpo import read_rows
@@ -91,7 +92,7 @@ def test_demo_stepwise_rows():
     held_out_questions = {r["prompt"][-1]["content"] for r in held_out}
     assert len(held_out_questions) == 50  # distinct held-out rows
     assert not held_out_questions & {r["prompt"][-1]["content"] for r in train}  # disjoint splits
-    from stages.data.preferences import demo_eval_questions
+    from stages.data.demo_pairs import demo_eval_questions
 
     assert not set(questions) & demo_eval_questions(DEMO)  # and disjoint from the demo task's eval split
     assert {r["kind"] for r in train} == {"stepwise"}
