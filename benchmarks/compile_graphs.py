@@ -47,7 +47,7 @@ def rounds(model_dir: Path, work: Path, adapter: str, shared: bool) -> list[dict
     import torch
     from torch._dynamo.utils import counters
 
-    import gpu
+    import gpu_common
     from stages.runtime.devices import DeviceConfig
     from stages.training import grpo
 
@@ -68,7 +68,7 @@ def rounds(model_dir: Path, work: Path, adapter: str, shared: bool) -> list[dict
     name = "shared" if shared else "plain"
     for index, (prompts, prompt_tokens, completion_tokens) in enumerate(ROUNDS):
         scored = work / f"{name}-{index}.parquet"
-        gpu.synthetic_scored(scored, prompts, 8, prompt_tokens, completion_tokens, 300, 300, seed=index)
+        gpu_common.synthetic_scored(scored, prompts, 8, prompt_tokens, completion_tokens, 300, 300, seed=index)
         cfg = grpo.GRPOConfig(adapter=adapter, beta=0.04, loss_type="dapo", micro_batch_size=6,
                               gradient_accumulation_steps=4, num_iterations=2, reuse_sampling_logps=False,
                               shared_prompt_pass=shared, learning_rate=2e-4)
@@ -95,14 +95,15 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    import gpu
+    import gpu_common
 
     hf_logging.disable_progress_bar()
     if args.recompile_limit_per_block:  # devices.compiled keeps a higher limit than its own
         torch._dynamo.config.recompile_limit = args.recompile_limit_per_block * args.layers
     work = Path(tempfile.mkdtemp(prefix="posttrain-compile-"))
-    sizes = {**gpu.SIZES["tiny"], "model": {**gpu.SIZES["tiny"]["model"], "num_hidden_layers": args.layers}}
-    gpu.build_model(work / "model", sizes, "cpu")
+    tiny = gpu_common.SIZES["tiny"]
+    sizes = {**tiny, "model": {**tiny["model"], "num_hidden_layers": args.layers}}
+    gpu_common.build_model(work / "model", sizes, "cpu")
     results = {"command": " ".join(sys.argv), "torch": torch.__version__, "layers": args.layers,
                "adapter": args.adapter,
                "recompile_limit": getattr(torch._dynamo.config, "recompile_limit", None),

@@ -103,7 +103,7 @@ class Counter:
 def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, vocab: int) -> dict:
     """Host time over one round's micro-batches (`accumulate`: forward and backward), then counts over the same
     round again (a warm-up round first)."""
-    import gpu
+    import gpu_common
     from stages.runtime.devices import DeviceConfig
     from stages.training import grpo
 
@@ -114,7 +114,7 @@ def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, voc
     prompts = args.rows // args.generations
     name = f"{adapter}-{'shared' if shared else 'plain'}"
     for tag in ("warmup", "timed"):
-        gpu.synthetic_scored(work / f"{name}-{tag}.parquet", prompts, args.generations, args.prompt_tokens,
+        gpu_common.synthetic_scored(work / f"{name}-{tag}.parquet", prompts, args.generations, args.prompt_tokens,
                              args.completion_tokens, vocab, vocab, seed=1 if tag == "warmup" else 2)
     grpo.run(cfg, model_dir, None, work / f"{name}-warmup.parquet", 0, 1.0, args.completion_tokens,
              work / f"{name}-warmup", devices=devices)
@@ -140,14 +140,15 @@ def trl(model_dir: Path, work: Path, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    import gpu
+    import gpu_common
+    import gpu_rounds
     from stages.training.grpo import GRPOConfig as PosttrainGRPO
 
     ours = PosttrainGRPO()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = args.rows // args.generations
-    dataset = Dataset.from_list([{"prompt": p} for p in gpu.digit_prompts(tokenizer, 3 * prompts,
-                                                                        args.prompt_tokens, seed=4)])
+    prompt_list = gpu_common.digit_prompts(tokenizer, 3 * prompts, args.prompt_tokens, seed=4)
+    dataset = Dataset.from_list([{"prompt": p} for p in prompt_list])
     config = GRPOConfig(
         output_dir=str(work / "trl"), use_cpu=True, bf16=True, seed=0, shuffle_dataset=False,
         num_generations=args.generations, generation_batch_size=args.rows, max_completion_length=args.completion_tokens,
@@ -159,8 +160,10 @@ def trl(model_dir: Path, work: Path, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=ours.lora_r, lora_alpha=ours.lora_alpha, lora_dropout=ours.lora_dropout,
                       target_modules=ours.lora_target_modules, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completion_ids, **_: [gpu.even_token_share(c) for c in
-                                                                                   completion_ids]],
+    def reward(completion_ids, **_):
+        return [gpu_rounds.even_token_share(c) for c in completion_ids]
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward],
                           args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     counter, micro_batches = Counter(), args.rows // args.micro_batch
     original_loss, original_backward = trainer.compute_loss, trainer.accelerator.backward
@@ -199,15 +202,15 @@ def main() -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
-    import gpu
+    import gpu_common
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="posttrain-dispatch-"))
-    sizes = {**gpu.SIZES["tiny"], "model": {**gpu.SIZES["tiny"]["model"], "num_hidden_layers": args.layers,
-                                            "num_attention_heads": 2}}
-    gpu.build_model(work / "model", sizes, "cpu")
-    vocab = gpu.parameter_counts(work / "model")["vocab_size"]
+    tiny = gpu_common.SIZES["tiny"]
+    sizes = {**tiny, "model": {**tiny["model"], "num_hidden_layers": args.layers, "num_attention_heads": 2}}
+    gpu_common.build_model(work / "model", sizes, "cpu")
+    vocab = gpu_common.parameter_counts(work / "model")["vocab_size"]
     results = {"command": " ".join(sys.argv), "torch": torch.__version__, "layers": args.layers, "rows": args.rows,
                "micro_batch": args.micro_batch, "prompt_tokens": args.prompt_tokens,
                "completion_tokens": args.completion_tokens, "rows_per_prompt": args.generations, "runs": []}

