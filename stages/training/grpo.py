@@ -1,6 +1,6 @@
 """optimize (GRPO): one round of policy-gradient updates on scored rollouts.
 
-Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping):
+Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping; computed in grpo_loss.py):
   ratio_t   = exp(logp_t - old_logp_t)      old = pi_old, the policy at the start of the round
   loss_t    = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
             + beta * KL_t,  KL_t = ratio_t * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
