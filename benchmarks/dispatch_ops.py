@@ -115,7 +115,7 @@ def posttrain(model_dir: Path, work: Path, args, adapter: str, shared: bool, voc
     name = f"{adapter}-{'shared' if shared else 'plain'}"
     for tag in ("warmup", "timed"):
         gpu_common.synthetic_scored(work / f"{name}-{tag}.parquet", prompts, args.generations, args.prompt_tokens,
-                             args.completion_tokens, vocab, vocab, seed=1 if tag == "warmup" else 2)
+                                    args.completion_tokens, vocab, vocab, seed=1 if tag == "warmup" else 2)
     grpo.run(cfg, model_dir, None, work / f"{name}-warmup.parquet", 0, 1.0, args.completion_tokens,
              work / f"{name}-warmup", devices=devices)
     counter, original = Counter(), grpo.RoundTrainer.accumulate

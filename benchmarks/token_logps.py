@@ -1,4 +1,5 @@
-"""The optimize stage's log-softmax over the vocabulary: forward + backward time of `logprobs.token_logps` (stages/training/logprobs.py).
+"""The optimize stage's log-softmax over the vocabulary: forward + backward time of
+`stages.training.logprobs.token_logps`.
 
   PYTHONPATH=. .venv/bin/python benchmarks/token_logps.py [--variant posttrain|fp32-copy] [--rows 4]
                                                           [--positions 256] [--vocab 151936]
