@@ -9,12 +9,14 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from stages.data.base_model import BaseModelConfig
 from stages.data.demo_data import DemoDataConfig
@@ -167,6 +169,16 @@ class PipelineConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     """Where training runs: `num_processes` data-parallel ranks (torchrun) for the optimize and SFT stages;
     not part of any stage's key (same weights up to float rounding)."""
+
+    @model_validator(mode="after")
+    def _numbers_are_finite(self):
+        """Every number in the config is finite: a field's own bounds may let inf through (`learning_rate > 0`),
+        and no option means anything at inf or NaN. Checked on the whole config, so no field can forget it."""
+        for key, value in _numbers(self.model_dump()):
+            if not math.isfinite(value):
+                raise PydanticCustomError("not_finite", "{key}: got {value}; expected a finite number",
+                                          {"key": key, "value": str(value)})
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -450,6 +462,18 @@ class PipelineConfig(BaseModel):
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _numbers(value, key: str = ""):
+    """(dotted key, number) of every float in a dumped config, lists and dicts walked (`score.reward_weights.1`)."""
+    if isinstance(value, float):
+        yield key, value
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _numbers(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{key}.{index}")
+
+
 def not_default(section: BaseModel, names) -> list[str]:
     """Those of `names` whose value in `section` differs from the field's default (sorted)."""
     fields = type(section).model_fields
@@ -501,6 +525,8 @@ def _describe(error: dict, source: str) -> str:
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
         return f"{source}: unknown key {path!r}{hint} (valid here: {', '.join(valid)})"
+    if error["type"] == "not_finite":  # PipelineConfig._numbers_are_finite: the key is in the message
+        return f"{source}: {error['msg']}"
     if error["type"] == "value_error":
         return f"{source}: {path or '<top level>'}: {error['msg'].removeprefix('Value error, ')}"
     value = error.get("input")
@@ -542,6 +568,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not data:  # an empty file (or only comments, or {}): never a run with every default
+        raise ConfigError(f"{path}: empty config (no sections); copy configs/quickstart.yaml and edit it, "
+                          "or write the sections you want to change")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides or []:

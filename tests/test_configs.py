@@ -77,6 +77,29 @@ def test_cli_validate_reports_error_and_exit_code(tmp_path, capsys):
     assert "rounds: 3" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["inf", ".inf", "-.inf", "nan"])
+def test_a_number_that_is_not_finite_is_refused_naming_the_key(value, tmp_path, capsys):
+    # gt=0 refuses nan and -inf itself (nan > 0 is false) but lets inf through: every number is checked.
+    with pytest.raises(ConfigError, match=r"grpo\.learning_rate: got \S*(inf|nan)"):
+        load_config(QUICKSTART, [f"grpo.learning_rate={value}"])
+    with pytest.raises(ConfigError, match=r"grpo\.learning_rate: got inf; expected a finite number"):
+        load_config(QUICKSTART, ["grpo.learning_rate=inf"])
+    with pytest.raises(ConfigError, match=r"score\.reward_weights\.1: got inf; expected a finite number"):
+        load_config(QUICKSTART, ["score.reward_weights=[1.0, .inf]"])
+    assert main(["validate", str(QUICKSTART), "grpo.learning_rate=inf"]) == 2
+    assert "grpo.learning_rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here yet\n", "{}\n"])
+def test_an_empty_config_file_is_an_error_naming_it(text, tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(empty))}: empty config.*configs/quickstart.yaml"):
+        load_config(empty)
+    assert main(["validate", str(empty)]) == 2
+    assert "empty config" in capsys.readouterr().err
+
+
 def test_cli_overrides_may_follow_options(capsys):
     # grpo.rounds=0 is invalid: the error proves the override after --quiet was read.
     assert main(["run", str(CONFIGS[0]), "--quiet", "grpo.rounds=0"]) == 2
