@@ -166,6 +166,27 @@ def transform_key(key_of):
     return lambda section: key_of(stage_tasks.transform_task, {"transform": section, "sft": {"enabled": False}}, None)
 
 
+def test_bytes_that_are_not_utf8_in_data_files_and_folders_are_bad_rows(files, tmp_path, out_dir):
+    """A line with a byte that is not UTF-8, in a data_files file or a folder datasets reads, is a bad row naming
+    its file and line (or its row and column), dropped and counted under `on_bad_rows: drop`."""
+    lines = b'{"question": "q0", "answer": "1"}\n{"question": "bad \xff", "answer": "2"}\n'
+    (tmp_path / "folder").mkdir()
+    for path in (tmp_path / "bad.jsonl", tmp_path / "folder" / "train.jsonl"):
+        path.write_bytes(lines)
+    cfg = TransformConfig(datasets=[{"path": "json", "data_files": [str(files["qa"]), str(tmp_path / "bad.jsonl")]},
+                                    {"path": str(tmp_path / "folder")}], test_datasets=[{"path": str(files["qa"])}])
+
+    with pytest.raises(BadRowsError) as info:
+        transform.run(cfg, None, out_dir)
+    assert [(source, index) for source, index, _ in info.value.bad] == [("json (split=train)", 7),
+                                                                         (f"{tmp_path / 'folder'} (split=train)", 1)]
+    assert f"{tmp_path / 'bad.jsonl'}:2: bytes that are not UTF-8" in str(info.value)
+    assert "row 1: column question: bytes that are not UTF-8" in str(info.value)
+
+    summary = transform.run(cfg.model_copy(update={"on_bad_rows": "drop"}), None, out_dir)
+    assert [(s["rows"], s["dropped"]) for s in summary["sources"][:2]] == [(7, 1), (1, 1)]
+
+
 def test_a_hub_dataset_is_read_offline_from_the_cache_and_keyed_by_its_commit(hub_cache, transform_key, out_dir):
     cfg = TransformConfig(**HUB_SOURCES)
     assert sources.kind(cfg.datasets[0]) == "hub" and sources.hub_revision(cfg.datasets[0]) == COMMITS[0]

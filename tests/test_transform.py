@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 import uuid
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from stages.data import transform
 from stages.data.schemas import PROMPTS
+from stages.data.sources import SourceError
 from stages.data.transform import BadRowError, TransformConfig
 
 RAW = [
@@ -368,6 +370,88 @@ def test_invalid_jsonl_line_names_line(tmp_path, out_dir):
 
     with pytest.raises(BadRowError, match=r"train\.jsonl:2: not valid JSON"):
         transform.run(TransformConfig(), {"train": path}, out_dir)
+
+
+def _bad_bytes_file(tmp_path: Path, fmt: str) -> Path:
+    """A train file of three rows whose row 1 holds a byte that is not UTF-8."""
+    rows = [{"question": "q0", "answer": "1"}, {"question": "BAD", "answer": "2"}, {"question": "q2", "answer": "3"}]
+    path = _raw_file(tmp_path, fmt, rows)
+    if fmt == "parquet":  # written by a tool that does not check UTF-8: the bytes as they are, viewed as strings
+        questions = pa.array([b"q0", b"bad \xff", b"q2"]).view(pa.string())
+        pq.write_table(pa.table({"question": questions, "answer": ["1", "2", "3"]}), path)
+    else:
+        path.write_bytes(path.read_bytes().replace(b"BAD", b"bad \xff"))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_bytes_that_are_not_utf8_are_a_bad_row(tmp_path, out_dir, fmt):
+    """A row with a byte that is not UTF-8 is a bad row naming file and row (not a UnicodeDecodeError), and
+    `on_bad_rows: drop` leaves it out."""
+    path = _bad_bytes_file(tmp_path, fmt)
+
+    with pytest.raises(transform.BadRowsError) as info:
+        transform.run(TransformConfig(), {"train": path}, out_dir)
+    assert [(source, index) for source, index, _ in info.value.bad] == [(f"{path} (train)", 1)]
+    assert "not UTF-8" in str(info.value)
+
+    summary = transform.run(TransformConfig(on_bad_rows="drop"), {"train": path}, out_dir)
+    assert [r["prompt_id"] for r in pq.read_table(out_dir / "train.parquet").to_pylist()] == [
+        "train-000000", "train-000002"]
+    assert summary["dropped"]["train"]["rows"] == 1 and summary["dropped"]["train"]["indices"] == [1]
+
+
+@pytest.mark.parametrize("suffix, text, reason", [
+    (".jsonl", '{"question": "q0", "answer": "1"}\n{not json\n["q", "2"]\n{"question": "q3", "answer": "4"}\n',
+     [(1, r"train\.jsonl:2: not valid JSON"), (2, r"train\.jsonl:3: a JSON array, not an object")]),
+    (".csv", "question,answer\nq0,1\nq1,2,3\nq2\nq3,4\n",
+     [(1, r"train\.csv:3: 3 columns, the header has 2"), (2, r"train\.csv:4: 1 column, the header has 2")]),
+    (".json", '[{"question": "q0", "answer": "1"}, "q1", 2, {"question": "q3", "answer": "4"}]',
+     [(1, "element 1: a JSON string, not an object"), (2, "element 2: a JSON number, not an object")]),
+])
+def test_rows_of_the_wrong_shape_are_bad_rows(tmp_path, out_dir, suffix, text, reason):
+    path = tmp_path / f"train{suffix}"
+    path.write_text(text)
+
+    with pytest.raises(transform.BadRowsError) as info:
+        transform.run(TransformConfig(), {"train": path}, out_dir)
+    assert [index for _, index, _ in info.value.bad] == [index for index, _ in reason]
+    for (_, _, message), (_, pattern) in zip(info.value.bad, reason):
+        assert re.search(pattern, message), message
+
+    summary = transform.run(TransformConfig(on_bad_rows="drop"), {"train": path}, out_dir)
+    assert summary["train"] == 2 and summary["dropped"]["train"]["indices"] == [1, 2]
+
+
+ARRAY_IN_JSONL = r"train\.jsonl: not JSON Lines \(the whole file is a JSON array.*name it \.json"
+
+
+@pytest.mark.parametrize("suffix, text, pattern", [
+    (".jsonl", json.dumps(RAW), ARRAY_IN_JSONL),
+    (".jsonl", json.dumps(RAW, indent=2), ARRAY_IN_JSONL),
+    (".jsonl", "question,answer\nq,1\n", r"train\.jsonl: not JSON Lines .*train\.jsonl:1: not valid JSON"),
+    (".json", json.dumps({"questions": RAW}), r"train\.json: .*a JSON array of objects.*got a JSON object"),
+    (".json", '[{"question": "q"}', r"train\.json:1:19: not valid JSON"),
+    (".parquet", "not parquet", r"train\.parquet: not a readable Parquet file"),
+])
+def test_a_file_of_the_wrong_shape_is_one_error_naming_it(tmp_path, out_dir, suffix, text, pattern):
+    """A JSON array (or any other content) in a .jsonl file is "not JSON Lines", under drop too."""
+    path = tmp_path / f"train{suffix}"
+    path.write_text(text)
+
+    for on_bad_rows in ("fail", "drop"):
+        with pytest.raises(SourceError, match=pattern):
+            transform.run(TransformConfig(on_bad_rows=on_bad_rows), {"train": path}, out_dir)
+
+
+def test_json_lines_in_a_json_file_are_read(tmp_path, out_dir):
+    """As datasets.load_dataset("json") reads them (axolotl's `path: json` often names such files)."""
+    path = tmp_path / "train.json"
+    _write_jsonl(path, RAW)
+
+    transform.run(TransformConfig(), {"train": path}, out_dir)
+
+    assert pq.read_table(out_dir / "train.parquet").to_pylist() == EXPECTED
 
 
 @pytest.mark.parametrize(

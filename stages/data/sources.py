@@ -3,8 +3,10 @@
 
 A source's `path` is one of:
 
-- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `read_rows`
-  (CSV columns as text, a bad jsonl line named by file:line);
+- a local file (jsonl, json, parquet, csv): one table, the split `train`, read by `read_rows` (CSV columns as
+  text); a row it cannot read (bytes that are not UTF-8, a jsonl line that is not a JSON object, a CSV row of
+  the wrong width) is a bad row named by file:line, and a file that is not of its suffix's kind (a JSON array in
+  a .jsonl file) a SourceError naming it;
 - a local folder: with `data_files` ({split: files} relative to the folder, or a list: `train`) read the same
   way; without, through `datasets.load_dataset(folder, name)`, which finds the splits by file name
   (train.jsonl, data/test-00000-of-00001.parquet, ...) or the folder's README `configs`;
@@ -98,43 +100,183 @@ class DatasetSource(SourceLocation):
         return self
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a local jsonl/json/parquet/csv file."""
+class UnreadableRow:
+    """A row of a local file that cannot be read: bytes that are not UTF-8, a JSON Lines line that is not a
+    JSON object, a CSV row of another width than its header. It keeps its place among the rows, so that row
+    indices stay true, and the transforms count it as a bad row (left out under `on_bad_rows: drop`);
+    `reason` names the file and line."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def keys(self):
+        """`dict(row)`, a transform's first step, raises the reason: a transform cannot mistake it for a row."""
+        raise BadRowError(self.reason)
+
+    def __repr__(self) -> str:
+        return f"UnreadableRow({self.reason!r})"
+
+
+class SourceError(ValueError):
+    """A source that cannot be read (a `transform.datasets` entry, a file that is not of its suffix's kind); the
+    message names it and says what to do."""
+
+
+def read_rows(path: Path) -> list[dict | UnreadableRow]:
+    """Rows of a local jsonl/json/parquet/csv file, each a dict, or an UnreadableRow in its place; a file that is
+    not of its suffix's kind (a JSON array in a .jsonl file) raises SourceError naming it."""
     suffix = path.suffix.lower()
     if not path.exists():
         raise FileNotFoundError(f"transform.paths: {path} does not exist")
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
+    readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows, ".csv": _csv_rows}
+    if suffix not in readers:
+        raise ValueError(f"transform.paths: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
+    return readers[suffix](path)
 
-        return pq.read_table(path).to_pylist()
-    if suffix == ".csv":
-        import pyarrow.csv as pcsv
 
-        # Every column as text: type inference would turn an answer "5" into "5.0" and "007" into "7.0".
-        names = pcsv.open_csv(path).schema.names
-        as_text = pcsv.ConvertOptions(column_types={name: pa.string() for name in names})
-        return pcsv.read_csv(path, convert_options=as_text).to_pylist()
-    if suffix == ".jsonl":
+def _text(path: Path) -> tuple[str, bool]:
+    """The file as text, and whether it holds bytes that are not UTF-8 (kept as surrogates, "surrogateescape",
+    so that each reader can name the rows that hold them); a UTF-8 byte-order mark is left out."""
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "surrogateescape"), True
+
+
+def _not_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _json_kind(value) -> str:
+    kinds = ((dict, "a JSON object"), (list, "a JSON array"), (str, "a JSON string"), (bool, "a JSON boolean"),
+             ((int, float), "a JSON number"))
+    return next((name for types, name in kinds if isinstance(value, types)), "JSON null")
+
+
+def _json_row(value, where: str, check_utf8: bool) -> dict | UnreadableRow:
+    if not isinstance(value, dict):
+        return UnreadableRow(f"{where}: {_json_kind(value)}, not an object")
+    if check_utf8 and _not_utf8(json.dumps(value, ensure_ascii=False)):
+        return UnreadableRow(f"{where}: a string with bytes that are not UTF-8")
+    return value
+
+
+def _jsonl_rows(path: Path) -> list[dict | UnreadableRow]:
+    """One JSON object per line; blank lines are skipped."""
+    text, bad_bytes = _text(path)
+    rows = []
+    for line_no, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit inside a string
+        if line.strip():
+            where = f"{path}:{line_no}"
+            if bad_bytes and _not_utf8(line):
+                rows.append(UnreadableRow(f"{where}: bytes that are not UTF-8"))
+                continue
+            try:
+                rows.append(_json_row(json.loads(line), where, False))
+            except json.JSONDecodeError as e:
+                rows.append(UnreadableRow(f"{where}: not valid JSON ({e.msg})"))
+    if rows and not any(isinstance(row, dict) for row in rows):
+        try:
+            whole = (f"the whole file is {_json_kind(json.loads(text))}, not one object per line; name it .json "
+                     "(a JSON array of objects), or write one object per line")
+        except json.JSONDecodeError:
+            whole = f"no line is a JSON object (first: {rows[0].reason})"
+        raise SourceError(f"{path}: not JSON Lines ({whole})")
+    return rows
+
+
+def _json_rows(path: Path) -> list[dict | UnreadableRow]:
+    """A JSON array of objects, or {"data": [...]} / {"rows": [...]}; JSON Lines, as datasets' json builder
+    reads them too."""
+    text, bad_bytes = _text(path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # a first value, then more: JSON Lines
+            return _jsonl_rows(path)
+        raise SourceError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    rows = value.get("data", value.get("rows")) if isinstance(value, dict) else value
+    if not isinstance(rows, list):
+        keys = f" with keys {sorted(value)[:5]}" if isinstance(value, dict) else ""
+        raise SourceError(f'{path}: a .json file holds a JSON array of objects (or {{"data": [...]}}); got '
+                          f"{_json_kind(value)}{keys}")
+    return [_json_row(row, f"{path}: element {i}", bad_bytes) for i, row in enumerate(rows)]
+
+
+def _csv_rows(path: Path) -> list[dict | UnreadableRow]:
+    """A header line, then rows of as many columns; every column as text (type inference would turn an answer
+    "5" into "5.0" and "007" into "7.0"). Blank lines are skipped."""
+    import csv
+    import io
+
+    text, bad_bytes = _text(path)
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # Python's default, 128 KiB, refuses long documents
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows, header, end = [], None, 0
+    try:
+        for cells in reader:
+            line_no, end = end + 1, reader.line_num  # a quoted value may span lines: the row's first line
+            if not cells:
+                continue
+            if header is None:
+                if bad_bytes and _not_utf8("".join(cells)):
+                    raise SourceError(f"{path}:{line_no}: the header has bytes that are not UTF-8")
+                header = cells
+            elif len(cells) != len(header):
+                rows.append(UnreadableRow(f"{path}:{line_no}: {len(cells)} column{'s' * (len(cells) > 1)}, the "
+                                          f"header has {len(header)}"))
+            elif bad_bytes and _not_utf8("".join(cells)):
+                rows.append(UnreadableRow(f"{path}:{line_no}: bytes that are not UTF-8"))
+            else:
+                rows.append(dict(zip(header, cells)))
+    except csv.Error as e:
+        raise SourceError(f"{path}:{reader.line_num}: not CSV ({e})") from None
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[dict | UnreadableRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise SourceError(f"{path}: not a readable Parquet file ({e})") from None
+    return table_rows(table, str(path))
+
+
+def table_rows(table: pa.Table, where: str = "") -> list[dict | UnreadableRow]:
+    """An Arrow table's rows; a row with bytes that are not UTF-8 in a string column (from a writer that did not
+    check them) is an UnreadableRow naming `where` (if given), the row and the column."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
         rows = []
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise BadRowError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+        for i in range(table.num_rows):
+            row = table.slice(i, 1)
+            try:
+                rows.append(row.to_pylist()[0])
+            except UnicodeDecodeError:
+                names = ", ".join(name for name in row.column_names if _undecodable(row.column(name)))
+                at = f"{where} row {i}: " if where else ""
+                rows.append(UnreadableRow(f"{at}column {names}: bytes that are not UTF-8"))
         return rows
-    if suffix == ".json":
-        data = json.loads(path.read_text())
-        return data if isinstance(data, list) else data.get("data", data.get("rows"))
-    raise ValueError(f"transform.paths: {path} has suffix {suffix!r}; use one of {SUFFIXES}")
+
+
+def _undecodable(column: pa.ChunkedArray) -> bool:
+    try:
+        column.to_pylist()
+        return False
+    except UnicodeDecodeError:
+        return True
 
 
 BUILDERS = ("json", "parquet", "csv")
 """`path` values that mean "the local files in data_files" (axolotl's `path: json`)."""
-
-
-class SourceError(ValueError):
-    """A `transform.datasets` entry that cannot be read; the message names it and says what to do."""
 
 
 def describe(source: SourceLocation) -> str:
@@ -285,12 +427,21 @@ def load(source: SourceLocation) -> list[tuple[int, dict]]:
     rows = []
     for part in instructions:
         table = splits[part.splitname]
-        chosen = (table[part.from_:part.to] if isinstance(table, list)
-                  else table.select(range(part.from_, part.to)).to_list())
+        chosen = table[part.from_:part.to] if isinstance(table, list) else _dataset_rows(table, part.from_, part.to)
         rows += zip(range(part.from_, part.to), chosen)
     if not rows:
         raise SourceError(f"{describe(source)}: no rows")
     return rows
+
+
+def _dataset_rows(dataset, start: int, stop: int) -> list[dict | UnreadableRow]:
+    """Rows start..stop of a `datasets.Dataset`, decoded by its features (images, class labels) as datasets
+    decodes them; with bytes that are not UTF-8 in a string column, as Arrow rows, those rows unreadable."""
+    chosen = dataset.select(range(start, stop))
+    try:
+        return chosen.to_list()
+    except UnicodeDecodeError:
+        return table_rows(chosen.with_format("arrow")[:])
 
 
 def hold_out(parts: list[list], size: float, seed: int, what: str) -> tuple[list[list], list[list]]:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.data import sources
 from stages.data.schemas import PROMPTS, write_table
-from stages.data.sources import BadRowError, DatasetSource, read_rows
+from stages.data.sources import BadRowError, DatasetSource, UnreadableRow, read_rows
 from stages.runtime.imports import example_caller, load_function
 
 SOURCE_FIELDS = ("type", "question_field", "answer_field", "messages_field", "text_field", "system_prompt")
@@ -156,6 +156,8 @@ def _normalize_prompt(prompt: Any) -> list[dict]:
 def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, example: dict, split: str,
                    index: int) -> dict:
     """One raw row as a prompts row; BadRowError(reason) when it cannot be one."""
+    if isinstance(example, UnreadableRow):  # bytes that are not UTF-8, a line that is not a JSON object, ...
+        raise BadRowError(example.reason)
     try:
         new = example_caller(transform_fn)(dict(example))
     except KeyError as e:
