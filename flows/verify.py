@@ -2,8 +2,9 @@
 
   posttrain verify [--artifacts artifacts] [--stage STAGE] [--repair]
 
-Runs check only sizes before reusing a folder (cheap); this reads every byte. A damaged folder (a
-file missing, truncated or changed) is listed with what is wrong; `--repair` moves it to
+Runs check sizes and sha256 before reusing a folder, but hash only files changed since they last matched
+(tasks/store.py); this reads every byte of every file. A damaged folder (a file missing, truncated or
+changed, or its manifest missing or unreadable) is listed with what is wrong; `--repair` moves it to
 `<stage>/.damaged/<key>-<time>/` (kept for inspection, never read), so the next run recomputes that
 stage alone. Exit code 0: all intact (or all damaged ones moved); 1: damage found and left in place.
 """
@@ -11,12 +12,10 @@ stage alone. Exit code 0: all intact (or all damaged ones moved); 1: damage foun
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
-from tasks.store import DAMAGED, ArtifactStore, check_folder
+from tasks.store import ArtifactStore, check_folder, set_aside
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def damaged_folders(store: ArtifactStore, stage: str | None = None) -> tuple[int, list[tuple[Path, list[str]]]]:
-    """(folders checked, [(damaged folder, its problems)]), every file hashed."""
+    """(folders checked, [(damaged folder, its problems)]), every file hashed; a key folder without a valid
+    manifest is damaged too (a run would recompute it)."""
     checked, damaged = 0, []
-    for folder_stage, _, folder in store.artifact_folders():
+    for folder_stage, _, folder in store.key_folders():
         if stage and folder_stage != stage:
             continue
         checked += 1
@@ -38,14 +38,6 @@ def damaged_folders(store: ArtifactStore, stage: str | None = None) -> tuple[int
         if problems:
             damaged.append((folder, problems))
     return checked, damaged
-
-
-def set_aside(folder: Path) -> Path:
-    """Move a damaged key folder to <stage>/.damaged/<key>-<time>/ in one rename; return where it went."""
-    target = folder.parent / DAMAGED / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    target.parent.mkdir(exist_ok=True)
-    os.replace(folder, target)
-    return target
 
 
 def verify_command(args) -> int:

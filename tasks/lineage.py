@@ -61,8 +61,12 @@ def create_store_whole(uri: str) -> None:
         return
     creating = Path(f"{path}.creating")
     creating.unlink(missing_ok=True)  # left by a process killed while creating it
-    MlflowClient(tracking_uri=f"sqlite:///{creating}").search_experiments(max_results=1)  # makes every table
-    os.replace(creating, path)
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{creating}").search_experiments(max_results=1)  # makes every table
+        os.replace(creating, path)
+    except Exception as e:
+        raise_if_refused(e, path)
+        raise
 
 
 BUSY_RETRY_S = 180.0
@@ -73,6 +77,21 @@ new client's first schema check), so a call gives up after at most about BUSY_RE
 
 class StoreBusyError(RuntimeError):
     """An MLflow store that other processes kept locked past the bounded retry; the message names the file."""
+
+
+STORE_REFUSED = ("What was logged before is kept: free space (or make the folder writable), then run the same "
+                 "command again or `posttrain resume RUN` (finished stages are reused).")
+
+
+def raise_if_refused(e: BaseException, store: str) -> None:
+    """Raise StorageError naming the store (or the file an artifact upload could not write) if `e` is the disk
+    refusing a write: sqlite's "database or disk is full" or "readonly database" (an MlflowException or a
+    SQLAlchemy error around sqlite3's), or an OSError such as ENOSPC (tasks/store.py `refused_write`)."""
+    from tasks.store import StorageError, refused_write
+
+    refused = refused_write(e)
+    if refused is not None:
+        raise StorageError("MLflow", store or "its store", refused, STORE_REFUSED) from e
 
 
 def store_locked(e: BaseException) -> bool:
@@ -87,10 +106,14 @@ class _RetriedLockLog(logging.Filter):
     is raised as StoreBusyError with that error as its cause."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "database is locked" not in record.getMessage()
+        from tasks.store import DISK_MESSAGES
+
+        message = record.getMessage()  # a full or read-only disk: raised as StorageError (`raise_if_refused`)
+        return "database is locked" not in message and not any(words in message for words in DISK_MESSAGES)
 
 
-_RETRIED_LOCK_LOG = _RetriedLockLog()
+_RETRIED_LOCK_LOG = _RetriedLockLog()  # (and of a full or read-only disk's error, raised as StorageError)
+logging.getLogger("mlflow.store.db.utils").addFilter(_RETRIED_LOCK_LOG)  # also before the first retry_busy
 
 
 def retry_busy(call, *args, _store: str = "", _budget_s: float | None = None, **kwargs):
@@ -99,7 +122,8 @@ def retry_busy(call, *args, _store: str = "", _budget_s: float | None = None, **
     once where waiting could deadlock), or a UNIQUE constraint that a concurrent insert of the same row won
     (MLflow's log_inputs looks the dataset up, then inserts it). The failed call's transaction was rolled back,
     so repeating it is safe. Bounded: after `_budget_s` (default BUSY_RETRY_S) seconds a lock raises
-    StoreBusyError naming `_store` (the database file); a UNIQUE conflict re-raises after 8 tries."""
+    StoreBusyError naming `_store` (the database file); a UNIQUE conflict re-raises after 8 tries. A disk that
+    refuses the write (full, read-only) raises StorageError naming `_store` at once."""
     import random
 
     budget_s = BUSY_RETRY_S if _budget_s is None else _budget_s
@@ -109,6 +133,7 @@ def retry_busy(call, *args, _store: str = "", _budget_s: float | None = None, **
         try:
             return call(*args, **kwargs)
         except Exception as e:
+            raise_if_refused(e, _store)
             locked = store_locked(e)
             conflict = getattr(e, "error_code", "") in ("TEMPORARILY_UNAVAILABLE", "BAD_REQUEST") and (
                 "UNIQUE constraint failed" in str(e))
@@ -280,8 +305,17 @@ class Lineage:
         return (metric, step) in self._logged
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Mark the parent run ended. A failed run's mark that the disk refuses is skipped with a log line, so
+        the error the run failed with is the one shown (the run stays resumable: its process is gone)."""
+        from tasks.store import StorageError
+
         if self.parent_id:
-            self.client.set_terminated(self.parent_id, status=status)
+            try:
+                self.client.set_terminated(self.parent_id, status=status)
+            except StorageError as e:
+                if status == "FINISHED":
+                    raise
+                logging.getLogger(__name__).warning("could not mark run %s %s: %s", self.parent_id, status, e)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         self.log_metric_steps(run_id, [(metrics, step)])

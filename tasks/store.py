@@ -14,10 +14,16 @@ artifact another run finished meanwhile instead of computing it again. A process
 holding the lock releases it (the kernel drops flock locks with the process); its temp folder
 is never read and is deleted by the next writer of that key.
 
-Reuse checks each listed file's size (cheap, every time); `posttrain verify` checks every sha256.
-A folder that fails either is damaged: reruns recompute it (and only it: its key is unchanged, so
-the stages after it are reused). A write the disk refuses (full, read-only, no permission) raises
-StorageError naming the path, after removing its temp folder.
+Reuse checks each listed file's size and sha256 before serving it. A file is hashed when its stat stamp
+(device, inode, size, mtime, ctime) differs from the one recorded the last time its bytes were hashed and
+matched, at its write or at a reuse (`artifacts/.verified/<stage>/<key>.json`), so a cached rerun reads no
+file it read before. Every change made through the filesystem (a write, a truncate, `os.utime` putting the
+mtime back, a copy) gives the file a new ctime, which no user call can set back; what this misses is a
+change beneath the filesystem (a failing disk's bit rot), which `posttrain verify` finds: it hashes every
+file. A folder that fails a check is damaged: a rerun sets it aside under `<stage>/.damaged/` (as
+`posttrain verify --repair` does) and recomputes it (and only it: its key is unchanged, so the stages after
+it are reused). A write the disk refuses (full, read-only, no permission) raises StorageError naming the
+path, after removing its temp folder, whichever library reported it (`refused_write`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ MANIFEST = "_manifest.json"
 PRODUCERS = ("torch", "transformers", "trl", "peft", "pyarrow")
 LOCKS = ".locks"  # under the artifacts root: <stage>/<key>.lock per key ever written (stage folders hold only keys)
 DAMAGED = ".damaged"  # under a stage folder: `posttrain verify --repair` moves damaged key folders here
+VERIFIED = ".verified"  # under the artifacts root: <stage>/<key>.json, {file: [sha256, *stat stamp]} of files
+# whose bytes matched the manifest (the stamp: what the file was when they were hashed)
 WORK = ".work"  # under the artifacts root: <stage>/<key>/, a stage's resumable checkpoints
 # until its folder is published
 
@@ -52,6 +60,34 @@ log = logging.getLogger(__name__)
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 """OSError numbers that mean the disk refused a write (full, over quota, read-only, not allowed, too big)."""
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""Those a library's own error reports in its message (os.strerror's words)."""
+DISK_MESSAGES = {"database or disk is full": errno.ENOSPC, "attempt to write a readonly database": errno.EROFS,
+                 **{os.strerror(n): n for n in DISK_ERRNOS}}
+"""Message text -> the errno it means: sqlite's SQLITE_FULL and SQLITE_READONLY (through sqlite3, SQLAlchemy,
+MLflow), and the OS's own words, which safetensors (Rust: "No space left on device (os error 28)"), torch and
+subprocess errors carry."""
+
+
+def refused_write(error: BaseException, root: Path | None = None) -> OSError | None:
+    """The OSError saying the disk refused a write, if `error` or an error it was raised from is one: an OSError
+    with a storage errno (EACCES and EPERM only on a file under `root`: a stage failing to read its own input
+    with "Permission denied" is not a storage error), or a library's error whose message says the disk is full
+    or read-only (DISK_MESSAGES). None otherwise."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+            if error.errno not in (errno.EACCES, errno.EPERM):
+                return error
+            if error.filename is not None and root is not None and Path(error.filename).resolve().is_relative_to(root):
+                return error
+        elif isinstance(error, Exception):
+            for words, number in DISK_MESSAGES.items():
+                if words in str(error):
+                    return OSError(number, os.strerror(number))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class StorageError(RuntimeError):
@@ -158,17 +194,40 @@ class ArtifactStore:
 
     def get(self, stage: str, key: str) -> Artifact | None:
         """The finished artifact, or None if its folder or manifest is missing or a listed file is missing or
-        has another size than the manifest says."""
+        has another size or sha256 than the manifest says."""
         return self.lookup(stage, key)[0]
 
     def lookup(self, stage: str, key: str) -> tuple[Artifact | None, list[str]]:
-        """`get`, and what is wrong with an existing folder of this key (sizes only; empty when it is fine or
-        absent): one read of the manifest for both."""
+        """`get`, and what is wrong with an existing folder of this key (empty when it is fine or absent): one
+        read of the manifest for both. A file is hashed only if it changed since its bytes last matched
+        (module docstring); those that match now are recorded."""
         folder = self.path(stage, key)
-        manifest, problems = check_folder(folder)
+        verified = self.root / VERIFIED / stage / f"{key}.json"
+        try:
+            known = json.loads(verified.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if not isinstance(known, dict):
+            known = {}
+        before = dict(known)
+        manifest, problems = check_folder(folder, full=True, known=known)
         if not problems:
+            if known != before:
+                _write_quietly(verified, json.dumps(known))
             return Artifact(stage, key, folder, manifest), []
         return None, problems if folder.exists() else []
+
+    def key_folders(self) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, folder) of every key folder in a stage folder, with a manifest or without (a stage
+        folder: one the store locked a key of, or one holding a manifest), sorted."""
+        stages = {stage for stage, _, _ in self.artifact_folders()}
+        if (self.root / LOCKS).is_dir():
+            stages |= {p.name for p in (self.root / LOCKS).iterdir() if p.is_dir()}
+        for stage in sorted(stages):
+            if (self.root / stage).is_dir() and not stage.startswith("."):
+                for folder in sorted((self.root / stage).iterdir()):
+                    if folder.is_dir() and not folder.name.startswith("."):
+                        yield stage, folder.name, folder
 
     def artifact_folders(self) -> Iterator[tuple[str, str, Path]]:
         """(stage, key, folder) of every key folder with a manifest file, sorted."""
@@ -188,25 +247,21 @@ class ArtifactStore:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             with key_lock(self.root / LOCKS / stage / f"{key}.lock", f"{stage}/{key}"):
-                found = self.get(stage, key)
+                found, damage = self.lookup(stage, key)
                 if found is not None:
                     return replace(found, reused=True)
                 for stale in final.parent.glob(f".tmp-{key}-*"):  # left by a writer killed holding this lock
                     shutil.rmtree(stale, ignore_errors=True)
+                if final.exists():  # damaged (or its manifest lost): kept for inspection, never read
+                    aside = set_aside(final)
+                    log.warning("%s/%s is damaged (%s); moved to %s, recomputing it", stage, key,
+                                "; ".join(damage), aside)
                 return self._write_locked(stage, key, final, produce, inputs, config)
         except OSError as e:
-            if self._refused_write(e):
-                raise StorageError(f"stage {stage} ({key})", final, e) from e
+            refused = refused_write(e, self.root)
+            if refused is not None:
+                raise StorageError(f"stage {stage} ({key})", final, refused) from e
             raise
-
-    def _refused_write(self, error: OSError) -> bool:
-        """Whether `error` is the disk refusing a write here (a stage failing to read its own input with
-        "Permission denied" is not: that error names a file outside the artifacts folder)."""
-        if error.errno not in STORAGE_ERRNOS:
-            return False
-        if error.filename is None:
-            return error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
-        return Path(error.filename).resolve().is_relative_to(self.root)
 
     def _write_locked(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict],
                       inputs: dict[str, str], config: Any) -> Artifact:
@@ -215,46 +270,53 @@ class ArtifactStore:
         started = time.time()
         try:
             summary = produce(tmp) or {}
+            files, stamps = self._describe_files(tmp)
             manifest = {
                 "stage": stage,
                 "key": key,
                 "inputs": inputs,
                 "config": config,
                 "summary": summary,
-                "files": self._describe_files(tmp),
+                "files": files,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "wall_time_s": round(time.time() - started, 3),
                 "producers": {p: _version(p) for p in PRODUCERS},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-            if final.exists():  # an unfinished folder from a killed run: moved aside in one step, then deleted
-                trash = final.parent / f".tmp-{key}-{os.getpid()}-old-{uuid.uuid4().hex[:8]}"
-                os.replace(final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, final)
         except BaseException as e:
-            # Libraries report a full disk in their own ways (torch, safetensors): judge by the space left.
-            full = not isinstance(e, OSError) and isinstance(e, Exception) and _bytes_free(tmp) < 1 << 20
+            # A write the disk refused, however the library reports it (its own error naming the OS's words, or
+            # an error of its own with no words, e.g. torch's "file write failed": then judged by the space left).
+            refused = refused_write(e, self.root)
+            if refused is None and isinstance(e, Exception) and not isinstance(e, OSError) and (
+                    _bytes_free(tmp) < 1 << 20):
+                refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             shutil.rmtree(tmp, ignore_errors=True)
-            if full:
-                raise StorageError(f"stage {stage} ({key})", tmp,
-                                   OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from e
+            if refused is not None:
+                raise StorageError(f"stage {stage} ({key})", tmp, refused) from e
             raise
+        _write_quietly(self.root / VERIFIED / stage / f"{key}.json", json.dumps(stamps))  # renaming the folder
+        # changes no file's stamp
         shutil.rmtree(self.work_path(stage, key), ignore_errors=True)
         return Artifact(stage, key, final, manifest)
 
     @staticmethod
-    def _describe_files(folder: Path) -> dict:
-        files = {}
+    def _describe_files(folder: Path) -> tuple[dict, dict]:
+        """The manifest's files ({name: size, sha256, and a table's rows and schema}), and {name: [sha256, *stat
+        stamp]} for `lookup` (the stamp taken before the bytes are read: a change while they are makes another)."""
+        files, stamps = {}, {}
         for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-            meta = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+            stat = f.stat()
+            meta = {"size": stat.st_size, "sha256": sha256_file(f)}
             if f.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
                 meta["rows"] = pq.ParquetFile(f).metadata.num_rows
                 meta["schema"] = f.stem
-            files[str(f.relative_to(folder))] = meta
-        return files
+            name = str(f.relative_to(folder))
+            files[name] = meta
+            stamps[name] = [meta["sha256"], *_stamp(stat)]
+        return files, stamps
 
 
 _thread_locks: dict[str, threading.Lock] = {}
@@ -311,9 +373,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def check_folder(folder: Path, full: bool = False) -> tuple[dict | None, list[str]]:
+def check_folder(folder: Path, full: bool = False, known: dict | None = None) -> tuple[dict | None, list[str]]:
     """(its manifest, what is wrong with the folder): the manifest missing or unreadable, a listed file
-    missing or of another size, and with `full` of other content (sha256). No problems: usable."""
+    missing or of another size, and with `full` of other content (sha256). No problems: usable.
+
+    `known` ({name: [sha256, *stat stamp]}, `lookup`'s record): with `full`, a file whose stamp and manifest
+    sha256 are recorded there is not read again; each file hashed and found right is added to it."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"]
@@ -322,13 +387,55 @@ def check_folder(folder: Path, full: bool = False) -> tuple[dict | None, list[st
     problems = []
     for name, meta in files.items():
         f = folder / name
-        if not f.is_file():
+        try:
+            stat = f.stat()
+        except OSError:
+            stat = None
+        if stat is None or not f.is_file():
             problems.append(f"{name} is missing")
-        elif f.stat().st_size != meta["size"]:
-            problems.append(f"{name} has {f.stat().st_size} bytes, the manifest says {meta['size']}")
-        elif full and sha256_file(f) != meta["sha256"]:
-            problems.append(f"{name} has other content than the manifest's sha256")
+        elif stat.st_size != meta["size"]:
+            problems.append(f"{name} has {stat.st_size} bytes, the manifest says {meta['size']}")
+        elif full:
+            stamp = [meta["sha256"], *_stamp(stat)]
+            if known is not None and known.get(name) == stamp:
+                continue
+            if sha256_file(f) != meta["sha256"]:
+                problems.append(f"{name} has other content than the manifest's sha256")
+            elif known is not None:
+                known[name] = stamp
     return manifest, problems
+
+
+def _stamp(stat: os.stat_result) -> list[int]:
+    """What changes whenever a file's bytes change through the filesystem: ctime included, which a write, a
+    truncate or `os.utime` (putting an mtime back) sets to now and nothing a user runs can set back."""
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    """Write `path` whole (temp file + rename), or not at all where the disk refuses: a record that only saves
+    work later (`lookup`'s) must not fail what it records."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def set_aside(folder: Path) -> Path:
+    """Move a damaged key folder to <stage>/.damaged/<key>-<time>/ in one rename (kept for inspection, never
+    read); return where it went."""
+    target = folder.parent / DAMAGED / f"{folder.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.parent.mkdir(exist_ok=True)
+    while target.exists():  # set aside twice in one second
+        target = target.with_name(f"{target.name}-{uuid.uuid4().hex[:4]}")
+    os.replace(folder, target)
+    return target
 
 
 def _bytes_free(path: Path) -> int:

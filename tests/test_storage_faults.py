@@ -53,7 +53,21 @@ def write_tensor(numel: int):
     return produce
 
 
-@pytest.mark.parametrize("produce", [write_bytes(4 << 20), write_tensor(1 << 20)], ids=["file", "torch.save"])
+def write_safetensors(numel: int):
+    """A produce that saves weights as base_model and export do: safetensors reports a full disk as its own
+    SafetensorError and deletes the half-written file (so the disk is not full any more when it is caught)."""
+    def produce(out: Path) -> dict:
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"weight": torch.zeros(numel)}, str(out / "model.safetensors"))
+        return {}
+
+    return produce
+
+
+@pytest.mark.parametrize("produce", [write_bytes(4 << 20), write_tensor(1 << 20), write_safetensors(1 << 20)],
+                         ids=["file", "torch.save", "safetensors"])
 def test_full_disk_names_the_path_and_keeps_what_was_written(small_disk, produce):
     store = ArtifactStore(small_disk)
     first = store.write("rollout", "k1", write_bytes(100_000), inputs={}, config={})
@@ -102,3 +116,44 @@ def test_a_stage_that_cannot_read_its_input_is_not_called_a_storage_error(tmp_pa
 
     with pytest.raises(PermissionError):
         store.write("transform", "k1", unreadable_input, inputs={}, config={})
+
+
+def fill(disk: Path) -> Path:
+    """Write a file until `disk` is full; delete it to free the space again."""
+    import os
+
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_mlflow_store_on_a_full_disk_names_the_database_in_one_line(small_disk, tmp_path, monkeypatch, capfd):
+    """Issue 42, item 5: sqlite's "database or disk is full" is a StorageError naming mlflow.db (no SQL dump),
+    what was logged before is kept, and logging goes on once there is room again."""
+    from tasks.lineage import Lineage
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config_yaml = tmp_path / "config.yaml"
+    config_yaml.write_text("a: 1\n")
+    lineage = Lineage(small_disk, "full")
+    run_id = lineage.start("full-run", {}, {"a": 1}, config_yaml)
+    lineage.log_metrics(run_id, {"kept": 1.0})
+    capfd.readouterr()
+    filler = fill(small_disk)
+    with pytest.raises(StorageError) as error:
+        for step in range(100):
+            lineage.log_metrics(run_id, {f"m{i}": float(i) for i in range(200)}, step=step)
+    assert str(small_disk / "mlflow.db") in str(error.value) and "No space left" in str(error.value)
+    assert "SQLAlchemy" not in capfd.readouterr().err  # MLflow's own traceback log of the error is dropped
+    lineage.finish("FAILED")  # a failed run's last word on a full disk does not hide the error it failed with
+    filler.unlink()
+    lineage.log_metrics(run_id, {"after": 2.0}, step=1)
+    metrics = lineage.client.get_run(run_id).data.metrics
+    assert metrics["kept"] == 1.0 and metrics["after"] == 2.0

@@ -131,3 +131,104 @@ def test_key_lock_is_reentrant_and_not_kept_by_forked_children(tmp_path):
         os.close(fd)
         os.kill(child, 9)
         os.waitpid(child, 0)
+
+
+def flip_byte(path, keep_mtime=False):
+    """Change one byte of `path` in place (same size); with keep_mtime, put its mtime back as it was."""
+    import os
+
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(before.st_size // 2)
+        byte = f.read(1)
+        f.seek(before.st_size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["in-place", "mtime-put-back"])
+def test_same_size_change_is_found_before_reuse_and_the_folder_set_aside(tmp_path, keep_mtime):
+    store = ArtifactStore(tmp_path)
+    art = store.write("s", "k1", produce_file("hello"), inputs={}, config={})
+    assert store.get("s", "k1") == art
+    flip_byte(art.path / "data.txt", keep_mtime)
+    found, damage = store.lookup("s", "k1")
+    assert found is None and damage and "data.txt" in damage[0] and "sha256" in damage[0]
+    again = store.write("s", "k1", produce_file("hello"), inputs={}, config={})
+    assert not again.reused and (again.path / "data.txt").read_text() == "hello"
+    [aside] = (tmp_path / "s" / ".damaged").iterdir()  # kept for inspection, as `posttrain verify --repair` does
+    assert aside.name.startswith("k1-") and (aside / "data.txt").read_bytes() != b"hello"
+
+
+def test_reuse_hashes_a_file_once_while_it_is_unchanged(tmp_path, monkeypatch):
+    """The sha256 check costs a cached rerun nothing while a file keeps its (inode, size, mtime, ctime): the
+    write records them, a changed file is hashed again."""
+    from tasks import store as store_module
+
+    store = ArtifactStore(tmp_path)
+    art = store.write("s", "k1", produce_file("hello"), inputs={}, config={})
+    hashed = []
+    real = store_module.sha256_file
+    monkeypatch.setattr(store_module, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    assert store.get("s", "k1") == art and hashed == []
+    (art.path / "data.txt").write_text("hello")  # same bytes, a new ctime: hashed again, then trusted
+    assert store.get("s", "k1") == art and store.get("s", "k1") == art and hashed == ["data.txt"]
+
+
+def test_verify_reports_a_folder_whose_manifest_was_deleted(tmp_path, capsys):
+    from flows.cli import main as cli
+
+    store = ArtifactStore(tmp_path)
+    store.write("s", "k1", produce_file("hello"), inputs={}, config={})
+    lost = store.write("s", "k2", produce_file("world"), inputs={}, config={}).path
+    (lost / MANIFEST).unlink()
+    (tmp_path / "runs" / "some-run").mkdir(parents=True)  # not a stage's folder
+    assert cli(["verify", "--artifacts", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"damaged: s/k2: {MANIFEST} is missing" in out and "2 artifact folders checked, 1 damaged" in out
+    assert cli(["verify", "--artifacts", str(tmp_path), "--repair"]) == 0
+    assert not lost.exists() and list((tmp_path / "s" / ".damaged").iterdir())
+    assert cli(["verify", "--artifacts", str(tmp_path)]) == 0
+
+
+class NoLineage:
+    """What materialize logs to MLflow, dropped."""
+
+    class client:
+        set_terminated = staticmethod(lambda *args, **kwargs: None)
+
+    def stage_run(self, *args, **kwargs):
+        return "run"
+
+    def log_metrics(self, *args, **kwargs):
+        pass
+
+
+def test_same_size_damage_to_parquet_and_safetensors_is_recomputed_with_a_warning(tiny_config, tmp_path):
+    """Issue 42, item 3: a flipped byte in transform's train.parquet and in base_model's model.safetensors (its
+    mtime put back) is not served again: each stage is recomputed with a warning naming the file, to the same
+    bytes."""
+    from flows.config import load_config
+    from tasks.reporting import Reporter
+    from tasks.stage_tasks import RunContext, base_model_task, demo_data_task, transform_task
+
+    root = tmp_path / "artifacts"
+    reporter = Reporter(root, quiet=True)
+    ctx = RunContext(load_config(tiny_config), ArtifactStore(root), NoLineage(), reporter)
+
+    def stages():
+        prompts = transform_task.fn(ctx, demo_data_task.fn(ctx))
+        return prompts, base_model_task.fn(ctx, prompts)
+
+    prompts, model = stages()
+    files = [prompts.file("train.parquet"), model.file("model.safetensors")]
+    original = [f.read_bytes() for f in files]
+    flip_byte(files[0])
+    flip_byte(files[1], keep_mtime=True)
+    again = stages()
+    assert [a.reused for a in again] == [False, False]
+    assert [f.read_bytes() for f in files] == original
+    for f in files:
+        assert [w for w in reporter.warnings if f.name in w and "recomputing" in w], reporter.warnings
+        assert list((f.parent.parent / ".damaged").glob(f"*/{f.name}"))
