@@ -504,3 +504,30 @@ def test_a_transform_may_return_only_a_prompt(tmp_path, out_dir, user_module):
         accuracy_reward(completions=["7"], answer=[None])
     with pytest.raises(ValueError, match=r"eval: 1 of the 1 prompts .* have no answer \(e.g. \['train-000000'\]"):
         evaluate.run(evaluate.EvalConfig(), tmp_path / "no-model", None, out_dir / "train.parquet", tmp_path)
+
+
+def test_a_prompt_longer_than_the_models_context_stops_the_first_round(tmp_path):
+    """A prompt that leaves less room than rollout.max_completion_length in the model's context
+    (max_position_embeddings) stops round 0, naming the prompts file's row and the lengths, whichever round
+    would first draw it; rollout.max_prompt_length (TRL's left truncation) lets the round run."""
+    from conftest import tiny_model
+
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
+
+    tiny_model(tmp_path, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
+    raw = tmp_path / "raw.jsonl"
+    _write_jsonl(raw, [{"question": f"say {i}", "answer": str(i)} for i in range(3)]
+                 + [{"question": "say " + "1 2 3 " * 200, "answer": "0"}])
+    transform.run(TransformConfig(), {"train": raw}, tmp_path)
+    prompts = tmp_path / "train.parquet"
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=1, max_completion_length=4, engine="transformers")
+
+    with pytest.raises(BadRowError, match=rf"{prompts}: row 3 \(prompt_id train-000003\) has \d{{3,}} prompt "
+                                          r"tokens.*context of 256 tokens.*max_completion_length 4.*"
+                                          r"max_prompt_length: 252"):
+        rollout.run(cfg, Policy(tmp_path / "model"), prompts, 0, tmp_path)  # round 0 draws row 0 only
+    assert not (tmp_path / "rollouts.parquet").exists()
+
+    cut = cfg.model_copy(update={"max_prompt_length": 252})
+    assert rollout.run(cut, Policy(tmp_path / "model"), prompts, 0, tmp_path)["rows"] == 2

@@ -69,7 +69,10 @@ class TransformConfig(BaseModel):
     `seed`: runs with different training seeds evaluate on the same held-out rows."""
     on_bad_rows: Literal["fail", "drop"] = "fail"
     """A row the transform cannot turn into a prompt (a missing field, a transform that raises or returns
-    no prompt). fail: stop before anything is written, naming every bad row (file, row, field, reason);
+    no prompt; bytes that are not UTF-8, a jsonl line that is not a JSON object, a CSV row of the wrong width).
+    A prompt too long for the model is not one (the transform does not know the model): rollout round 0 stops on
+    it, and rollout.max_prompt_length cuts it. fail: stop before anything is written, naming every bad row (file,
+    row, field, reason);
     drop: leave them out, count them and record their indices in the stage's manifest and the run's
     summary (as `preferences.on_bad_rows`)."""
 

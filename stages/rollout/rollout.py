@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.data.schemas import ROLLOUTS, write_table
+from stages.data.sources import BadRowError
 from stages.rollout.engines import Policy, Sampling, engine_lock, get_engine
 from stages.runtime.keys import key_when_set, not_in_key
 
@@ -156,7 +157,8 @@ class RolloutConfig(BaseModel):
     max_prompt_length: int | None = key_when_set(None, ge=1)
     """Tokens of a chat-templated prompt kept, from its end (TRL's former `max_prompt_length`, which cut
     prompts on the left); the optimize stage trains on the prompt as sampled. Unset: whole prompts. The round's
-    `prompts_truncated_frac` counts the prompts cut."""
+    `prompts_truncated_frac` counts the prompts cut. A prompt longer than the model's context leaves beside
+    max_completion_length is an error, not dropped: round 0 stops naming its row and lengths; this cuts it."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the optimize stage scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -335,6 +337,83 @@ def left_truncated(prompts: list, model_dir: Path, max_tokens: int) -> tuple[lis
     return [{"prompt_token_ids": i[-max_tokens:]} for i in ids], sum(len(i) > max_tokens for i in ids)
 
 
+class PromptTooLongError(BadRowError):
+    """Prompts of the split that leave less room than rollout.max_completion_length in the model's context."""
+
+
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a transformers config holds the model's context in tokens (Llama/Qwen, GPT-2, others)."""
+
+_fitting: set[tuple] = set()  # (prompts file, its mtime, model, context, budget, cut): checked in this process
+
+
+def model_context(cfg: RolloutConfig, model_dir: Path) -> tuple[int, str] | None:
+    """(the longest sequence the engine takes in tokens, where that number comes from): the model config's
+    max_position_embeddings (or its like), or rollout.vllm.max_model_len where a vLLM engine runs with a smaller
+    one set; None when neither names one."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except (OSError, ValueError):  # no transformers config: the engine knows the model; nothing to check here
+        config = None
+    field = next((f for f in CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None)
+    context = (getattr(config, field), f"{field} of {model_dir}") if field else None
+    limit = cfg.vllm.max_model_len if cfg.engine != "transformers" else None
+    if limit and (context is None or limit < context[0]):
+        context = (limit, "rollout.vllm.max_model_len")
+    return context
+
+
+def check_prompt_lengths(cfg: RolloutConfig, rows: list[dict], prompts_path: Path, model_dir: Path) -> None:
+    """Raise PromptTooLongError naming the rows whose chat-templated prompt, as the engine gets it (its last
+    rollout.max_prompt_length tokens when that is set: TRL's left truncation), leaves less room than
+    rollout.max_completion_length in the model's context: such a prompt is cut by no engine, and it runs past the
+    positions the model was trained on (slowly: 16,714 tokens for a context of 256 took 87 s). The whole split is
+    checked once per process, so round 0 stops, not the round that first draws such a row."""
+    context = model_context(cfg, model_dir)
+    if context is None:
+        return
+    stat = prompts_path.stat()
+    checked = (str(prompts_path), stat.st_mtime_ns, stat.st_size, str(model_dir), context[0],
+               cfg.max_completion_length, cfg.max_prompt_length)
+    if checked in _fitting:
+        return
+    from transformers import AutoTokenizer
+
+    from stages.rollout.engines import prompt_token_ids
+
+    (tokens, where), room = context, context[0] - cfg.max_completion_length
+    budget = f"rollout.max_completion_length {cfg.max_completion_length}"
+    if room < 1:
+        raise PromptTooLongError(f"rollout: {budget} leaves no room for a prompt in the model's context of {tokens} "
+                                 f"tokens ({where}); lower it")
+    if cfg.max_prompt_length and cfg.max_prompt_length <= room:  # every prompt is cut to fit
+        _fitting.add(checked)
+        return
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def may_not_fit(prompt: list[dict]) -> bool:
+        """Whether the prompt's text could take more tokens than `room`: a token covers at least one byte of the
+        normalized text, and NFC normalization at most triples a text's UTF-8 bytes (Unicode UAX #15)."""
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return 3 * len(text.encode()) + 1 > room
+
+    chats = [(i, row) for i, row in enumerate(rows) if row["prompt"] and may_not_fit(row["prompt"])]  # text: none
+    lengths = [len(ids) for ids in prompt_token_ids(tokenizer, [row["prompt"] for _, row in chats])]
+    too_long = [(i, row["prompt_id"], n) for (i, row), n in zip(chats, lengths)
+                if min(n, cfg.max_prompt_length or n) > room]
+    if too_long:
+        named = ", ".join(f"row {i} (prompt_id {pid}) has {n} prompt tokens" for i, pid, n in too_long[:3])
+        raise PromptTooLongError(
+            f"rollout: {prompts_path}: {named}{', ...' if len(too_long) > 3 else ''} ({len(too_long)} row(s)): "
+            f"more than the model's context of {tokens} tokens ({where}) leaves beside {budget}; set "
+            f"rollout.max_prompt_length: {room} to keep each prompt's last {room} tokens (TRL's left truncation), "
+            "or shorten or remove these rows")
+    _fitting.add(checked)
+
+
 def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
         engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
         reroll_prompt_ids: list[str] = ()) -> dict:
@@ -346,6 +425,7 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
     import pyarrow.parquet as pq
 
     rows = pq.read_table(prompts_path).to_pylist()
+    check_prompt_lengths(cfg, rows, prompts_path, policy.base_dir)
     picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
     picked, rerolled = with_rerolls(picked, rows, list(reroll_prompt_ids))
     expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
