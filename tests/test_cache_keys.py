@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import computed
-from stages.runtime.imports import source_digest
+from stages.runtime.imports import local_modules, source_digest
 from tasks import stage_tasks, store
 from tasks.store import Artifact, code_version
 
@@ -64,6 +64,38 @@ def test_editing_a_reward_function_changes_the_score_key_only(key_of, user_dir, 
     optimize = [key_of(stage_tasks.optimize_task, config, model, None, Artifact("score", k, tmp_path, {}), 0)
                 for k in (score_before, score_after)]
     assert optimize[0] != optimize[1]
+
+
+def test_a_library_on_pythonpath_is_hashed_only_without_its_install_metadata(key_of, user_dir, tmp_path,
+                                                                           monkeypatch):
+    """A reward module importing a library that lives outside site-packages, with a namespace subpackage
+    whose parent was never imported: the key is computed (issue 42: KeyError), the library's files are
+    hashed as your code while nothing says it is installed, and not hashed once its *.dist-info is beside it
+    (`pip install --target DIR`): an installed library, as in site-packages."""
+    lib = tmp_path / "target"
+    (lib / "keys_gym" / "induction").mkdir(parents=True)
+    (lib / "keys_gym" / "__init__.py").write_text("")
+    task = lib / "keys_gym" / "induction" / "tasks.py"  # a namespace subpackage: no __init__.py
+    task.write_text("def score(text):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(lib))
+    user_module(user_dir, "keys_gym_reward", "def graded(completions, **kw):\n"
+                "    from keys_gym.induction.tasks import score\n    return [score(c) for c in completions]\n")
+    config = {"score": {"reward_funcs": ["keys_gym_reward.graded"]}}
+    rollouts = artifact("rollout", tmp_path)
+
+    before = key_of(stage_tasks.score_task, config, rollouts, 0)
+    task.write_text("def score(text):\n    return 0.5\n")
+    assert key_of(stage_tasks.score_task, config, rollouts, 0) != before  # no metadata: hashed
+
+    info = lib / "keys_gym-1.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("keys_gym/__init__.py,,\nkeys_gym/induction/tasks.py,,\n"
+                                 "keys_gym-1.0.dist-info/RECORD,,\n")
+    task.write_text("def score(text):\n    return 0.25\n")
+    installed = key_of(stage_tasks.score_task, config, rollouts, 0)
+    task.write_text("def score(text):\n    return 0.125\n")
+    assert key_of(stage_tasks.score_task, config, rollouts, 0) == installed  # an installed library: not hashed
+    assert "keys_gym.induction.tasks" not in local_modules("keys_gym_reward")
 
 
 def test_editing_a_transform_function_changes_the_transform_key(key_of, user_dir, tmp_path):

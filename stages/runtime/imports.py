@@ -1,5 +1,17 @@
 """Resolve user code named `module.fn` in configs (transforms, reward functions), import heavy
-libraries on first use, and digest the source of local modules (what artifact keys hash of code)."""
+libraries on first use, and digest the source of local modules (what artifact keys hash of code).
+
+What is hashed: your own modules and this pipeline's, found by reading files, never by importing them.
+Not hashed: the stdlib, whatever sits in site-packages / dist-packages, and an installed library
+wherever it lives: a top-level package that sits beside a `*.dist-info` folder listing it (what pip
+writes where it installs: `pip install --target DIR`, DIR then on PYTHONPATH). An editable install
+(`pip install -e`) keeps its dist-info in site-packages, away from its source (an `*.egg-info` in a
+source tree is build output, not an install), so it counts as your code and is hashed: editing it
+changes the key. A folder on PYTHONPATH without a dist-info (a git checkout) is hashed too: it cannot
+be told from your code. Any importable layout is walked without importing anything: namespace packages
+(also a namespace subpackage whose parent was never imported), editable installs' finders, zip imports
+(not hashed: no files on disk).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +22,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
+import pkgutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -84,13 +97,17 @@ OWN_PACKAGES = tuple(os.path.join(str(Path(os.path.realpath(__file__)).parents[2
 """This pipeline's own packages: hashed even when installed into site-packages."""
 
 
+_realpath = functools.lru_cache(maxsize=65536)(os.path.realpath)
+"""os.path.realpath, remembered: a digest walk asks for the same files over and over (one lstat per folder)."""
+
+
 def is_local_file(path: str | None) -> bool:
     """True for a source file of your project or of this pipeline: a file that is not in site-packages
     or the Python installation (the stdlib), or one of `OWN_PACKAGES`. Those are the files a code
     digest hashes."""
     if not path or not os.path.isfile(path):
         return False
-    real = os.path.realpath(path)
+    real = _realpath(path)
     if real.startswith(OWN_PACKAGES):
         return True
     parts = Path(real).parts
@@ -102,26 +119,96 @@ def is_local_file(path: str | None) -> bool:
 def _find_module(name: str) -> list[tuple[str, str]]:
     """(module name, file) of `name` and of each local package above it; [] if it is not a local module.
     Imports nothing: a top-level name goes through the import system's finders, a submodule is looked
-    up in its package's folders, and nothing installed is looked into."""
+    up in its package's folders, and nothing installed is looked into (`is_local_file`, `_installed_library`)."""
     top, *rest = name.split(".")
     try:
         spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):  # a module in sys.modules without a spec (__main__)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    except Exception:  # a module in sys.modules without a spec (__main__), a finder that fails
         return []
     found = []
     for part in [None, *rest]:
         if part is not None:
-            locations = spec.submodule_search_locations
             if not locations:
                 return []  # `from module import attribute`: the attribute is no module
-            spec = importlib.machinery.PathFinder.find_spec(f"{spec.name}.{part}", list(locations))
+            spec, locations = _find_in(f"{spec.name}.{part}", locations)
         if spec is None:
             return []
-        if spec.has_location and not is_local_file(spec.origin):
+        if spec.has_location and (not is_local_file(spec.origin) or _installed_library(spec.name, spec.origin)):
             return []  # installed (or stdlib): neither hashed nor walked into
         if spec.has_location:
             found.append((spec.name, spec.origin))
     return found
+
+
+def _find_in(fullname: str, locations: list[str]):
+    """(spec, its submodule folders) of submodule `fullname` in its package's folders, or (None, []).
+
+    As `importlib.machinery.PathFinder.find_spec(fullname, locations)`, but a namespace portion comes back
+    as a plain spec with its folders: PathFinder builds a `_NamespacePath`, which reads the parent package
+    from sys.modules and raises KeyError when it was never imported (`reasoning_gym.induction`)."""
+    portions: list[str] = []
+    for entry in locations:
+        try:
+            finder = pkgutil.get_importer(entry)  # FileFinder, zipimporter, ... (cached in sys.path_importer_cache)
+            spec = finder.find_spec(fullname) if finder is not None and hasattr(finder, "find_spec") else None
+        except Exception:  # an entry that is no folder, or a finder that fails on it: nothing found there
+            continue
+        if spec is None:
+            continue
+        if spec.loader is not None:  # a module or a regular package
+            try:
+                return spec, list(spec.submodule_search_locations or [])
+            except Exception:
+                return spec, []
+        portions += list(spec.submodule_search_locations or [])  # a namespace portion: keep looking
+    if portions:
+        return importlib.machinery.ModuleSpec(fullname, None, is_package=True), portions
+    return None, []
+
+
+def _installed_library(name: str, origin: str) -> bool:
+    """True when the file of module `name` belongs to a top-level package that sits beside a dist-info folder
+    naming it (`pip install --target DIR`: DIR/<pkg>-<version>.dist-info): an installed library, wherever its
+    folder is on sys.path. Never for `OWN_PACKAGES`."""
+    real = _realpath(origin)
+    if real.startswith(OWN_PACKAGES):
+        return False
+    parts = name.split(".")
+    depth = len(parts) if os.path.basename(origin) == "__init__.py" else len(parts) - 1
+    entry = Path(origin).parents[depth]  # the sys.path entry it was found in (where pip put its dist-info)
+    try:
+        stamp = os.stat(entry).st_mtime_ns
+    except OSError:
+        return False
+    return parts[0] in _distributed_names(str(entry), stamp)
+
+
+SKIPPED_IN_RECORD = (".dist-info", ".egg-info", ".pth")
+"""RECORD lines that name no module (the metadata itself, path hooks)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _distributed_names(entry: str, stamp: int) -> frozenset[str]:
+    """Top-level module names the `*.dist-info` folders in `entry` list (their top_level.txt, else the first
+    part of each path in RECORD); cached by the folder's mtime."""
+    names: set[str] = set()
+    try:
+        infos = [e for e in os.scandir(entry) if e.name.endswith(".dist-info") and e.is_dir()]
+    except OSError:
+        return frozenset()
+    for info in infos:
+        for listing in ("top_level.txt", "RECORD"):
+            try:
+                lines = Path(info.path, listing).read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                first = line.split(",", 1)[0].strip().replace("\\", "/").split("/", 1)[0]
+                if first and first not in ("..", "__pycache__") and not first.endswith(SKIPPED_IN_RECORD):
+                    names.add(first.removesuffix(".py"))
+            break
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=4096)
