@@ -48,12 +48,17 @@ def sample_completions(scored_path, count: int) -> list[dict]:
     for row in rows:
         flat = {"round": row["round_index"], "policy_version": row["policy_version"], "prompt_id": row["prompt_id"],
                 "sample": row["group_index"], "prompt": _prompt_text(row["prompt"]), "completion": row["completion"],
-                "reward": round(row["reward"], 4), "advantage": round(row["advantage"], 4)}
+                "reward": _rounded(row["reward"]), "advantage": _rounded(row["advantage"])}
         for name, value in dict(row["rewards"] or {}).items():
-            flat[f"reward/{name}"] = None if value != value else round(value, 4)  # NaN: not applicable
+            flat[f"reward/{name}"] = _rounded(value)  # None: the function did not apply to this sample
         flat["errors"] = "; ".join(row["errors"] or [])
         out.append(flat)
     return out
+
+
+def _rounded(value: float | None) -> float | None:
+    """A value to 4 digits for the tables; None (a null or NaN) stays None: nothing to show, nothing to crash on."""
+    return None if value is None or value != value else round(value, 4)
 
 
 def publish_rounds(lineage, parent: str, name: str, rounds: list[tuple[int, list[dict]]]) -> None:

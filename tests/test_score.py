@@ -76,6 +76,7 @@ def rollouts_path(tmp_path: Path) -> Path:
 
 USER_REWARDS = '''
 import asyncio
+import math
 import os
 import signal
 import threading
@@ -140,6 +141,16 @@ async def async_length(completions, **kwargs):
 def tagged_only(completions, **kwargs):
     # Applies only to completions that start with an <answer> tag.
     return [1.0 if completion_text(c).startswith("<answer>") else None for c in completions]
+
+
+def nonfinite(completions, **kwargs):
+    # nan on "I think 6" (a 0/0 in a grader), inf on the trailing "done", 1.0 elsewhere.
+    return [math.nan if completion_text(c).startswith("I") else math.inf if completion_text(c).endswith("done")
+            else 1.0 for c in completions]
+
+
+def minus_inf_on_done(completions, **kwargs):
+    return [-math.inf if completion_text(c).endswith("done") else 1.0 for c in completions]
 
 
 def uses_alarm(completions, **kwargs):
@@ -557,6 +568,93 @@ def test_none_reward_is_excluded(rollouts_path, out_dir, user_rewards):
     assert metrics["rewards/tagged_only/mean"] == 1.0  # nanmean over the 3 samples it applies to
     assert metrics["rewards/tagged_only/std"] == 0.0
     assert metrics["reward_mean"] == pytest.approx(2.0)
+
+
+def test_none_rewards_publish(rollouts_path, out_dir, user_rewards):
+    """A None reward (stored as null) reaches the published sample table as None, not a crash (issue 42)."""
+    from tasks.publish import sample_completions
+
+    name = f"{user_rewards}.tagged_only"
+    score.run(ScoreConfig(reward_funcs=["format", name], reward_num_workers=1), rollouts_path, 2, out_dir)
+
+    samples = sample_completions(out_dir / "scored.parquet", 4)
+    assert [s[f"reward/{name}"] for s in samples] == [1.0, None, 1.0, 1.0]
+    assert [s["reward"] for s in samples] == [2.0, 0.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("function, value, sample", [("nonfinite", "nan", 1), ("minus_inf_on_done", "-inf", 3)])
+def test_a_reward_that_is_not_finite_stops_naming_function_and_sample(rollouts_path, out_dir, user_rewards,
+                                                                      function, value, sample):
+    name = f"{user_rewards}.{function}"
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=["format", name], reward_num_workers=1), rollouts_path, 2, out_dir)
+
+    message = str(info.value)
+    assert f"reward function {name!r} returned {value} for sample {IDS[sample]}" in message
+    assert "score.reward_on_invalid" in message and "\n" not in message
+    assert not (out_dir / "scored.parquet").exists()  # nothing a rerun would find cached
+
+
+def test_a_sample_no_reward_function_scores_stops_naming_it(rollouts_path, out_dir, user_rewards):
+    name = f"{user_rewards}.tagged_only"  # None for "I think 6": with no other function, that sample has no reward
+
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[name], reward_num_workers=1), rollouts_path, 2, out_dir)
+
+    assert f"sample {IDS[1]} has no reward: every reward function ({name}) returned None" in str(info.value)
+    assert not (out_dir / "scored.parquet").exists()
+
+
+def test_reward_on_invalid_records_nan_inf_and_no_reward(rollouts_path, out_dir, user_rewards, caplog):
+    caplog.set_level(logging.WARNING, logger="stages.scoring.score")
+    name, tagged = f"{user_rewards}.nonfinite", f"{user_rewards}.tagged_only"
+    cfg = ScoreConfig(reward_funcs=["format", name], reward_num_workers=1, reward_on_invalid=-1.0,
+                      scale_rewards="none")
+
+    metrics = score.run(cfg, rollouts_path, 2, out_dir)
+
+    rows = _scored(out_dir)
+    assert [dict(r["rewards"])[name] for r in rows] == [1.0, -1.0, 1.0, -1.0]
+    assert [r["reward"] for r in rows] == [2.0, -1.0, 2.0, -1.0]
+    assert [r["errors"] for r in rows] == [[], [f"{name}: returned nan"], [], [f"{name}: returned inf"]]
+    assert metrics["score/errors"] == 2
+    assert f"reward function {name!r} returned nan for sample {IDS[1]}; recorded as score.reward_on_invalid " \
+           "(-1)" in caplog.text
+
+    metrics = score.run(cfg.model_copy(update={"reward_funcs": [tagged]}), rollouts_path, 2, out_dir)
+
+    rows = _scored(out_dir)
+    assert [dict(r["rewards"])[tagged] for r in rows] == [1.0, None, 1.0, 1.0]  # it still did not apply
+    assert [r["reward"] for r in rows] == [1.0, -1.0, 1.0, 1.0]
+    assert rows[1]["errors"] == ["no reward function returned a value (every one returned None)"]
+    assert metrics["score/errors"] == 1
+    assert f"sample {IDS[1]} has no reward" in caplog.text
+
+
+def test_reward_importing_a_namespace_subpackage_from_pythonpath(rollouts_path, out_dir, user_rewards, tmp_path,
+                                                                 monkeypatch):
+    """A library outside site-packages (`pip install --target DIR`, DIR on PYTHONPATH) with a namespace
+    subpackage (no __init__.py) whose parent was never imported: the code digest walks it without a KeyError
+    (issue 42), and the workers import it."""
+    from stages.runtime.imports import source_digest
+
+    lib = tmp_path / "pythonpath"
+    (lib / "ns_gym" / "induction").mkdir(parents=True)
+    (lib / "ns_gym" / "__init__.py").write_text("")
+    (lib / "ns_gym" / "induction" / "tasks.py").write_text("def score(text):\n    return float(len(text))\n")
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.setenv("PYTHONPATH", f"{lib}{os.pathsep}{os.environ['PYTHONPATH']}")
+    module = f"{user_rewards}_gym"
+    (tmp_path / "user_code" / f"{module}.py").write_text(
+        "from stages.scoring.rewards import completion_text\n\n\ndef graded(completions, **kwargs):\n"
+        "    from ns_gym.induction.tasks import score\n\n"
+        "    return [score(completion_text(c)) for c in completions]\n")
+
+    assert source_digest(module) is not None
+
+    score.run(ScoreConfig(reward_funcs=[f"{module}.graded"], reward_num_workers=1), rollouts_path, 2, out_dir)
+    assert [r["reward"] for r in _scored(out_dir)] == [float(len(c)) for _, c in COMPLETIONS]
 
 
 def test_reward_using_signal_alarm(rollouts_path, out_dir, user_rewards):

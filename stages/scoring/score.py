@@ -14,7 +14,12 @@ Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
   first, then weighted-summed and normalized over the batch (`gdpo_advantages`, stages/scoring/advantages.py).
 A reward function may return None for a sample it does not apply to; that sample counts as 0 in
 the weighted sum, as TRL's nansum does, and is left out of GDPO's per-function group statistics
-and of the `rewards/<name>/mean|std` metrics.
+and of the `rewards/<name>/mean|std` metrics. Where TRL only warns and trains on 0, two things stop
+the stage with `RewardFunctionError` naming the function and the sample, before anything is written:
+a value that is not finite (NaN, inf: a grader's 0/0 or log(0), which would reach the advantages), and
+a sample no function returns a value for (every one said None: it has no reward at all). With
+`reward_on_invalid` set, such a sample gets that value instead (for that function; for the row's total
+where no function applied), with a warning and a note in its `errors` column.
 
 The summary also holds the round's collapse metrics (`rollout/top_answer_frac`, distinct answers,
 identical groups; stages/scoring/collapse.py), which the health checks read. The advantages themselves are
@@ -23,6 +28,7 @@ computed in stages/scoring/advantages.py.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
@@ -34,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stages.data.schemas import ROLLOUTS, SCORED, write_table
 from stages.runtime.imports import LazyModule
-from stages.runtime.keys import not_in_key
+from stages.runtime.keys import key_when_set, not_in_key
 from stages.scoring.advantages import _nanstd, gdpo_advantages, group_advantages, reward_spread
 from stages.scoring.collapse import collapse_metrics
 from stages.scoring.reward_pools import shared_pool
@@ -42,6 +48,7 @@ from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionErr
 from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
+log = logging.getLogger(__name__)
 
 __all__ = ["ScoreConfig", "group_advantages", "gdpo_advantages", "run", "RewardFunctionError"]
 
@@ -81,9 +88,14 @@ class ScoreConfig(BaseModel):
     """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
     sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
     false timeouts on slow graders; a hanging function costs up to (1 + batch size / workers) times this."""
-    reward_on_error: float = 0.0
+    reward_on_error: float = Field(0.0, allow_inf_nan=False)
     """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
     `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
+    reward_on_invalid: float | None = key_when_set(None, allow_inf_nan=False)
+    """Value recorded where a reward function returned NaN or inf for a sample, and the total of a sample that
+    every function returned None for (no reward at all); each is a warning, a note in the row's `errors`
+    column and one of `score/errors`. Unset: such a sample stops the stage naming the function and the sample
+    (usually a bug in the grader, better fixed than trained on); nothing is written, so nothing is cached."""
     reward_batch_size: int = Field(64, ge=1)
     """Completions per call of a reward function."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -166,21 +178,35 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     # Values come back job by job: function by function, then row batch by row batch.
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
     errors: list[list[str]] = [[] for _ in range(n)]
-    for (name, _, _), (values, failed) in zip(jobs, outputs):
+    invalid: list[str] = []  # "reward function 'f' returned nan for sample s", per (function, sample)
+    for (name, _, ids), (values, failed) in zip(jobs, outputs):
         for i, v in enumerate(values):
             row = len(per_function[name])
             if i in failed:
                 v = cfg.reward_on_error
                 errors[row].append(failed[i])
+            elif v is not None and not math.isfinite(v := _as_float(v)):
+                invalid.append(f"reward function {name!r} returned {v} for sample {ids[i]}")
+                errors[row].append(f"{name}: returned {v}")
+                v = cfg.reward_on_invalid
             per_function[name].append(float("nan") if v is None else float(v))
+    _refuse_or_record(cfg, invalid, "a reward must be a finite number (or None where the function does not apply)")
 
     matrix = torch.tensor([per_function[name] for name in cfg.reward_funcs], dtype=torch.float64).T  # (n, F)
+    no_reward = torch.isnan(matrix).all(dim=1).tolist()  # every function returned None: TRL warns, trains on 0
+    _refuse_or_record(cfg, [f"sample {rows[i]['rollout_id']} has no reward: every reward function "
+                            f"({', '.join(cfg.reward_funcs)}) returned None for it" for i in range(n) if no_reward[i]],
+                      "make one of them return a number there")
     weights_t = torch.tensor(weights, dtype=torch.float64)
     totals = torch.nansum(matrix * weights_t, dim=1)
+    for i in (i for i in range(n) if no_reward[i]):  # only with reward_on_invalid set (else refused above)
+        totals[i] = cfg.reward_on_invalid
+        errors[i].append("no reward function returned a value (every one returned None)")
     if cfg.multi_objective_aggregation == "normalize_then_sum":
-        advantages = gdpo_advantages(matrix, weights_t, num_generations)
+        advantages = gdpo_advantages(matrix, weights_t, num_generations)  # a row with no reward: advantage 0
     else:
         advantages = group_advantages(totals, num_generations, cfg.scale_rewards)
+    _all_finite(totals, advantages, [r["rollout_id"] for r in rows])
 
     rewards_column = [
         [(name, None if math.isnan(matrix[i, f]) else float(matrix[i, f])) for f, name in enumerate(cfg.reward_funcs)]
@@ -203,6 +229,39 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
                                     [r["answer"] for r in rows] if "answer" in table.column_names else None))
     return metrics
+
+
+def _as_float(value) -> float:
+    """A reward as a float; an int too large for one is inf (refused as such, not an OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _refuse_or_record(cfg: ScoreConfig, problems: list[str], rule: str) -> None:
+    """Samples without a usable reward: with `reward_on_invalid` unset, one RewardFunctionError naming the first
+    (the CLI prints it as one line; no scored table is written); set, a warning for each (their value is
+    recorded by the caller)."""
+    if not problems:
+        return
+    if cfg.reward_on_invalid is None:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RewardFunctionError(f"{problems[0]}{more}; {rule}: fix the reward function, or set "
+                                  "score.reward_on_invalid to record a value for such samples")
+    for problem in problems:
+        log.warning("%s; recorded as score.reward_on_invalid (%g)", problem, cfg.reward_on_invalid)
+
+
+def _all_finite(totals, advantages, ids: list[str]) -> None:
+    """Last check before the table is written: finite rewards can still overflow float64 in the weighted sum or
+    the advantages (1e308 x 2); such a round is refused, never cached."""
+    bad = ~(torch.isfinite(totals) & torch.isfinite(advantages))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise RewardFunctionError(f"sample {ids[i]}: reward {float(totals[i])}, advantage {float(advantages[i])}: "
+                                  "the rewards overflow float64 once weighted and normalized; scale them (or "
+                                  "score.reward_weights) down")
 
 
 def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices) -> dict:
