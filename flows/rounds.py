@@ -65,6 +65,16 @@ def eval_round(ctx: RunContext, policy, prompts, adapter, r: int, evaluate=eval_
         ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
 
 
+def settle(in_flight: dict[int, tuple]) -> None:
+    """Wait until every prefetched round's rollout and score has finished or failed (their errors are the
+    failed rounds', not raised here). Called when the loop ends early: an engine closed under a rollout still
+    generating in Prefect's thread pool failed that rollout with an unrelated error, and one not started yet
+    would open a new engine after the flow had closed them all."""
+    for futures in in_flight.values():
+        for future in futures:
+            future.wait()
+
+
 def round_metrics(rollouts, scored, adapter) -> tuple[dict, dict]:
     """A round's parent-run metrics (ROUND_METRICS, per reward function), and its stages' summaries."""
     summaries = {"rollout": rollouts.manifest["summary"], "score": scored.manifest["summary"],
@@ -132,25 +142,29 @@ def sampled_rounds(ctx: RunContext, policy, prompts, log_round, scoring: tuple, 
     for r in range(min(lag + 1, cfg.grpo.rounds) if lag else 0):
         submit(r, None, 0)
     adapter, lineage_keys, metrics = None, {}, {}
-    for r in range(cfg.grpo.rounds):
-        waited = time.perf_counter()
-        rollouts, scored = sampled_and_scored(r, adapter)
-        waited = time.perf_counter() - waited
-        started = time.perf_counter()
-        train_on, replaced = scored, []
-        if signals:
-            replaced = signals.after_scoring(r, scored.file("scored.parquet"), f"{scored.stage}/{scored.key}")
-            if replaced:
-                train_on = replay_task(ctx, scored, replaced, r)
-        adapter = optimize_task(ctx, policy, adapter, train_on, r, ce_coef, rl_coef)
-        optimize_s = time.perf_counter() - started
-        if lag and r + lag + 1 < cfg.grpo.rounds:
-            submit(r + lag + 1, adapter, r + 1)
-        eval_round(ctx, policy, prompts, adapter, r, evaluate)
-        extra = signals.metrics(len(replaced),
-                                rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
-        metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
-                               log_round, lineage_keys, extra, {"replay": train_on.key} if replaced else {})
+    try:
+        for r in range(cfg.grpo.rounds):
+            waited = time.perf_counter()
+            rollouts, scored = sampled_and_scored(r, adapter)
+            waited = time.perf_counter() - waited
+            started = time.perf_counter()
+            train_on, replaced = scored, []
+            if signals:
+                replaced = signals.after_scoring(r, scored.file("scored.parquet"), f"{scored.stage}/{scored.key}")
+                if replaced:
+                    train_on = replay_task(ctx, scored, replaced, r)
+            adapter = optimize_task(ctx, policy, adapter, train_on, r, ce_coef, rl_coef)
+            optimize_s = time.perf_counter() - started
+            if lag and r + lag + 1 < cfg.grpo.rounds:
+                submit(r + lag + 1, adapter, r + 1)
+            eval_round(ctx, policy, prompts, adapter, r, evaluate)
+            extra = signals.metrics(len(replaced),
+                                    rollouts.manifest["summary"].get("rerolled_prompts", 0)) if signals else {}
+            metrics = finish_round(r, rollouts, scored, adapter, {"optimize_s": optimize_s, "waiting_s": waited},
+                                   log_round, lineage_keys, extra, {"replay": train_on.key} if replaced else {})
+    except Exception:  # the prefetched rounds still running must not outlive the loop (close_engines follows)
+        settle(in_flight)
+        raise
     return adapter, lineage_keys, metrics
 
 

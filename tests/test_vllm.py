@@ -556,3 +556,56 @@ def test_atropos_policy_server_serves_full_weights(engine, tiny):
         policy_server.close()
     assert answer["policy_version"] == 4
     assert_logps_close(_as_rows(answer), trainer_logps(tiny["full"], None, _as_rows(answer)))
+
+
+def test_weight_reload_waits_for_a_model_load_in_another_thread(engine, tiny):
+    """vLLM's in-place weight reload re-creates every parameter; a transformers load in another thread (the
+    eval beside a prefetched rollout) patches nn.Module process-wide and would put them on the meta device
+    ("Cannot copy out of meta tensor", issue 42). The reload waits for MODEL_LOADING like an engine step."""
+    import threading
+    import time
+
+    from stages.rollout.engines import Policy
+    from stages.runtime.policy import MODEL_LOADING
+
+    base, full = Policy(tiny["base"]), Policy(tiny["base"], weights_dir=tiny["full"], version=3)
+    engine.generate(base, PROMPTS, sampling(max_new_tokens=4))  # the base weights loaded
+    expected = engine.generate(full, PROMPTS, sampling(max_new_tokens=8))
+    engine.generate(base, PROMPTS, sampling(max_new_tokens=4))
+    reloads, box = engine.weight_reloads, {}
+    with MODEL_LOADING:
+        thread = threading.Thread(target=lambda: box.update(rows=engine.generate(full, PROMPTS,
+                                                                                 sampling(max_new_tokens=8))))
+        thread.start()
+        time.sleep(3)
+        assert thread.is_alive() and engine.weight_reloads == reloads  # the reload has not started
+    thread.join(120)
+    assert engine.weight_reloads == reloads + 1
+    assert [r["completion_token_ids"] for r in box["rows"]] == [r["completion_token_ids"] for r in expected]
+
+
+def test_prefetched_vllm_rounds_with_evals_between_them(prefect_harness, tiny_config, tmp_path):
+    """The quickstart's shape on vLLM (issue 42): LoRA merged into the engine's weights each round, rollouts
+    prefetched a round ahead, and an eval after every round loading the policy beside the next round's
+    reload. Every round and eval finishes, and a rerun computes nothing."""
+    from flows.pipeline import posttrain_pipeline
+
+    from conftest import computed
+
+    overrides = ["rollout.engine=vllm", "rollout.async_prefetch=true", "grpo.rounds=4", "eval.every_rounds=1",
+                 "rollout.vllm.kv_cache_space_gib=0.25"]
+    first = posttrain_pipeline(str(tiny_config), overrides, quiet=True)
+    stages = computed(first)
+    assert {"rollout r0", "rollout r1", "rollout r2", "rollout r3", "eval r0", "eval r1", "eval r2",
+            "eval final"} <= set(stages), stages
+    rollouts = pq_rows(tmp_path / "artifacts" / "rollout")
+    assert {row["engine"] for row in rollouts} == {"vllm"}
+    assert sorted({(row["round_index"], row["policy_version"]) for row in rollouts}) == [(0, 0), (1, 0), (2, 1),
+                                                                                         (3, 2)]
+    assert computed(posttrain_pipeline(str(tiny_config), overrides, quiet=True)) == []
+
+
+def pq_rows(stage_dir: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [row for path in sorted(stage_dir.glob("*/rollouts.parquet")) for row in pq.read_table(path).to_pylist()]

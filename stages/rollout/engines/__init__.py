@@ -163,9 +163,10 @@ def import_eagerly(trainers: bool = False) -> None:
 
 
 def close_engines() -> None:
-    """Close every engine this process started (the flow's last step)."""
+    """Close every engine this process started (the flow's last step), each once no rollout is using it."""
     with _LOCK:
         engines = list(_ENGINES.values())
         _ENGINES.clear()
     for engine in engines:
-        engine.close()
+        with engine_lock(engine):  # a prefetched rollout still generating: closed under it, it fails oddly
+            engine.close()

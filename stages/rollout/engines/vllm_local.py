@@ -266,7 +266,13 @@ class VLLMEngine:
             return
         if not any(model_dir.glob("*.safetensors")):
             raise FileNotFoundError(f"vllm engine: no *.safetensors in {model_dir} to load the policy's weights from")
-        self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
+        from stages.runtime.policy import MODEL_LOADING
+
+        # The layerwise reload re-creates every parameter, which a transformers load in another thread (an eval
+        # or optimize stage beside a prefetched rollout) would put on the meta device: it patches nn.Module
+        # process-wide while it builds a model ("Cannot copy out of meta tensor" in vLLM's reload, issue 42).
+        with MODEL_LOADING:
+            self.llm.collective_rpc("load_policy_weights", args=(str(model_dir),))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loaded_weights = model_dir
         self.weight_reloads += 1
