@@ -48,12 +48,13 @@ def code_block(path: Path, language: str, containing: str) -> str:
     return next(b for b in blocks if containing in b)
 
 
-@pytest.mark.parametrize("page", ["docs/your-own/rewards.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/your-own/rewards.md"])
 def test_the_reward_example_runs(page, tmp_path, monkeypatch):
     """The reward function a page shows scores a batch as the score stage hands it over (chat-message
     completions, the rollout rows' columns as keywords)."""
     (tmp_path / "my_rewards.py").write_text(code_block(ROOT / page, "python", "def brevity"))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
     import importlib
 
     module = importlib.import_module("my_rewards")
@@ -61,3 +62,29 @@ def test_the_reward_example_runs(page, tmp_path, monkeypatch):
     scores = module.brevity(prompts=[[]] * 3, completions=completions, answer=["7"] * 3,
                             completion_ids=[[1]] * 3, prompt_id=["a", "b", "c"])
     assert scores == [1.0, 0.5, 0.0]
+
+
+def test_the_readme_points_into_the_docs():
+    """README.md stays a front page (<= 200 lines): what posttrain is, the two commands, the quickstart's result,
+    one example, and links; every link it has leads to a file, "use my own reward function" in one click."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    assert "make run" in text and "make test" in text
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    for link in links:
+        if not link.startswith("http"):
+            assert (ROOT / link).exists(), link
+    assert re.search(r"\[[^\]]*own reward function[^\]]*\]\(docs/your-own/rewards\.md\)", text)
+
+
+def test_the_readme_config_loads(tmp_path, monkeypatch):
+    """The README's example config is a valid config (its data files made up here)."""
+    from flows.config import load_config
+
+    (tmp_path / "data").mkdir()
+    for split in ("train", "eval"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text('{"question": "Which is larger, 2 or 3?", "answer": "3"}\n')
+    (tmp_path / "my.yaml").write_text(code_block(ROOT / "README.md", "yaml", "reward_funcs"))
+    monkeypatch.chdir(tmp_path)
+    config = load_config("my.yaml")
+    assert config.score.reward_funcs == ["my_rewards.brevity", "format"] and not config.sft.enabled
