@@ -336,6 +336,10 @@ def render() -> tuple[str, list[str]]:
 
     keys = KeyIndex(PipelineConfig)
     lines, warnings, documented = [INTRO], [], set()
+    if not keys.reads or not keys.device_keyed_by:  # the tasks changed shape: say so rather than print "—"
+        warnings.append("docs/gen_config_reference.py found no `@task(name=...)` function in tasks/*.py reading "
+                        "`ctx.config`, or none calling `devices.key_fields`: update `task_reads` to how the tasks "
+                        "read the config now, so the reference's key column stays true")
     top_docs = field_docstrings(PipelineConfig)
 
     def field_block(path: list[tuple[type, str]], dotted: str, doc: str | None, field) -> None:
