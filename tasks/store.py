@@ -293,7 +293,7 @@ class ArtifactStore:
                 refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             shutil.rmtree(tmp, ignore_errors=True)
             if refused is not None:
-                raise StorageError(f"stage {stage} ({key})", tmp, refused) from e
+                raise StorageError(f"stage {stage} ({key})", final, refused) from e
             raise
         _write_quietly(self.root / VERIFIED / stage / f"{key}.json", json.dumps(stamps))  # renaming the folder
         # changes no file's stamp
