@@ -88,6 +88,13 @@ class ScoreConfig(BaseModel):
     """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
     sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
     false timeouts on slow graders; a hanging function costs up to (1 + batch size / workers) times this."""
+    reward_memory_mb: float | None = key_when_set(None, gt=0)
+    """Memory (MiB) each reward worker may allocate, enforced by the OS (Linux RLIMIT_DATA: heap and private
+    writable memory, not reserved address space); an allocation past it fails the call, and each sample that
+    breaches it on its own gets `reward_on_error`, as a timeout does. None: no cap. No default fits every machine:
+    importing torch alone takes ~1.6 GB of it on 16 cores (more with more cores; 2048 stopped that import), CUDA and
+    a small reward model ~3 GB; a plain grader ~100 MB. Local workers only (not `backend: ray`). In the
+    stage's key when set (a breach changes the rewards)."""
     reward_on_error: float = Field(0.0, allow_inf_nan=False)
     """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
     `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
