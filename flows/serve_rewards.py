@@ -131,7 +131,8 @@ class Scorer:
 
     def pool(self):
         """The worker pool (started on first use, replaced if broken)."""
-        return shared_pool(self.names, self.cfg.reward_num_workers, self.cfg.reward_timeout_s, self.sources)
+        return shared_pool(self.names, self.cfg.reward_num_workers, self.cfg.reward_timeout_s, self.sources,
+                           memory_mb=self.cfg.reward_memory_mb)
 
     async def verify(self, sample: dict, names: list[str]) -> dict:
         """Score one parsed verify request (`parse_request`) with `names`; the reply's scores as a dict."""

@@ -63,3 +63,33 @@ def test_the_cap_is_in_the_score_key_when_set():
     assert key_fields(ScoreConfig(reward_memory_mb=512))["reward_memory_mb"] == 512
     with pytest.raises(ValueError):
         ScoreConfig(reward_memory_mb=0)
+
+
+def test_a_memory_cap_with_ray_workers_is_refused():
+    """Ray actors are not capped: the option would be silently ignored there, so it is refused."""
+    from stages.scoring.score import ScoreConfig
+
+    with pytest.raises(ValueError, match="reward_memory_mb caps local reward workers only"):
+        ScoreConfig(reward_memory_mb=512, backend="ray")
+    assert ScoreConfig(reward_memory_mb=512).reward_memory_mb == 512
+
+
+def test_the_score_stage_hands_the_cap_to_its_workers(greedy, tmp_path):
+    """score.reward_memory_mb reaches the workers the stage scores with: the greedy sample gets
+    reward_on_error and its error names the cap; the others score."""
+    import pyarrow.parquet as pq
+
+    from stages.scoring import reward_pools, score as score_stage
+    from test_score import _write_rollouts
+
+    rollouts = _write_rollouts(tmp_path / "rollouts.parquet", [("p0", "fine"), ("p0", "greedy")])
+    out = tmp_path / "scored"
+    out.mkdir()
+    cfg = ScoreConfig(reward_funcs=[greedy], reward_num_workers=1, reward_memory_mb=512, reward_on_error=-1.0)
+    try:
+        score_stage.run(cfg, rollouts, 2, out)
+    finally:
+        reward_pools.close_pools()
+    rows = pq.read_table(out / "scored.parquet").to_pylist()
+    assert [r["reward"] for r in rows] == [1.0, -1.0]
+    assert rows[1]["errors"] == [f"{greedy}: MemoryError past score.reward_memory_mb = 512 MB"]

@@ -135,6 +135,13 @@ class ScoreConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _memory_cap_where_enforced(self):
+        if self.reward_memory_mb is not None and self.backend == "ray":
+            raise ValueError("reward_memory_mb caps local reward workers only; Ray actors are not capped (unset it, "
+                             "or use backend: local)")
+        return self
+
+    @model_validator(mode="after")
     def _weights_match(self):
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
@@ -176,7 +183,8 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
             }
             jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
     ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
-    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray,
+                       memory_mb=cfg.reward_memory_mb)
     worker_stats: list = []
     started = time.perf_counter()
     outputs = pool.score(jobs, worker_stats)
