@@ -247,9 +247,47 @@ def report_errors(run: Callable[[], int], debug: bool) -> int:
             raise
         print(f"error: {e}\n(the run is recorded as failed; `--debug` shows the traceback)", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk that reached us as another library's error (Prefect's server: HTTP 500)
+        full = full_disk_message(e)
+        if full is None or debug:
+            raise
+        print(f"error: {full}", file=sys.stderr)
+        return 2
     finally:
         if restore:
             restore()
+
+
+FULL_DISK_BYTES = 1 << 20
+"""Free bytes under which the artifacts folder's disk counts as full."""
+
+
+def full_disk_message(error: BaseException) -> str | None:
+    """One line for an error the full (or read-only) disk of the artifacts folder caused but a library reported
+    in its own words: the error names a refused write (tasks/store.py `refused_write`), or the artifacts folder's
+    disk has under FULL_DISK_BYTES free (Prefect's temporary server keeps its database there, and answers a write
+    it cannot make with HTTP 500). None for any other error."""
+    from flows.run import OPENED
+    from tasks.store import refused_write
+
+    root = OPENED[-1][1] if OPENED else None
+    refused = refused_write(error, root)
+    if refused is None and root is not None:
+        try:
+            stats = os.statvfs(root)
+        except OSError:
+            return None
+        if stats.f_bavail * stats.f_frsize >= FULL_DISK_BYTES:
+            return None
+    elif refused is None:
+        return None
+    reason = refused.strerror if refused is not None else "No space left on device"
+    if root is None:
+        return (f"the disk refused a write ({reason}; {type(error).__name__} from a library writing there): free "
+                "space or make it writable, then run the same command again (finished stages are reused)")
+    return (f"the disk holding {root} refused a write ({reason}; {type(error).__name__} from a library writing "
+            f"there): free space or make it writable, then `posttrain resume {OPENED[-1][0]} --artifacts {root}` "
+            "(finished stages are reused)")
 
 
 def _main_thread() -> bool:
@@ -286,7 +324,7 @@ def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:
     class InputErrorTraceback(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return not (record.name.startswith("prefect") and record.exc_info
-                        and isinstance(record.exc_info[1], errors))
+                        and (isinstance(record.exc_info[1], errors) or full_disk_message(record.exc_info[1])))
 
     class InterruptNotice(logging.Filter):  # a signal-stopped run says so in one line (report_errors)
         def filter(self, record: logging.LogRecord) -> bool:
