@@ -168,11 +168,17 @@ class GRPOConfig(BaseModel):
     overlong filtering). True: a cut-off answer is not punished or rewarded for being cut off; fewer tokens
     train. False (TRL's default): every completion trains."""
     lora_r: int = Field(16, ge=1)
+    """LoRA rank (adapter: lora; PEFT's `r`). Higher: more trainable weights per layer, more memory.
+    The rollout engines' LoRA slots are sized from it."""
     lora_alpha: int = Field(32, ge=1)
+    """LoRA scaling numerator (PEFT's `lora_alpha`): the update is scaled by lora_alpha / lora_r."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA branch's input while training (PEFT's `lora_dropout`)."""
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """Modules the adapter wraps (PEFT's `target_modules`): by default every attention and MLP projection
+    (Qwen2/Llama names)."""
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL term by the importance ratio (TRL's default, DeepSeek-V3.2)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -222,6 +228,7 @@ class GRPOConfig(BaseModel):
     this key), and not with train.strategy fsdp (a config error). Changes float rounding only, so it is not
     in the artifact key."""
     seed: int = 0
+    """Seed of each round's row order and of the adapter's initialization (with the round index)."""
 
     @model_validator(mode="after")
     def _adam_options_need_adam(self):
