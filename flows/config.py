@@ -93,8 +93,10 @@ class PromotionConfig(BaseModel):
     """Held-out metric (higher is better) the new model and the champion are compared on, both measured
     on this run's eval prompts."""
     min_gain: float = 0.0
-    """The new model becomes champion when metric >= champion's metric + min_gain (otherwise challenger).
-    0: ties promote the newer model; higher: keep the champion unless clearly beaten; negative: always promote."""
+    """The new model becomes champion when metric >= champion's metric + min_gain (otherwise challenger), and
+    only if its eval accuracy beats the constant baseline, whatever min_gain says (flows/retrain.py `promote`).
+    0: ties promote the newer model; higher: keep the champion unless clearly beaten; negative: promote a model
+    up to |min_gain| worse than the champion."""
     start_from_champion: bool = False
     """Start the GRPO/DPO rounds from the champion's exported model instead of the SFT output (retraining
     continues from the best model so far). False keeps reruns of one config cached end to end."""

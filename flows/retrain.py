@@ -20,10 +20,12 @@ schedule and a DeploymentEventTrigger: each `posttrain.data.added` event for the
 run with `overrides: {"data.version": <the event's version>}`.
 
 **Champion/challenger.** After a run's final eval, its registered model version gets the MLflow alias
-`champion` when no version has it yet, or when its `promotion.metric` is >= the champion's +
-`promotion.min_gain`, both measured on this run's held-out prompts (the champion's eval is a cached
-stage when this pipeline produced it); otherwise the alias `challenger`. The reason is the run's tag
-`promotion`, the version's tag `promotion`, summary.json's `promotion`, and a printed line. With
+`champion` when its eval accuracy beats the constant baseline (what always giving the most common answer scores,
+by the same verifier: a model at accuracy 0.0 never becomes champion) and either no version has the alias yet or
+its `promotion.metric` is >= the champion's + `promotion.min_gain`, both measured on this run's held-out prompts
+(the champion's eval is a cached stage when this pipeline produced it); otherwise the alias `challenger`. The
+reason is the run's tag `promotion` (and `promotion.refused_by`: constant_baseline or champion, when it was not
+promoted), the version's tag `promotion`, summary.json's `promotion`, and a printed line. With
 `promotion.start_from_champion`, the rounds start from the champion's exported model instead of the
 SFT output.
 """
@@ -309,12 +311,17 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts, evalu
 
     cfg, name = ctx.config.promotion, ctx.config.export.model_name
     key = cfg.metric.removeprefix("eval/")
-    value = float(final_eval.manifest["summary"][key])
-    n = final_eval.manifest["summary"].get("num_prompts")
-    champion = ctx.lineage.version_by_alias(name, "champion")
+    summary = final_eval.manifest["summary"]
+    value = float(summary[key])
+    n = summary.get("num_prompts")
     result = {"model": name, "version": str(version), "metric": cfg.metric, "value": value, "min_gain": cfg.min_gain,
-              "champion_version": None, "champion_value": None}
-    if champion is None:
+              "champion_version": None, "champion_value": None, "constant_baseline": summary.get("constant_baseline")}
+    below = below_baseline(summary)
+    champion = None if below else ctx.lineage.version_by_alias(name, "champion")
+    if below:  # never champion, whatever the champion scores
+        alias = "challenger"
+        reason = f"{name} v{version} is not promoted: {below}, on this run's {n} held-out prompts"
+    elif champion is None:
         alias = "champion"
         reason = f"{name} v{version} becomes champion: the first version to be ranked ({cfg.metric} {value:.4f})"
     else:
@@ -333,9 +340,26 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts, evalu
                                          "promotion/gain": value - champion_value})
         if better:
             ctx.lineage.set_alias(name, "previous_champion", champion.version)
-    ctx.lineage.set_alias(name, alias, version, tags={"promotion": reason, "promotion.alias": alias})
-    ctx.lineage.set_tags(parent, {"promotion": reason, "promotion.alias": alias})
-    return {**result, "alias": alias, "reason": reason}
+    refused_by = "constant_baseline" if below else None if alias == "champion" else "champion"
+    tags = {"promotion": reason, "promotion.alias": alias, **({"promotion.refused_by": refused_by} if refused_by else {})}
+    ctx.lineage.set_alias(name, alias, version, tags=tags)
+    ctx.lineage.set_tags(parent, tags)
+    return {**result, "alias": alias, "reason": reason, "refused_by": refused_by}
+
+
+def below_baseline(summary: dict) -> str | None:
+    """Why an eval's model may not become champion, or None when it may: its accuracy must beat the constant
+    baseline (the best a constant answer scores on the same prompts by the same verifier), and so be above 0.
+    Whatever promotion.metric is: a model no better than a constant answer has not learned the task."""
+    accuracy, baseline = float(summary["accuracy"]), summary.get("constant_baseline")
+    if baseline is None:  # an eval without one (written before it existed): at least not 0
+        return None if accuracy > 0 else f"eval/accuracy {accuracy:.4f} is 0"
+    if accuracy > baseline:
+        return None
+    answer = summary.get("baseline_answer")
+    return (f"eval/accuracy {accuracy:.4f} does not beat the constant baseline {float(baseline):.4f}"
+            + (f" (always answering {answer!r})" if answer is not None else "")
+            + "; a model no better than a constant answer never becomes champion")
 
 
 # ---------------------------------------------------------------------------------------------- deployment

@@ -206,7 +206,22 @@ class RoundLog:
         self.unpublished.append((metrics, r, samples))
         if not (scored.reused and adapter.reused):  # computed now: show it now (with the cached ones before it)
             self.publish()
+        self.warn_reward_errors(r, scored)
         self.check_health(metrics, r, scored, adapter)
+
+    def warn_reward_errors(self, r: int, scored) -> None:
+        """One warning (console and summary.json's `warnings`) for a round whose reward functions failed on some
+        samples (fewer than score.max_error_rate: more stop the run), naming the log with their tracebacks."""
+        from stages.scoring.score import ERROR_LOG
+
+        summary = scored.manifest["summary"]
+        counts = {k.removeprefix("score/errors/"): v for k, v in summary.items()
+                  if k.startswith("score/errors/") and v}
+        if counts:
+            failed = ", ".join(f"{name} on {count}" for name, count in counts.items())
+            self.ctx.reporter.warn(f"score r{r}: reward functions failed on some samples ({failed} of "
+                                   f"{summary.get('score/samples', '?')}), which got score.reward_on_error; "
+                                   f"tracebacks: {scored.path / ERROR_LOG}")
 
     def publish(self) -> None:
         """Metrics and sample completions of the rounds not logged yet, in one request each."""

@@ -239,16 +239,20 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
               adapter: Artifact | None = None, version: int = -1) -> Artifact:
     """Evaluate `model`, or with `adapter` (an optimize round's output) the policy `model` + that round: greedy
     accuracy on the eval split's prompts (stages/evaluation/evaluate.py)."""
-    cfg = ctx.config.eval
-    section = key_fields(cfg)
+    scoring = ctx.config.score  # how the verifier runs: workers, timeout, remote verifiers, max_error_rate
+    cfg = ctx.config.eval.model_copy(update={"reward_funcs": evaluate.verifier_funcs(ctx.config.eval,
+                                                                                     scoring.reward_funcs)})
+    functions, folders = split_reward_funcs(cfg.reward_funcs)
+    section = _with_reads({**key_fields(cfg), "verifier": evaluate.verifier_key(cfg, scoring)}, functions,
+                          BUILTIN_REWARDS, folders)  # the verifier's code, as the score stage's key has it
     evaluated = policy_for(ctx, model, adapter, version)
     bar = ctx.reporter.progress(f"eval {label}", "prompt")
     return materialize(
         ctx, "eval", evaluate, runs_model(ctx, section), {"model": model, "prompts": prompts, "adapter": adapter},
-        lambda out, _: evaluate.run(cfg, evaluated.model_dir, evaluated.adapter_dir,
-                                    prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
-                                    devices=placement(ctx)),
-        label=f"eval {label}",
+        lambda out, _, work: evaluate.run(cfg, evaluated.model_dir, evaluated.adapter_dir,
+                                          prompts.file(f"{cfg.split}.parquet"), out, on_progress=bar,
+                                          devices=placement(ctx), scoring=scoring, log_dir=work),
+        label=f"eval {label}", resumable=True,  # work: where reward_errors.log stays when the verifier breaks
     )
 
 
@@ -395,9 +399,9 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_mod
     section = _with_reads(section, functions, BUILTIN_REWARDS, folders)
     return materialize(
         ctx, "score", score, section, {"rollouts": rollouts, "reward_model": rm},
-        lambda out, _: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None,
-                                 devices=placement(ctx) if rm or folders else None),
-        label=f"score r{round_index}",
+        lambda out, _, work: score.run(cfg, rollouts.file("rollouts.parquet"), n, out, rm.path if rm else None,
+                                       devices=placement(ctx) if rm or folders else None, log_dir=work),
+        label=f"score r{round_index}", resumable=True,  # work: where reward_errors.log stays when a function breaks
     )
 
 

@@ -162,5 +162,104 @@ def test_under_drop_an_eval_prompt_longer_than_the_models_context_is_left_out_an
     cfg = evaluate.EvalConfig(max_completion_length=4, too_long_prompts="drop")
     summary = evaluate.run(cfg, tmp_path / "model", None, prompts, out)
     assert summary["num_prompts"] == 3 and summary["prompts_too_long"] == 1
+    assert summary["verifier"] == ["accuracy"]  # eval.reward_funcs unset (the stage called alone): math-verify
     assert pq.read_table(out / "eval.parquet").column("prompt_id").to_pylist() == [
         "eval-000000", "eval-000001", "eval-000002"]
+
+
+def test_accuracy_does_not_credit_a_restated_question():
+    """Issue 44: math-verify read the restated `43 + 14` of "... is 43 + 14 = 18." as the answer (57, right). The
+    stated answer (18) is checked now, and an expression that only restates the prompt's is no answer; the
+    quickstart's <answer>N</answer> and free-text answers read as before."""
+    from stages.scoring.rewards import stated_accuracy_reward
+
+    question = [{"role": "user", "content": "What is 43 + 14?"}]
+    completions = ["The final answer to the given arithmetic problem is 43 + 14 = 18.", "The answer is 43 + 14.",
+                   "<answer>57</answer>", "43 + 14 = 57", "The sum is 57."]
+    assert accuracy_reward(prompts=[question] * 5, completions=completions, answer=["57"] * 5) == [0, 0, 1, 1, 1]
+    assert accuracy_reward(completions=completions[:1], answer=["57"]) == [0.0]  # without the prompt too
+    assert stated_accuracy_reward(prompts=[question] * 5, completions=completions, answer=["57"] * 5) == [0, 0, 1, 1, 1]
+    assert accuracy_reward(prompts=["Which is the largest of -5, -3, -7?", "Which is larger, 3/4 or 1/2?"],
+                           completions=["<answer>-3</answer>", "It is 3/4"], answer=["-3", "3/4"]) == [1.0, 1.0]
+
+
+def test_the_eval_verifier_defaults_to_the_runs_own_reward_functions():
+    from stages.evaluation.evaluate import EvalConfig, verifier_funcs
+
+    assert verifier_funcs(EvalConfig(), ["accuracy", "format"]) == ["accuracy"]  # the built-in task: as before
+    assert verifier_funcs(EvalConfig(), ["stated_accuracy"]) == ["accuracy"]
+    assert verifier_funcs(EvalConfig(), ["mytask.check", "format", "remote:gym"]) == ["mytask.check", "remote:gym"]
+    assert verifier_funcs(EvalConfig(), ["reward_model", "format"]) == ["accuracy"]
+    assert verifier_funcs(EvalConfig(reward_funcs=["mytask.strict"]), ["mytask.check"]) == ["mytask.strict"]
+    with pytest.raises(ValueError, match="reward_model:/path/to/model"):
+        EvalConfig(reward_funcs=["reward_model"])
+
+
+VERIFIERS = '''
+def says_seven_times(prompts, completions, answer, **kwargs):
+    """The task's own scorer for "say i": right when the completion is the number 7 * i."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 if t.strip() == str(7 * int(a)) else 0.0 for t, a in zip(texts, answer)]
+
+
+def everything(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def half(completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+def boom(completions, **kwargs):
+    raise ValueError("boom")
+'''
+
+
+@pytest.fixture
+def verifiers(tmp_path, monkeypatch):
+    """A module of verifiers, importable here and in the spawned reward workers."""
+    import os
+
+    folder = tmp_path / "verifiers"
+    folder.mkdir()
+    (folder / "eval_verifiers.py").write_text(VERIFIERS)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", str(folder) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    yield "eval_verifiers"
+    from stages.scoring import reward_pools
+
+    reward_pools.close_pools()
+
+
+def test_the_eval_judges_with_the_tasks_verifier_and_so_does_its_constant_baseline(tmp_path, verifiers):
+    """Issue 44: the eval always scored with math-verify `accuracy`, whatever the task's verifier said. Now
+    eval.reward_funcs judge each completion (correct at reward >= eval.correct_threshold), on the reward workers,
+    and the constant baseline is what a constant answer scores by the same verifier."""
+    from conftest import tiny_say_policy
+
+    from stages.evaluation import evaluate
+    from stages.evaluation.evaluate import EvalConfig
+    from stages.scoring.reward_workers import RewardFunctionError
+    from stages.scoring.score import ScoreConfig
+
+    root = tiny_say_policy(tmp_path / "tiny", 6)
+    prompts, scoring = root / "prompts" / "train.parquet", ScoreConfig(reward_num_workers=1)
+
+    def run(*names: str, **options) -> dict:
+        out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}"
+        out.mkdir()
+        cfg = EvalConfig(max_completion_length=4, reward_funcs=[f"{verifiers}.{n}" for n in names], **options)
+        summary = evaluate.run(cfg, root / "model", None, prompts, out, scoring=scoring, log_dir=tmp_path / "work")
+        summary["table"] = pq.read_table(out / "eval.parquet").to_pylist()
+        return summary
+
+    own = run("says_seven_times")  # the task's own scorer
+    assert own["verifier"] == [f"{verifiers}.says_seven_times"]
+    assert own["accuracy"] == sum(r["reward"] for r in own["table"]) / 6
+    assert own["constant_baseline"] <= 1 / 6  # the gold answers differ: a constant is right once at most
+    both = run("everything", "half", correct_threshold=0.75)  # a completion's reward: the functions' mean
+    assert [r["reward"] for r in both["table"]] == [0.75] * 6 and both["accuracy"] == 1.0
+    assert both["constant_baseline"] == 1.0  # the same verifier credits a constant answer as much
+    with pytest.raises(RewardFunctionError, match=rf"'{verifiers}.boom' failed on (\d+) of \1 samples \(100%"):
+        run("boom")  # its 6 completions and a few constant answers per prompt
+    assert "ValueError: boom" in (tmp_path / "work" / "reward_errors.log").read_text()

@@ -70,7 +70,8 @@ def test_actors_on_two_nodes_score_as_the_local_pool(ray_cluster, rollouts_path,
 
 def test_actor_killed_mid_batch_costs_only_its_samples(ray_cluster, rollouts_path, tmp_path, user_rewards):
     name = f"{user_rewards}.exits_on_done"
-    cfg = on_ray(ScoreConfig(reward_funcs=["format", name], scale_rewards="none", reward_batch_size=4), ray_cluster)
+    cfg = on_ray(ScoreConfig(reward_funcs=["format", name], scale_rewards="none", reward_batch_size=4,
+                               max_error_rate=1.0), ray_cluster)
 
     metrics = score.run(cfg, rollouts_path, 2, tmp_path)
 
@@ -87,7 +88,8 @@ def test_actor_killed_mid_batch_costs_only_its_samples(ray_cluster, rollouts_pat
 def test_hanging_function_times_out_on_its_sample_only(ray_cluster, rollouts_path, tmp_path, user_rewards, caplog):
     caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.hangs_on_guess"
-    cfg = on_ray(ScoreConfig(reward_funcs=[name], reward_timeout_s=2, reward_batch_size=2), ray_cluster)
+    cfg = on_ray(ScoreConfig(reward_funcs=[name], reward_timeout_s=2, reward_batch_size=2, max_error_rate=1.0),
+                 ray_cluster)
 
     metrics = score.run(cfg, rollouts_path, 2, tmp_path)
 
@@ -95,7 +97,8 @@ def test_hanging_function_times_out_on_its_sample_only(ray_cluster, rollouts_pat
     assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0, 1.0]
     assert [r["errors"] for r in rows] == [[], [f"{name}: TimeoutError after 2 s"], [], []]
     assert metrics["score/errors"] == 1
-    assert f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 2 s" in caplog.text
+    assert (f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 2 s"
+            in (tmp_path / "reward_errors.log").read_text())
 
 
 def test_reward_that_cannot_load_on_an_actor_names_itself(ray_cluster, rollouts_path, tmp_path, monkeypatch):

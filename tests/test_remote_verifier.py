@@ -106,6 +106,7 @@ def served(tmp_path_factory):
 def remote_config(url: str, routes: dict[str, str], **options) -> ScoreConfig:
     """remote:<name> for each {name: the served function's route}."""
     return ScoreConfig(reward_funcs=[f"remote:{n}" for n in routes], reward_num_workers=2, reward_on_error=-1.0,
+                       max_error_rate=1.0,  # samples fail on purpose
                        remote_verifiers={n: {"url": f"{url}/{route}", **options} for n, route in routes.items()})
 
 
@@ -217,7 +218,7 @@ def test_hang_and_500_cost_only_their_samples(tmp_path, flaky):
     url, _ = flaky
     rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=4,
                               prompt_ids=["train-0", "hang-1", "error-2", "train-3"])
-    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0,
+    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0, max_error_rate=1.0,
                       remote_verifiers={"math": {"url": url, "timeout_s": 1.5, "retries": 1, "backoff_s": 0.1}})
     started = time.monotonic()
     metrics = run_score(cfg, rollouts, tmp_path / "out")
@@ -246,7 +247,7 @@ def test_server_killed_mid_batch(tmp_path, flaky):
     died on and every later one get reward_on_error, saying the connection failed."""
     url, proc = flaky
     rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=3, prompt_ids=["train-0", "die-1", "train-2"])
-    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0,
+    cfg = ScoreConfig(reward_funcs=["remote:math"], reward_num_workers=1, reward_on_error=-1.0, max_error_rate=1.0,
                       remote_verifiers={"math": {"url": url, "max_concurrency": 1, "retries": 1, "backoff_s": 0.1}})
     run_score(cfg, rollouts, tmp_path / "out")
     rows = read_scored(tmp_path / "out")
@@ -396,7 +397,7 @@ def load_config_dict(data: dict):
 def test_a_function_returning_sample_errors_fails_only_those_samples(tmp_path):
     rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=2)
     metrics = run_score(ScoreConfig(reward_funcs=["flaky_verifier.refuses_long"], reward_num_workers=1,
-                                    reward_on_error=-2.0), rollouts, tmp_path / "out")
+                                    reward_on_error=-2.0, max_error_rate=1.0), rollouts, tmp_path / "out")
     rows = read_scored(tmp_path / "out")
     for r in rows:
         if len(r["completion"]) > 10:

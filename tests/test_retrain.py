@@ -47,7 +47,8 @@ def read_events(resource_id: str, timeout_s: float = 30.0, at_least: int = 1) ->
 
 
 @pytest.mark.slow
-def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harness, tiny_config, tmp_path, capsys):
+def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harness, tiny_config, tmp_path, capsys,
+                                                                    monkeypatch):
     from flows import retrain
     from flows.config import load_config
     from flows.pipeline import posttrain_pipeline
@@ -56,10 +57,27 @@ def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harn
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     champion = lambda: str(client.get_model_version_by_alias("test-tiny", "champion").version)  # noqa: E731
 
-    # the first ever run becomes champion
+    # issue 44: the tiny model does not learn the task (eval accuracy 0.0): registered, never champion, even as
+    # the first version, and the run says why (a line, the `promotion` and `promotion.refused_by` tags)
+    zero = posttrain_pipeline(str(tiny_config), ["grpo.rounds=1"])
+    assert zero["final_accuracy"] <= zero["constant_baseline"]
+    refused = zero["promotion"]
+    assert refused["alias"] == "challenger" and refused["refused_by"] == "constant_baseline"
+    assert (f"test-tiny v1 is not promoted: eval/accuracy {zero['final_accuracy']:.4f} does not beat the constant "
+            f"baseline {zero['constant_baseline']:.4f}") in refused["reason"]
+    assert f"promotion: {refused['reason']}" in capsys.readouterr().out
+    tags = client.get_run(zero["mlflow_run_id"]).data.tags
+    assert tags["promotion"] == refused["reason"] and tags["promotion.refused_by"] == "constant_baseline"
+    with pytest.raises(Exception, match="champion"):
+        champion()
+
+    # the champion/challenger rules below, on this model that does not learn: its baseline check passed by hand
+    monkeypatch.setattr(retrain, "below_baseline", lambda summary: None)
+
+    # the first ranked version becomes champion
     first = posttrain_pipeline(str(tiny_config), ["grpo.rounds=1"])
     assert first["promotion"]["alias"] == "champion" and "first" in first["promotion"]["reason"]
-    assert champion() == str(first["registered_model_version"]) == first["promotion"]["version"] == "1"
+    assert champion() == str(first["registered_model_version"]) == first["promotion"]["version"] == "2"
     assert f"promotion: {first['promotion']['reason']}" in capsys.readouterr().out
     run = client.get_run(first["mlflow_run_id"])
     assert run.data.tags["promotion"] == first["promotion"]["reason"]
@@ -70,19 +88,20 @@ def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harn
     second = posttrain_pipeline(str(tiny_config), ["grpo.rounds=1", "promotion.min_gain=0.5"], quiet=True)
     assert [r["status"] for r in second["stages"]] == ["cached"] * len(second["stages"])
     promotion = second["promotion"]
-    assert promotion["alias"] == "challenger" and promotion["champion_version"] == "1"
+    assert promotion["alias"] == "challenger" and promotion["champion_version"] == "2"
     assert promotion["champion_value"] == first["final_accuracy"] == promotion["value"]
-    assert "stays challenger" in promotion["reason"] and "< champion v1's" in promotion["reason"]
+    assert "stays challenger" in promotion["reason"] and "< champion v2's" in promotion["reason"]
+    assert promotion["refused_by"] == "champion"
     assert client.get_run(second["mlflow_run_id"]).data.tags["promotion"] == promotion["reason"]
-    assert str(client.get_model_version_by_alias("test-tiny", "challenger").version) == promotion["version"] == "2"
-    assert champion() == "1"
+    assert str(client.get_model_version_by_alias("test-tiny", "challenger").version) == promotion["version"] == "3"
+    assert champion() == "2"
 
-    # min_gain -1: always better, so champion (the old one is kept as previous_champion)
+    # min_gain -1: better by the rule, so champion (the old one is kept as previous_champion)
     third = posttrain_pipeline(str(tiny_config), ["grpo.rounds=1", "promotion.min_gain=-1.0"], quiet=True)
     assert third["promotion"]["alias"] == "champion" and "becomes champion" in third["promotion"]["reason"]
-    assert champion() == third["promotion"]["version"] == "3"
-    assert str(client.get_model_version_by_alias("test-tiny", "previous_champion").version) == "1"
-    assert client.get_model_version("test-tiny", "3").tags["promotion"] == third["promotion"]["reason"]
+    assert champion() == third["promotion"]["version"] == "4"
+    assert str(client.get_model_version_by_alias("test-tiny", "previous_champion").version) == "2"
+    assert client.get_model_version("test-tiny", "4").tags["promotion"] == third["promotion"]["reason"]
 
     # new data: registered once, however often it is added
     cfg = load_config(tiny_config)
@@ -105,9 +124,9 @@ def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harn
     first_heldout = next(p for p in (root / "transform").iterdir() if p.name != Path(prompts_key).name) / "eval.parquet"
     assert pq.read_table(heldout).equals(pq.read_table(first_heldout))  # the same held-out prompts
     tags = client.get_run(fourth["mlflow_run_id"]).data.tags
-    assert tags["data_version"] == record["version"] and tags["start_policy"] == "champion test-tiny/3"
+    assert tags["data_version"] == record["version"] and tags["start_policy"] == "champion test-tiny/4"
     # the champion was measured on this run's held-out prompts: its eval is this run's base eval (cached)
-    assert fourth["promotion"]["champion_version"] == "3"
+    assert fourth["promotion"]["champion_version"] == "4"
     assert fourth["promotion"]["champion_value"] == fourth["base_accuracy"]
     assert stages["eval champion"]["status"] == "cached"
     assert fourth["promotion"]["alias"] in ("champion", "challenger")
@@ -129,10 +148,14 @@ def test_champion_challenger_then_retrain_from_champion_on_new_data(prefect_harn
     assert retrain.champion_artifact(elsewhere, version).path == downloaded.path  # found, not fetched again
 
 
-def test_configs_without_a_model_name_register_models_of_their_own(prefect_harness, tiny_config, tmp_path):
+def test_configs_without_a_model_name_register_models_of_their_own(prefect_harness, tiny_config, tmp_path,
+                                                                  monkeypatch):
     """export.model_name defaults to the config's name: two configs in one artifacts folder register two
     models, and the second config's first version is its own champion, never a challenger of the other's."""
+    from flows import retrain
     from flows.pipeline import posttrain_pipeline
+
+    monkeypatch.setattr(retrain, "below_baseline", lambda summary: None)  # the tiny model does not beat it
 
     text = tiny_config.read_text()
     assert "export: {model_name: test-tiny}\n" in text

@@ -85,7 +85,8 @@ def test_the_score_stage_hands_the_cap_to_its_workers(greedy, tmp_path):
     rollouts = _write_rollouts(tmp_path / "rollouts.parquet", [("p0", "fine"), ("p0", "greedy")])
     out = tmp_path / "scored"
     out.mkdir()
-    cfg = ScoreConfig(reward_funcs=[greedy], reward_num_workers=1, reward_memory_mb=512, reward_on_error=-1.0)
+    cfg = ScoreConfig(reward_funcs=[greedy], reward_num_workers=1, reward_memory_mb=512, reward_on_error=-1.0,
+                      max_error_rate=1.0)
     try:
         score_stage.run(cfg, rollouts, 2, out)
     finally:

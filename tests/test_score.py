@@ -98,6 +98,10 @@ def sees_columns(prompts, completions, completion_ids, prompt_id, answer, **kwar
             for ids, a, p in zip(completion_ids, answer, prompt_id)]
 
 
+def boom(completions, **kwargs):
+    raise ValueError("boom")
+
+
 def raises_on_done(completions, **kwargs):
     out = []
     for c in completions:
@@ -420,7 +424,7 @@ def test_raising_reward_scores_the_rest_of_its_batch(rollouts_path, out_dir, use
     caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.raises_on_done"
     cfg = ScoreConfig(reward_funcs=["format", name], reward_batch_size=2, reward_on_error=-1.0,
-                      scale_rewards="none")
+                      scale_rewards="none", max_error_rate=0.25)  # 1 of 4 samples fails: at the limit, not past it
 
     metrics = score.run(cfg, rollouts_path, 2, out_dir)
 
@@ -431,20 +435,51 @@ def test_raising_reward_scores_the_rest_of_its_batch(rollouts_path, out_dir, use
     assert [r["advantage"] for r in rows] == [0.5, -0.5, 1.5, -1.5]
     assert [r["errors"] for r in rows] == [[], [], [], [f"{name}: ValueError: cannot grade trailing text"]]
     assert metrics["score/errors"] == 1
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert f"reward function {name!r} failed on sample {IDS[3]}: ValueError: cannot grade trailing text" in warnings[0]
-    assert "raise ValueError" in warnings[0]  # the traceback is in the log, not in the table
+    assert metrics[f"score/errors/raises_on_done"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no console output per sample
+    logged = (out_dir / "reward_errors.log").read_text()  # in the artifact
+    assert f"reward function {name!r} failed on sample {IDS[3]}: ValueError: cannot grade trailing text" in logged
+    assert "raise ValueError" in logged  # the traceback is in the log, not in the table
     # The pool survives and is reused.
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
     assert pool.alive() and all(w.proc.is_alive() for w in pool.workers)
+
+
+def test_a_reward_failing_on_more_than_max_error_rate_stops_the_round_with_one_line(rollouts_path, out_dir,
+                                                                                     user_rewards, tmp_path, caplog):
+    """Issue 44: a function that raises on every sample "succeeded" with reward_on_error and a warning with a
+    traceback per sample. Past score.max_error_rate (0.1) it is broken: one RewardFunctionError naming it, its
+    first error and the count, its tracebacks in a log file (named), nothing written; under it, no stop."""
+    caplog.set_level(logging.DEBUG, logger="stages.scoring.reward_workers")
+    name = f"{user_rewards}.boom"
+    log_dir = tmp_path / "work"
+    with pytest.raises(RewardFunctionError) as info:
+        score.run(ScoreConfig(reward_funcs=[name, "format"], reward_batch_size=2), rollouts_path, 2, out_dir,
+                  log_dir=log_dir)
+    message = str(info.value)
+    assert "\n" not in message and ScoreConfig().max_error_rate == 0.1
+    assert f"reward function {name!r} failed on 4 of 4 samples (100%, more than score.max_error_rate 0.1)" in message
+    assert "first error (sample r0-p" in message and "ValueError: boom" in message
+    assert f"traceback is in {log_dir / 'reward_errors.log'}" in message
+    logged = (log_dir / "reward_errors.log").read_text()
+    assert logged.count(f"reward function {name!r} failed on sample") == 4 and 'raise ValueError("boom")' in logged
+    assert not (out_dir / "scored.parquet").exists()  # nothing cached
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no console output per sample
+
+    # one failure in four: over the default share, not over 0.5
+    with pytest.raises(RewardFunctionError, match=r"'.*\.raises_on_done' failed on 1 of 4 samples \(25%"):
+        score.run(ScoreConfig(reward_funcs=[f"{user_rewards}.raises_on_done"], reward_batch_size=2), rollouts_path,
+                  2, out_dir)
+    metrics = score.run(ScoreConfig(reward_funcs=[f"{user_rewards}.raises_on_done"], max_error_rate=0.5),
+                        rollouts_path, 2, out_dir)
+    assert metrics["score/errors"] == 1 and metrics["score/errors/raises_on_done"] == 1
 
 
 @pytest.mark.timeout(60)
 def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewards, caplog):
     caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
     name = f"{user_rewards}.hangs_on_guess"
-    cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=1, reward_batch_size=2)
+    cfg = ScoreConfig(reward_funcs=[name], reward_timeout_s=1, reward_batch_size=2, max_error_rate=1.0)
     pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s)
     first_pids = {w.proc.pid for w in pool.workers}
 
@@ -457,7 +492,8 @@ def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewa
     assert [r["reward"] for r in rows] == [1.0, 0.0, 1.0, 1.0]
     assert [r["errors"] for r in rows] == [[], [f"{name}: TimeoutError after 1 s"], [], []]
     assert metrics["score/errors"] == 1
-    assert f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 1 s" in caplog.text
+    assert (f"reward function {name!r} failed on sample {IDS[1]}: TimeoutError after 1 s"
+            in (out_dir / "reward_errors.log").read_text())
     assert 2 <= elapsed < 30  # the batch's timeout, then the sample's
     # Both hung workers (the batch's and the sample's) were killed; the pool is back to full strength.
     assert len(pool.workers) == 2 and all(w.proc.is_alive() for w in pool.workers)
@@ -467,7 +503,7 @@ def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewa
 
 def test_worker_death_is_attributed_to_its_sample(rollouts_path, out_dir, user_rewards):
     name = f"{user_rewards}.exits_on_done"
-    cfg = ScoreConfig(reward_funcs=["format", name], reward_num_workers=1, scale_rewards="none")
+    cfg = ScoreConfig(reward_funcs=["format", name], reward_num_workers=1, scale_rewards="none", max_error_rate=1.0)
 
     metrics = score.run(cfg, rollouts_path, 2, out_dir)
 
@@ -491,7 +527,7 @@ def test_wrong_number_of_values_names_function(rollouts_path, out_dir, user_rewa
         info.value)
     assert not (out_dir / "scored.parquet").exists()
     assert mp.active_children() == []  # a failed pool kills its workers
-    broken = reward_pools._POOLS[((name,), 1, ScoreConfig().reward_timeout_s, ())]
+    broken = reward_pools._POOLS[((name,), 1, ScoreConfig().reward_timeout_s, (), None)]
     assert not broken.alive()
     fresh = shared_pool([name], 1, ScoreConfig().reward_timeout_s)
     assert fresh is not broken and fresh.alive()
@@ -668,7 +704,8 @@ def test_reward_using_signal_alarm(rollouts_path, out_dir, user_rewards):
 @pytest.mark.timeout(60)
 def test_signal_alarm_works_in_replaced_workers(rollouts_path, out_dir, user_rewards):
     hangs, guarded = f"{user_rewards}.hangs_on_guess", f"{user_rewards}.alarm_guarded"
-    cfg = ScoreConfig(reward_funcs=[hangs, guarded], reward_num_workers=1, reward_timeout_s=1, scale_rewards="none")
+    cfg = ScoreConfig(reward_funcs=[hangs, guarded], reward_num_workers=1, reward_timeout_s=1, scale_rewards="none",
+                      max_error_rate=1.0)
 
     metrics = score.run(cfg, rollouts_path, 2, out_dir)
 

@@ -1,10 +1,13 @@
 """eval: greedy accuracy of a policy on the held-out prompts, and what a constant answer scores.
 
-A completion is correct when the `accuracy` reward (math-verify) gives it 1.0. Accuracy alone
-can flatter a policy that always gives the same answer: on a task whose most common answer is
+A completion is correct when the task's verifier gives it at least `correct_threshold`: the reward functions of
+`reward_funcs` (by default the run's own verifiers, `verifier_funcs`; the built-in math-verify `accuracy` for
+the built-in task), run on the same worker pool as the score stage (stages/scoring/score.py `call_rewards`:
+timeouts, crashes, score.max_error_rate), as TRL evaluates GRPO with its training reward functions. Accuracy
+alone can flatter a policy that always gives the same answer: on a task whose most common answer is
 "9" for 59% of prompts, always saying "9" scores 0.59. So the summary also has the constant
-baseline (the best constant answer's accuracy on the same prompts) and the spread of the
-predicted answers (`answer_stats`). Writes every prompt's completion, predicted answer and
+baseline (the best constant answer's accuracy on the same prompts, by the same verifier) and the spread of the
+predicted answers (`answer_stats`). Writes every prompt's completion, predicted answer, reward and
 verdict to out_dir/eval.parquet for inspection.
 """
 
@@ -18,7 +21,7 @@ from typing import Callable, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from stages.runtime.keys import not_in_key
 
@@ -48,11 +51,54 @@ class EvalConfig(BaseModel):
     in the prompts file and its length. drop: it is left out (of the first max_prompts rows), with a warning naming
     the count and the first row, and the count as the summary's `prompts_too_long`. A run's config sets it from
     transform.on_bad_rows (the transform runs before the model exists) unless it is set here."""
+    reward_funcs: list[str] | None = Field(None, min_length=1)
+    """The task's verifier: reward functions (names as in score.reward_funcs) whose reward decides whether a
+    completion is correct. Unset: the run's verifiers, which are the entries of score.reward_funcs that are not
+    built-in (your `module.fn` and `remote:<name>`: the task's own scorer), or `accuracy` (math-verify) when
+    score.reward_funcs names only built-ins (accuracy, stated_accuracy, format, code_execution, reward models),
+    so the built-in task is judged as before (`verifier_funcs`). Set it when a function of yours is a shaping term
+    (a length or format bonus), not a verdict. With several, a completion's reward is their mean (None, "does not
+    apply", left out)."""
+    correct_threshold: float = Field(1.0, allow_inf_nan=False)
+    """A completion is correct when its verifier reward is at least this. 1.0: a 0/1 verifier's right answers
+    (partial credit, e.g. 0.5 for a right number in a wrong format, is not correct); lower it for a graded one."""
     every_rounds: int | None = not_in_key(None, ge=1)
     """GRPO: also evaluate the policy after every N optimize rounds (as TRL's `eval_steps`, in rounds),
     logged as eval/* at step = rounds done; unset: only the base (step 0) and the final model. Lower:
     a finer eval/accuracy curve, one more greedy pass over the eval prompts each time. When to
     evaluate, not what: not part of an eval's cache key."""
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _no_run_reward_model(cls, value):
+        if value and "reward_model" in value:
+            raise ValueError("`reward_model` (this run's reward model) does not reach the eval; name its folder "
+                             "(reward_model:/path/to/model), or a verifier")
+        return value
+
+
+VERIFIER_DEFAULT = ["accuracy"]
+"""The eval's verifier when the run's reward functions are all built-in: math-verify on the gold answer."""
+
+
+def verifier_funcs(cfg: EvalConfig, score_funcs: list[str]) -> list[str]:
+    """The reward functions the eval judges with: eval.reward_funcs when set; else the entries of the run's
+    score.reward_funcs that are not built-in (`module.fn`, `remote:<name>`), or `accuracy` when it names only
+    built-ins (format is a shaping term; a reward model scores preferences, not correctness).
+
+    >>> verifier_funcs(EvalConfig(), ["accuracy", "format"]), verifier_funcs(EvalConfig(), ["mytask.check", "format"])
+    (['accuracy'], ['mytask.check'])
+    >>> verifier_funcs(EvalConfig(reward_funcs=["stated_accuracy"]), ["mytask.check"])
+    ['stated_accuracy']
+    """
+    from stages.scoring.reward_workers import REWARD_MODEL_PREFIX
+    from stages.scoring.rewards import BUILTIN_REWARDS
+
+    if cfg.reward_funcs:
+        return list(cfg.reward_funcs)
+    own = [name for name in score_funcs if name not in BUILTIN_REWARDS and name != "reward_model"
+           and not name.startswith(REWARD_MODEL_PREFIX)]
+    return own or list(VERIFIER_DEFAULT)
 
 
 def answer_stats(completions: list, gold_answers: list) -> dict:
@@ -62,7 +108,8 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
     str(answer).strip(). `constant_baseline`: share of prompts whose gold answer is the most
     common one (`baseline_answer`), the best accuracy any constant answer gets. `answer_entropy`:
     Shannon entropy in nats of the predicted answers (0: one answer for all; ln k: k answers, equally
-    often). `constant_policy`: the top predicted answer covers >= 95% of the prompts.
+    often). `constant_policy`: the top predicted answer covers >= 95% of the prompts. `top_completion`: the most
+    common completion text. The eval (`run`) measures its constant baseline again with the task's verifier.
 
     >>> s = answer_stats(["<answer>9</answer>", "<answer>9</answer>", "<answer>4</answer>"], [9, 9, 3])
     >>> s["constant_baseline"], s["baseline_answer"], s["distinct_answers"], s["top_answer"], s["constant_policy"]
@@ -72,11 +119,12 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
     from stages.scoring.rewards.math import extract_answer
 
     n = len(completions)
-    predicted = Counter(extract_answer(completion_text(c)) for c in completions)
+    texts = [completion_text(c) for c in completions]
+    predicted = Counter(extract_answer(t) for t in texts)
     gold = Counter(str(a).strip() for a in gold_answers)
     if n == 0:
         return {"constant_baseline": 0.0, "baseline_answer": None, "distinct_answers": 0, "answer_entropy": 0.0,
-                "top_answer": None, "top_answer_frac": 0.0, "constant_policy": False}
+                "top_answer": None, "top_answer_frac": 0.0, "constant_policy": False, "top_completion": None}
     baseline_answer, baseline_count = gold.most_common(1)[0]
     top_answer, top_count = predicted.most_common(1)[0]
     entropy = -sum(c / n * math.log(c / n) for c in predicted.values())
@@ -88,24 +136,47 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
         "top_answer": top_answer,
         "top_answer_frac": top_count / n,
         "constant_policy": top_count / n >= CONSTANT_POLICY_FRAC,
+        "top_completion": Counter(texts).most_common(1)[0][0],
     }
 
 
+def verifier_key(cfg: EvalConfig, scoring) -> dict:
+    """What of the run's ScoreConfig changes the eval's verdicts, for its key: the remote verifiers it calls,
+    the value a failed call counts as, and the failure share that stops it (the functions' code is keyed by
+    digest beside it)."""
+    from stages.runtime.keys import key_fields
+    from stages.scoring.rewards.remote import REMOTE_PREFIX
+
+    used = {name[len(REMOTE_PREFIX):] for name in cfg.reward_funcs or () if name.startswith(REMOTE_PREFIX)}
+    return {"remote_verifiers": {name: key_fields(v) for name, v in scoring.remote_verifiers.items() if name in used},
+            "reward_on_error": scoring.reward_on_error, "max_error_rate": scoring.max_error_rate}
+
+
 def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path: Path, out_dir: Path,
-        on_progress: Callable[[int, int], None] | None = None, devices=None) -> dict:
-    """Greedy-decode every eval prompt; return {"accuracy", "num_prompts", "format_rate"} and `answer_stats`.
-    Uses no randomness: it neither seeds nor draws from torch's global RNG, which a rollout or optimize
-    round in another thread of the process may be using. `devices`: where and in which dtype the policy runs
-    (stages/runtime/devices.py)."""
+        on_progress: Callable[[int, int], None] | None = None, devices=None, scoring=None,
+        log_dir: Path | None = None) -> dict:
+    """Greedy-decode every eval prompt and judge it with the verifier (cfg.reward_funcs; unset: `accuracy`);
+    return {"accuracy", "num_prompts", "format_rate", "verifier", "verifier_errors"} and `answer_stats`, its
+    constant baseline measured by the verifier. Uses no randomness: it neither seeds nor draws from torch's
+    global RNG, which a rollout or optimize round in another thread of the process may be using. `devices`:
+    where and in which dtype the policy runs (stages/runtime/devices.py). `scoring`: the run's ScoreConfig
+    (stages/scoring/score.py): how the verifier runs (workers, timeout, remote verifiers, max_error_rate,
+    reward_on_error); None: its defaults. `log_dir`: where reward_errors.log goes when the verifier fails on too
+    many completions (the eval stops); None: out_dir."""
     from stages.rollout.engines import Sampling
     from stages.rollout.engines.hf import generate
     from stages.runtime.policy import load_policy
-    from stages.scoring.rewards import accuracy_reward, format_reward
+    from stages.scoring.rewards import format_reward
     from stages.scoring.rewards.math import extract_answer
+    from stages.scoring.rewards.remote import check_remote_names
+    from stages.scoring.score import ScoreConfig
 
+    names = list(cfg.reward_funcs or VERIFIER_DEFAULT)
+    scoring = (scoring or ScoreConfig()).model_copy(update={"reward_funcs": names, "reward_weights": None})
+    check_remote_names(names, scoring.remote_verifiers)  # eval.reward_funcs: remote:<name> of score.remote_verifiers
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
     unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]
-    if unanswered:  # before the model loads: accuracy needs a gold answer per prompt
+    if unanswered and {"accuracy", "stated_accuracy"} & set(names):  # before the model loads: they need gold
         raise ValueError(f"eval: {len(unanswered)} of the {len(rows)} prompts of {prompts_path} have no answer "
                          f"(e.g. {unanswered[:3]}; the transform returned none): the eval stage scores accuracy "
                          "against gold answers; give the eval split answers (transform.answer_field, or `answer` "
@@ -130,16 +201,66 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     outputs = generate(model, tokenizer, [r["prompt"] for r in rows],
                        Sampling(max_new_tokens=cfg.max_completion_length, do_sample=False), cfg.batch_size, progress)
     completions = [o["completion"] for o in outputs]
-    answers = [r["answer"] for r in rows]
-    correct = accuracy_reward(completions=completions, answer=answers)
+    answers = [r.get("answer") for r in rows]
+    judged = [{**r, "completion": o["completion"], "completion_token_ids": o["completion_token_ids"]}
+              for r, o in zip(rows, outputs)]
+    stats = answer_stats(completions, answers)
+    gold_top = stats["baseline_answer"] if any(a is not None for a in answers) else None
+    rewards, errors, baseline, baseline_answer = judge(scoring, judged, gold_top,
+                                                      stats["top_completion"], cfg.correct_threshold, out_dir,
+                                                      log_dir, devices)
+    correct = [1.0 if r is not None and r >= cfg.correct_threshold else 0.0 for r in rewards]
     formatted = format_reward(completions=completions)
     pq.write_table(
-        pa.table({"prompt_id": [r["prompt_id"] for r in rows], "answer": answers, "completion": completions,
-                  "predicted_answer": [extract_answer(c) for c in completions], "correct": correct}),
+        pa.table({"prompt_id": [r["prompt_id"] for r in rows], "answer": answers,
+                  "completion": completions, "predicted_answer": [extract_answer(c) for c in completions],
+                  "reward": pa.array(rewards, type=pa.float64()), "correct": correct,
+                  "errors": pa.array(errors, type=pa.list_(pa.string()))}),
         out_dir / "eval.parquet",
     )
     return {"accuracy": sum(correct) / len(rows), "format_rate": sum(formatted) / len(rows), "num_prompts": len(rows),
-            "prompts_too_long": len(too_long), **answer_stats(completions, answers)}
+            "prompts_too_long": len(too_long), **stats, "constant_baseline": baseline,
+            "baseline_answer": baseline_answer, "verifier": names, "verifier_errors": sum(map(len, errors))}
+
+
+def judge(scoring, rows: list[dict], gold_top, top_completion: str | None, threshold: float, out_dir: Path,
+          log_dir: Path | None, devices=None) -> tuple[list, list[list[str]], float, str | None]:
+    """The verifier (scoring.reward_funcs) on each row's completion and on constant answers over the same rows:
+    (each row's reward, each row's failures, the constant baseline, its answer).
+
+    A row's reward is the mean of its functions' values, None ("does not apply") left out, a failed call counted as
+    scoring.reward_on_error; None where no function applies (not correct). The constant answers tried: the most
+    common gold answer, bare and in <answer> tags, and the policy's own most common completion; the baseline is
+    the best one's accuracy."""
+    from stages.scoring.score import call_rewards, worker_sources
+
+    names = scoring.reward_funcs
+    columns = [c for c in rows[0] if c not in ("prompt", "completion", "completion_token_ids")] if rows else []
+    candidates = list(dict.fromkeys(c for c in ([str(gold_top), f"<answer>{gold_top}</answer>"]
+                                                if gold_top is not None else []) + [top_completion] if c is not None))
+    constant = [{**r, "completion": c, "completion_token_ids": []} for c in candidates for r in rows]
+    ids = [str(r["prompt_id"]) for r in rows] + [f"constant {i}: {r['prompt_id']}" for i in range(len(candidates))
+                                                 for r in rows]
+    values, failed = call_rewards(scoring, names, rows + constant, ids, columns,
+                                  worker_sources(scoring, None, devices), out_dir, log_dir)
+
+    def reward(i: int):
+        got = [scoring.reward_on_error if i in failed[name] else values[name][i] for name in names]
+        got = [float(v) for v in got if v is not None]
+        return sum(got) / len(got) if got else None
+
+    n = len(rows)
+    rewards = [reward(i) for i in range(n)]
+    errors = [[failed[name][i] for name in names if i in failed[name]] for i in range(n)]
+    baseline, baseline_answer = 0.0, None
+    for k, candidate in enumerate(candidates):
+        hits = [reward(n * (k + 1) + i) for i in range(n)]
+        score = sum(r is not None and r >= threshold for r in hits) / n if n else 0.0
+        if baseline_answer is None or score > baseline:
+            baseline, baseline_answer = score, candidate
+    from stages.scoring.rewards.math import extract_answer
+
+    return rewards, errors, baseline, extract_answer(baseline_answer) if baseline_answer is not None else None
 
 
 def prompts_too_long(cfg: EvalConfig, rows: list[dict], prompts_path: Path, model_dir: Path) -> list[tuple]:

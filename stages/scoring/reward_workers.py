@@ -5,7 +5,8 @@ Each worker imports the reward functions once, then runs one call at a time in i
 awaited. A flaky sample does not stop the stage: a call that raises, runs past `timeout_s` or kills
 its worker is retried one sample at a time (a hung or dead worker is killed and replaced first), so
 the healthy samples of the batch still get their values, and each sample that fails on its own comes
-back as an error string ("accuracy: TimeoutError after 60 s") with a logged warning naming the
+back as an error string ("accuracy: TimeoutError after 60 s") with its traceback: handed to the caller (the
+score stage writes them to a file and stops a function that fails too often) or logged as a warning naming the
 function and the sample. With `memory_mb` (score.reward_memory_mb) the OS caps each worker's memory; an
 allocation past it fails the call (MemoryError in Python), and a sample that breaches it on its own comes back
 the same way ("accuracy: MemoryError past score.reward_memory_mb = 2048 MB"). A function may also fail single samples itself, without raising: a
@@ -342,20 +343,23 @@ class RewardWorkerPool:
         self.close()
         raise RewardFunctionError(message)
 
-    def score(self, jobs: list[tuple[str, dict, list[str]]],
-              stats: list | None = None) -> list[tuple[list, dict[int, str]]]:
+    def score(self, jobs: list[tuple[str, dict, list[str]]], stats: list | None = None,
+              failures: list | None = None) -> list[tuple[list, dict[int, str]]]:
         """Run jobs (function name, keyword batch, sample ids) across the workers.
 
         Returns per job, in order, (values, errors): one value per sample (a float, or None where the
         function said "not applicable" or failed) and {sample index: "<name>: <what went wrong>"}.
         One call at a time: with async prefetch two rounds' score tasks share this pool from two threads.
         `stats`, if given, receives per worker slot [samples answered, seconds busy] (a replaced worker's
-        go to its slot), for the throughput each worker reached.
+        go to its slot), for the throughput each worker reached. `failures`, if given, receives (function,
+        sample id, error, traceback or "") per failed sample, in place of a logged warning each (the score stage
+        writes them to a file: 256 tracebacks are no console output).
         """
         with self._lock:
-            return self._score(jobs, stats if stats is not None else [])
+            return self._score(jobs, stats if stats is not None else [], failures)
 
-    def _score(self, jobs: list[tuple[str, dict, list[str]]], stats: list) -> list[tuple[list, dict[int, str]]]:
+    def _score(self, jobs: list[tuple[str, dict, list[str]]], stats: list,
+               failures: list | None = None) -> list[tuple[list, dict[int, str]]]:
         stats[:] = [[0, 0.0] for _ in self.workers]
         values: list[list] = [[None] * len(ids) for _, _, ids in jobs]
         errors: list[dict[int, str]] = [{} for _ in jobs]
@@ -370,11 +374,14 @@ class RewardWorkerPool:
             error = self._memory_hint(error)
             name, _, ids = jobs[j]
             if hi - lo > 1:  # isolate the failing samples: re-call the batch one sample at a time
-                log.info("reward function %r failed on samples %s..%s (%s); scoring them one at a time",
+                log.debug("reward function %r failed on samples %s..%s (%s); scoring them one at a time",
                          name, ids[lo], ids[hi - 1], error)
                 pending.extend((j, i, i + 1) for i in range(lo, hi))
                 return
             errors[j][lo] = f"{name}: {error}"[:MAX_ERROR_CHARS]
+            if failures is not None:
+                failures.append((name, ids[lo], error, details))
+                return
             log.warning("reward function %r failed on sample %s: %s; it gets reward_on_error%s",
                         name, ids[lo], error, f"\n{details}" if details else "")
 

@@ -3,8 +3,13 @@
 Rewards run in `reward_num_workers` spawned subprocesses (stages/scoring/reward_workers.py). A reward
 function that raises, hangs past `reward_timeout_s` or kills its worker on a sample does not stop
 the stage: that sample gets `reward_on_error` for that function, the row's `errors` column says
-what happened ("accuracy: TimeoutError after 60 s"), and `score/errors` counts them. A function
-that returns the wrong number of values or a non-number does stop it (a bug, not a flaky sample).
+what happened ("accuracy: TimeoutError after 60 s"), `score/errors` counts them, and each one's traceback goes
+to `reward_errors.log` in the output folder (not the console). Unless the function failed on more than
+`max_error_rate` of the round's samples: then it is broken, not flaky, and the stage stops with one
+`RewardFunctionError` naming it, its first error and the count, with the tracebacks in `log_dir`'s
+reward_errors.log; nothing is written, so nothing is cached. A function that returns the wrong number of values
+or a non-number stops it too (a bug, not a flaky sample). The eval stage scores its completions with the same
+machinery (`call_rewards`).
 
 Advantages follow TRL's GRPOTrainer (`multi_objective_aggregation`):
 - `sum_then_normalize` (GRPO): A = r - mean_group(r), divided by (std + 1e-4) where std is the
@@ -98,6 +103,13 @@ class ScoreConfig(BaseModel):
     reward_on_error: float = Field(0.0, allow_inf_nan=False)
     """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
     `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
+    max_error_rate: float = Field(0.1, ge=0, le=1)
+    """Share of a round's samples a reward function may fail on (raise, time out, crash, SampleError) before the
+    run stops, naming the function, its first error and the count (RewardFunctionError; the tracebacks in a log
+    file). 0.1: a grader that fails on more than one sample in ten is broken, not flaky, and training on its
+    `reward_on_error` values teaches the policy the grader's failures (at 10%, a group of 8 holds a failed sample
+    58% of the time). Higher: tolerate a flaky remote verifier; 1.0: never stop; 0: stop on the first failure.
+    In the key: whether a round is accepted depends on it (a round cached under 0.5 is not served under 0.1)."""
     reward_on_invalid: float | None = key_when_set(None, allow_inf_nan=False)
     """Value recorded where a reward function returned NaN or inf for a sample, and the total of a sample that
     every function returned None for (no reward at all); each is a warning, a note in the row's `errors`
@@ -157,11 +169,18 @@ def metric_name(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+ERROR_LOG = "reward_errors.log"
+"""Per-sample failures of reward functions, with tracebacks: in a stage's output folder, or in its `log_dir` when
+too many failures stopped it."""
+
+
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
-        reward_model_dir: Path | None = None, devices=None) -> dict:
+        reward_model_dir: Path | None = None, devices=None, log_dir: Path | None = None) -> dict:
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
     folder the reward function named `reward_model` scores with (this run's reward_model stage).
-    `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto)."""
+    `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto).
+    `log_dir`: where reward_errors.log goes when a function fails too often (the stage then stops and its
+    output folder is discarded); None: out_dir."""
     sources = worker_sources(cfg, reward_model_dir, devices)
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
@@ -171,37 +190,22 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     columns = [c for c in table.column_names if c not in ROLLOUTS.names or c in ("prompt_id",)]
     weights = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
 
-    jobs = []
-    for name in cfg.reward_funcs:
-        for start in range(0, n, cfg.reward_batch_size):
-            chunk = rows[start : start + cfg.reward_batch_size]
-            batch = {
-                "prompts": [r["prompt"] for r in chunk],
-                "completions": [[{"role": "assistant", "content": r["completion"]}] for r in chunk],
-                "completion_ids": [r["completion_token_ids"] for r in chunk],
-                **{c: [r[c] for r in chunk] for c in columns},
-            }
-            jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
-    ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
-    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray,
-                       memory_mb=cfg.reward_memory_mb)
     worker_stats: list = []
     started = time.perf_counter()
-    outputs = pool.score(jobs, worker_stats)
+    raw, failed = call_rewards(cfg, cfg.reward_funcs, rows, [r["rollout_id"] for r in rows], columns, sources,
+                               out_dir, log_dir, worker_stats)
     scoring_s = time.perf_counter() - started
 
-    # Values come back job by job: function by function, then row batch by row batch.
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
     errors: list[list[str]] = [[] for _ in range(n)]
     invalid: list[str] = []  # "reward function 'f' returned nan for sample s", per (function, sample)
-    for (name, _, ids), (values, failed) in zip(jobs, outputs):
-        for i, v in enumerate(values):
-            row = len(per_function[name])
-            if i in failed:
+    for name in cfg.reward_funcs:
+        for row, v in enumerate(raw[name]):
+            if row in failed[name]:
                 v = cfg.reward_on_error
-                errors[row].append(failed[i])
+                errors[row].append(failed[name][row])
             elif v is not None and not math.isfinite(v := _as_float(v)):
-                invalid.append(f"reward function {name!r} returned {v} for sample {ids[i]}")
+                invalid.append(f"reward function {name!r} returned {v} for sample {rows[row]['rollout_id']}")
                 errors[row].append(f"{name}: returned {v}")
                 v = cfg.reward_on_invalid
             per_function[name].append(float("nan") if v is None else float(v))
@@ -213,6 +217,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
                             f"({', '.join(cfg.reward_funcs)}) returned None for it" for i in range(n) if no_reward[i]],
                       "make one of them return a number there")
     weights_t = torch.tensor(weights, dtype=torch.float64)
+    ray = cfg.backend == "ray"
     totals = torch.nansum(matrix * weights_t, dim=1)
     for i in (i for i in range(n) if no_reward[i]):  # only with reward_on_invalid set (else refused above)
         totals[i] = cfg.reward_on_invalid
@@ -236,14 +241,91 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
     metrics = {
         **reward_spread(totals, num_generations),
+        "score/samples": n,
         "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
-        **_function_metrics(cfg, matrix), **_worker_metrics(worker_stats, scoring_s, pool if ray else None),
+        # per function: samples it failed on (their tracebacks in reward_errors.log)
+        **{f"score/errors/{metric_name(name)}": len(failed[name]) for name in cfg.reward_funcs if failed[name]},
+        **_function_metrics(cfg, matrix),
+        **_worker_metrics(worker_stats, scoring_s, reward_pool(cfg, cfg.reward_funcs, sources) if ray else None),
     }
     # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for
     # stages/evaluation/health.py
     metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
                                     [r["answer"] for r in rows] if "answer" in table.column_names else None))
     return metrics
+
+
+def reward_pool(cfg: ScoreConfig, names: list[str], sources: dict):
+    """The shared worker pool (stages/scoring/reward_pools.py) that runs `names` with cfg's workers, timeout,
+    memory cap and backend."""
+    ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
+    return shared_pool(names, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray, memory_mb=cfg.reward_memory_mb)
+
+
+def call_rewards(cfg: ScoreConfig, names: list[str], rows: list[dict], ids: list[str], columns: list[str],
+                 sources: dict, out_dir: Path, log_dir: Path | None = None,
+                 worker_stats: list | None = None) -> tuple[dict[str, list], dict[str, dict[int, str]]]:
+    """Every function of `names` on every row (`prompt`, `completion`, `completion_token_ids` if present, and
+    `columns` as keyword columns), in cfg.reward_batch_size batches on the shared worker pool:
+    ({name: one value per row, None where it does not apply or failed}, {name: {row: what went wrong}}).
+
+    Each failed sample's traceback goes to out_dir/reward_errors.log. A function that failed on more than
+    cfg.max_error_rate of the rows stops the caller: RewardFunctionError (one line) naming it, its first error and
+    the count, with the log written to `log_dir` (the caller's output folder is discarded) or out_dir."""
+    jobs = []
+    for name in names:
+        for start in range(0, len(rows), cfg.reward_batch_size):
+            chunk = rows[start : start + cfg.reward_batch_size]
+            batch = {
+                "prompts": [r["prompt"] for r in chunk],
+                "completions": [[{"role": "assistant", "content": r["completion"]}] for r in chunk],
+                **({"completion_ids": [r["completion_token_ids"] for r in chunk]}
+                   if chunk and "completion_token_ids" in chunk[0] else {}),
+                **{c: [r[c] for r in chunk] for c in columns},
+            }
+            jobs.append((name, batch, ids[start : start + cfg.reward_batch_size]))
+    failures: list[tuple[str, str, str, str]] = []  # (function, sample id, error, traceback)
+    outputs = reward_pool(cfg, names, sources).score(jobs, worker_stats, failures)
+
+    # Values come back job by job: function by function, then row batch by row batch.
+    values: dict[str, list] = {name: [] for name in names}
+    failed: dict[str, dict[int, str]] = {name: {} for name in names}
+    for (name, _, _), (got, errors) in zip(jobs, outputs):
+        failed[name].update({len(values[name]) + i: e for i, e in errors.items()})
+        values[name].extend(got)
+    if failures:
+        _write_error_log(out_dir / ERROR_LOG, failures)
+    _refuse_broken(cfg, names, len(rows), failed, failures, out_dir, log_dir)
+    return values, failed
+
+
+def _write_error_log(path: Path, failures: list[tuple[str, str, str, str]]) -> None:
+    """One entry per failed (function, sample): the error, then its traceback."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for name, sample, error, details in failures:
+            f.write(f"reward function {name!r} failed on sample {sample}: {error}\n{details.rstrip()}\n\n")
+
+
+def _refuse_broken(cfg: ScoreConfig, names: list[str], n: int, failed: dict[str, dict[int, str]],
+                   failures: list, out_dir: Path, log_dir: Path | None) -> None:
+    """RewardFunctionError for the first function that failed on more than cfg.max_error_rate of the n rows."""
+    broken = [name for name in names if n and len(failed[name]) / n > cfg.max_error_rate]
+    if not broken:
+        return
+    log_path = out_dir / ERROR_LOG
+    if log_dir is not None:  # out_dir is discarded once this error leaves the stage
+        log_path = Path(log_dir) / ERROR_LOG
+        _write_error_log(log_path, failures)
+    name = broken[0]
+    _, sample, error, _ = next(f for f in failures if f[0] == name)
+    others = f" (also over it: {', '.join(repr(b) for b in broken[1:])})" if broken[1:] else ""
+    first = " ".join(error.split())[:300]  # one line
+    raise RewardFunctionError(
+        f"reward function {name!r} failed on {len(failed[name])} of {n} samples ({len(failed[name]) / n:.0%}, more "
+        f"than score.max_error_rate {cfg.max_error_rate:g}){others}; first error (sample {sample}): {first}; every "
+        f"failed sample's traceback is in {log_path}; fix the function, or raise score.max_error_rate to train on "
+        f"score.reward_on_error ({cfg.reward_on_error:g}) for the samples it fails on")
 
 
 def _as_float(value) -> float:
