@@ -1,15 +1,16 @@
-"""One Prefect task per stage. Each is thin: compute the content key, return the finished
-artifact if its manifest is there, otherwise run the stage into the store, log the
-nested MLflow run, and report progress. No ML logic here, and no choice of method: a variant
-stage is its own task (strided_rollout_task, strided_eval_task, atropos_batch_task, ebft_score_task) that
-the method's recipe (flows/recipes/) picks.
+"""One Prefect task per stage. Each is thin: it names the stage function and the arguments it calls it with (one
+`Call`, tasks/calls.py, from which the content key is derived), returns the finished artifact if its manifest is
+there, otherwise makes the call into the store, logs the nested MLflow run, and reports progress. No ML logic
+here, and no choice of method: a variant stage is its own task (strided_rollout_task, strided_eval_task,
+atropos_batch_task, ebft_score_task) that the method's recipe (flows/recipes/) picks. What the key needs of an
+argument beyond its value is a small wrapper beside the task that passes it (ResolvedModel, Sampled,
+EngineSettings, Served).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 from prefect import task
@@ -333,10 +334,11 @@ def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | 
                          round_index: int, policy_version: int, reroll_prompt_ids: list[str] = ()) -> Artifact:
     """rl: ebft, ebft.mode: strided: the round's blocks of raw documents (stages/training/ebft_strided.py);
     re-rolls do not apply (flows/config.py refuses them)."""
-    reads = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")  # of rollout: the sampling
+    sampling = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")  # what it reads of rollout
     return materialize(ctx, "rollout", Call(
         ebft_strided.rollout, {"policy": policy, "adapter": adapter, "prompts": prompts},
-        ebft=Config(ctx.config.ebft, only=ebft.EBFTConfig.BLOCK_FIELDS), rollout_cfg=Config(ctx.config.rollout, only=reads),
+        ebft=Config(ctx.config.ebft, only=ebft.EBFTConfig.BLOCK_FIELDS),  # the blocks; the rest is scoring's
+        rollout_cfg=Config(ctx.config.rollout, only=sampling),
         policy=Sampled(policy, adapter, policy_version), prompts_path=InputFile(prompts, "train.parquet"),
         round_index=round_index, out_dir=OUT_DIR,
         on_progress=Progress(ctx.reporter.progress(f"rollout r{round_index}", "document")), devices=placement(ctx)),
