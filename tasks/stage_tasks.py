@@ -220,21 +220,12 @@ def is_adapter(folder: Artifact) -> bool:
     return (folder.path / "adapter_config.json").exists()
 
 
-def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
-    """The sampling policy after `version` optimize rounds (adapter: that round's output, or the preference
-    stage's): a LoRA adapter on the starting policy when the folder holds one, else the folder's full weights
-    (adapter: none)."""
-    if adapter is None:
-        return Policy(policy.path, version=version)
-    if not is_adapter(adapter):
-        return Policy(policy.path, weights_dir=adapter.path, version=version)
-    return Policy(policy.path, adapter_dir=adapter.path, version=version)
-
-
 @dataclass(frozen=True)
 class Sampled(Arg):
-    """The policy `policy` + `adapter` after `version` rounds, as a rollout's argument: the stage gets
-    policy_for's Policy, the key both artifacts and the version (the rows record it)."""
+    """The sampling policy after `version` optimize rounds (adapter: that round's output, or the preference
+    stage's), as a rollout's argument: the stage gets the Policy (a LoRA adapter on the starting policy when the
+    folder holds one, else the folder's full weights, adapter: none), the key both artifacts and the version
+    (the rows record it)."""
 
     policy: Artifact
     adapter: Artifact | None
@@ -242,10 +233,19 @@ class Sampled(Arg):
 
     @property
     def value(self) -> Policy:
-        return policy_for(None, self.policy, self.adapter, self.version)
+        if self.adapter is None:
+            return Policy(self.policy.path, version=self.version)
+        if not is_adapter(self.adapter):
+            return Policy(self.policy.path, weights_dir=self.adapter.path, version=self.version)
+        return Policy(self.policy.path, adapter_dir=self.adapter.path, version=self.version)
 
     def as_key(self) -> list:
         return [self.policy, self.adapter, self.version]
+
+
+def policy_for(ctx: RunContext, policy: Artifact, adapter: Artifact | None, version: int) -> Policy:
+    """The sampling policy after `version` optimize rounds (`Sampled`), e.g. for the policy server of a recipe."""
+    return Sampled(policy, adapter, version).value
 
 
 def policy_dirs(policy: Artifact, adapter: Artifact | None) -> tuple[InputDir, InputDir | None]:
