@@ -125,7 +125,7 @@ class Config(Arg):
     only: tuple[str, ...] | None = None
     keyed_elsewhere: tuple[str, ...] = ()
     code: tuple[str, ...] = ()
-    builtins: Any = None
+    builtins: dict | None = None
     files: tuple[str | Path, ...] = ()
 
     def as_key(self) -> dict:
