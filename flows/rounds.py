@@ -46,6 +46,7 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/tokens_per_s": ("rollout", "tokens_per_s"),
     "rollout/tokens": ("rollout", "tokens"),
     "rollout/prompts_truncated_frac": ("rollout", "prompts_truncated_frac"),
+    "rollout/prompts_too_long": ("rollout", "prompts_too_long"),  # left out under transform.on_bad_rows: drop
     "train/replayed_rows": ("optimize", "replayed_rows"),
     # policy collapse, from the round's completions (stages/evaluation/health.py collapse_metrics)
     "rollout/distinct_completions_per_group": ("score", "rollout/distinct_completions_per_group"),

@@ -118,3 +118,49 @@ def test_every_rounds_logs_intermediate_evals_and_a_rerun_computes_nothing(prefe
     # when to evaluate is not part of an eval's key: without every_rounds, base and final evals are cached
     third = posttrain_pipeline(str(tiny_config), ["grpo.rounds=2"], quiet=True)
     assert [row["stage"] for row in third["stages"] if row["status"] == "computed"] == []
+
+
+def _split_with_a_long_prompt(root: Path) -> Path:
+    """tiny_model (context 256) under root/model and a prompts split of 3 short rows and, row 3, one of a few
+    hundred tokens; returns the split's path."""
+    from conftest import tiny_model
+
+    from stages.data import transform
+
+    tiny_model(root, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
+    raw = [{"question": f"say {i}", "answer": str(i)} for i in range(3)] + [
+        {"question": "say " + "1 2 3 " * 200, "answer": "0"}]
+    (root / "raw.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    transform.run(transform.TransformConfig(), {"eval": root / "raw.jsonl"}, root)
+    return root / "eval.parquet"
+
+
+def test_an_eval_prompt_longer_than_the_models_context_stops_the_eval_naming_its_row(tmp_path):
+    """An eval prompt that leaves less room than eval.max_completion_length in the model's context stops the eval
+    before the model loads, naming the prompts file's row and its length."""
+    from stages.data.sources import BadRowError
+    from stages.evaluation import evaluate
+
+    prompts = _split_with_a_long_prompt(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(BadRowError, match=rf"eval: {prompts}: row 3 \(prompt_id eval-000003\) has \d{{3,}} prompt "
+                                          r"tokens.*context of 256 tokens.*eval.max_completion_length 4.*"
+                                          r"on_bad_rows: drop"):
+        evaluate.run(evaluate.EvalConfig(max_completion_length=4), tmp_path / "model", None, prompts, out)
+    assert not list(out.iterdir())
+
+
+def test_under_drop_an_eval_prompt_longer_than_the_models_context_is_left_out_and_counted(tmp_path):
+    """eval.too_long_prompts: drop (which transform.on_bad_rows: drop sets) evaluates the other prompts and
+    counts the one left out in the summary."""
+    from stages.evaluation import evaluate
+
+    prompts = _split_with_a_long_prompt(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = evaluate.EvalConfig(max_completion_length=4, too_long_prompts="drop")
+    summary = evaluate.run(cfg, tmp_path / "model", None, prompts, out)
+    assert summary["num_prompts"] == 3 and summary["prompts_too_long"] == 1
+    assert pq.read_table(out / "eval.parquet").column("prompt_id").to_pylist() == [
+        "eval-000000", "eval-000001", "eval-000002"]

@@ -531,3 +531,52 @@ def test_a_prompt_longer_than_the_models_context_stops_the_first_round(tmp_path)
 
     cut = cfg.model_copy(update={"max_prompt_length": 252})
     assert rollout.run(cut, Policy(tmp_path / "model"), prompts, 0, tmp_path)["rows"] == 2
+
+
+def test_under_drop_a_prompt_longer_than_the_models_context_is_left_out_of_every_round(tmp_path, caplog):
+    """transform.on_bad_rows: drop makes rollout.too_long_prompts drop (and puts it in the rollout key): the prompt
+    that leaves less room than max_completion_length in the model's context is left out of the pool every round
+    draws from, the same rows after a new process measures them again, with one warning naming the count and the
+    row, and the count in the round's summary."""
+    import logging
+
+    from conftest import tiny_model
+
+    from flows.config import PipelineConfig
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
+    from stages.runtime.keys import key_fields
+
+    config = PipelineConfig.model_validate({"transform": {"on_bad_rows": "drop"}})
+    assert key_fields(config.rollout)["too_long_prompts"] == key_fields(config.eval)["too_long_prompts"] == "drop"
+    assert key_fields(PipelineConfig().rollout)["too_long_prompts"] == "fail"
+
+    tiny_model(tmp_path, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
+    raw = tmp_path / "raw.jsonl"
+    _write_jsonl(raw, [{"question": f"say {i}", "answer": str(i)} for i in range(3)]
+                 + [{"question": "say " + "1 2 3 " * 200, "answer": "0"}])
+    transform.run(TransformConfig(), {"train": raw}, tmp_path)
+    prompts = tmp_path / "train.parquet"
+    cfg = config.rollout.model_copy(update={"num_generations": 2, "prompts_per_round": 2, "max_completion_length": 4})
+    fitting = pq.read_table(prompts).to_pylist()[:3]
+
+    drawn = []
+    with caplog.at_level(logging.WARNING, logger="stages.rollout.rollout"):
+        for round_index in range(3):  # 6 draws from a pool of 3: each prompt twice
+            out = tmp_path / f"r{round_index}"
+            out.mkdir()
+            summary = rollout.run(cfg, Policy(tmp_path / "model"), prompts, round_index, out)
+            assert summary["prompts_too_long"] == 1 and summary["prompts"] == 2
+            ids = sorted(set(pq.read_table(out / "rollouts.parquet").column("prompt_id").to_pylist()))
+            assert ids == sorted(r["prompt_id"] for r in rollout.select_prompts(fitting, round_index, 2, cfg.seed))
+            drawn += ids
+    assert sorted(drawn) == sorted(["train-000000", "train-000001", "train-000002"] * 2)
+    warned = [r.getMessage() for r in caplog.records if "too_long_prompts: drop" in r.getMessage()]
+    assert len(warned) == 1 and "left out 1 prompt(s)" in warned[0]
+    assert "row 3 (prompt_id train-000003" in warned[0]
+
+    rollout._measured.clear()  # as a resumed run's new process: measured again, the same rows left out
+    again = tmp_path / "again"
+    again.mkdir()
+    assert rollout.run(cfg, Policy(tmp_path / "model"), prompts, 1, again)["prompts_too_long"] == 1
+    assert pq.read_table(again / "rollouts.parquet").equals(pq.read_table(tmp_path / "r1" / "rollouts.parquet"))

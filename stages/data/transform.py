@@ -70,9 +70,10 @@ class TransformConfig(BaseModel):
     on_bad_rows: Literal["fail", "drop"] = "fail"
     """A row the transform cannot turn into a prompt (a missing field, a transform that raises or returns
     no prompt; bytes that are not UTF-8, a jsonl line that is not a JSON object, a CSV row of the wrong width).
-    A prompt too long for the model is not one (the transform does not know the model): rollout round 0 stops on
-    it, and rollout.max_prompt_length cuts it. fail: stop before anything is written, naming every bad row (file,
-    row, field, reason);
+    A prompt too long for the model is checked later, where the model is known (the transform runs before it):
+    rollout and eval stop on it naming its row, leave it out under drop (their `too_long_prompts`, which follows
+    this field), and rollout.max_prompt_length cuts it instead. fail: stop before anything is written, naming
+    every bad row (file, row, field, reason);
     drop: leave them out, count them and record their indices in the stage's manifest and the run's
     summary (as `preferences.on_bad_rows`)."""
 

@@ -10,16 +10,19 @@ verdict to out_dir/eval.parquet for inspection.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from stages.runtime.keys import not_in_key
+
+log = logging.getLogger(__name__)
 
 CONSTANT_POLICY_FRAC = 0.95
 """A policy that gives one answer to at least this share of the prompts is a constant answer."""
@@ -36,6 +39,12 @@ class EvalConfig(BaseModel):
     """Evaluate on the first N prompts only; unset: all."""
     max_completion_length: int = Field(16, ge=1)
     batch_size: int = Field(256, ge=1)
+    too_long_prompts: Literal["fail", "drop"] = "fail"
+    """An eval prompt that leaves less room than max_completion_length in the model's context (its
+    max_position_embeddings), which it would run past. fail: the eval stops before the model loads, naming its row
+    in the prompts file and its length. drop: it is left out (of the first max_prompts rows), with a warning naming
+    the count and the first row, and the count as the summary's `prompts_too_long`. A run's config sets it from
+    transform.on_bad_rows (the transform runs before the model exists) unless it is set here."""
     every_rounds: int | None = not_in_key(None, ge=1)
     """GRPO: also evaluate the policy after every N optimize rounds (as TRL's `eval_steps`, in rounds),
     logged as eval/* at step = rounds done; unset: only the base (step 0) and the final model. Lower:
@@ -98,6 +107,14 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
                          f"(e.g. {unanswered[:3]}; the transform returned none): the eval stage scores accuracy "
                          "against gold answers; give the eval split answers (transform.answer_field, or `answer` "
                          "from your transform_fn)")
+    too_long = prompts_too_long(cfg, rows, prompts_path, model_dir)
+    if too_long:  # too_long_prompts: drop
+        i, pid, n = too_long[0]
+        log.warning("eval: left out %d prompt(s) of %s longer than the model's context leaves beside "
+                    "eval.max_completion_length %d (eval.too_long_prompts: drop), e.g. row %d (prompt_id %s, "
+                    "%d tokens)", len(too_long), prompts_path, cfg.max_completion_length, i, pid, n)
+        dropped = {i for i, _, _ in too_long}
+        rows = [row for i, row in enumerate(rows) if i not in dropped]
     model, tokenizer = load_policy(model_dir, adapter_dir, devices=devices)
     done = 0
 
@@ -119,4 +136,31 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
         out_dir / "eval.parquet",
     )
     return {"accuracy": sum(correct) / len(rows), "format_rate": sum(formatted) / len(rows), "num_prompts": len(rows),
-            **answer_stats(completions, answers)}
+            "prompts_too_long": len(too_long), **answer_stats(completions, answers)}
+
+
+def prompts_too_long(cfg: EvalConfig, rows: list[dict], prompts_path: Path, model_dir: Path) -> list[tuple]:
+    """(row index, prompt_id, prompt tokens) of the rows whose chat-templated prompt leaves less room than
+    eval.max_completion_length in the model's context (stages/rollout/rollout.py too_long_rows); under
+    too_long_prompts: fail, PromptTooLongError naming them instead."""
+    from stages.rollout.rollout import PromptTooLongError, model_context, rows_named, too_long_rows
+
+    context = model_context(None, model_dir)  # eval generates with transformers
+    if context is None:
+        return []
+    (tokens, where), room = context, context[0] - cfg.max_completion_length
+    budget = f"eval.max_completion_length {cfg.max_completion_length}"
+    if room < 1:
+        raise PromptTooLongError(f"eval: {budget} leaves no room for a prompt in the model's context of {tokens} "
+                                 f"tokens ({where}); lower it")
+    too_long = too_long_rows(rows, prompts_path, model_dir, room)
+    if too_long and cfg.too_long_prompts == "fail":
+        raise PromptTooLongError(
+            f"eval: {prompts_path}: {rows_named(too_long)}: more than the model's context of {tokens} tokens "
+            f"({where}) leaves beside {budget}; set transform.on_bad_rows: drop (eval.too_long_prompts: drop) to "
+            "leave these rows out, or shorten or remove them")
+    if too_long and len(too_long) == len(rows):
+        raise PromptTooLongError(f"eval: {prompts_path}: every one of its {len(rows)} evaluated prompts is longer "
+                                 f"than the model's context of {tokens} tokens ({where}) leaves beside {budget} "
+                                 f"(e.g. {rows_named(too_long)}), so none is left to evaluate; give shorter prompts")
+    return too_long

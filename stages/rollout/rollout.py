@@ -8,6 +8,7 @@ tool-using generation) gets the engine and returns the completions itself.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
@@ -20,6 +21,8 @@ from stages.data.schemas import ROLLOUTS, write_table
 from stages.data.sources import BadRowError
 from stages.rollout.engines import Policy, Sampling, engine_lock, get_engine
 from stages.runtime.keys import key_when_set, not_in_key
+
+log = logging.getLogger(__name__)
 
 
 class VLLMOptions(BaseModel):
@@ -158,7 +161,15 @@ class RolloutConfig(BaseModel):
     """Tokens of a chat-templated prompt kept, from its end (TRL's former `max_prompt_length`, which cut
     prompts on the left); the optimize stage trains on the prompt as sampled. Unset: whole prompts. The round's
     `prompts_truncated_frac` counts the prompts cut. A prompt longer than the model's context leaves beside
-    max_completion_length is an error, not dropped: round 0 stops naming its row and lengths; this cuts it."""
+    max_completion_length is an error (too_long_prompts: fail) or left out (drop); this cuts it instead."""
+    too_long_prompts: Literal["fail", "drop"] = "fail"
+    """A prompt that, as the engine gets it (its last max_prompt_length tokens when that is set), leaves less room
+    than max_completion_length in the model's context (its max_position_embeddings, or vllm.max_model_len): no
+    engine cuts it, and it runs past the positions the model was trained on. fail: round 0 stops, naming its row
+    in the prompts file and its length. drop: it is left out of the pool every round draws from (the same rows in
+    every round, rerun and resume), with a warning naming the count and the first row, and the count as the
+    round's `prompts_too_long`. A run's config sets it from transform.on_bad_rows (the transform runs before the
+    model exists, so it cannot see such a prompt) unless it is set here."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the optimize stage scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -338,19 +349,22 @@ def left_truncated(prompts: list, model_dir: Path, max_tokens: int) -> tuple[lis
 
 
 class PromptTooLongError(BadRowError):
-    """Prompts of the split that leave less room than rollout.max_completion_length in the model's context."""
+    """Prompts of a split that leave less room than the completion budget (rollout.max_completion_length,
+    eval.max_completion_length) in the model's context."""
 
 
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 """Where a transformers config holds the model's context in tokens (Llama/Qwen, GPT-2, others)."""
 
-_fitting: set[tuple] = set()  # (prompts file, its mtime, model, context, budget, cut): checked in this process
+_measured: dict[tuple, list[tuple[int, str, int]]] = {}
+"""(prompts file, its stat stamp, rows, model, room, cut) -> its too-long rows, as found once in this process."""
+_warned: set[tuple[str, int]] = set()  # (prompts file, rows left out): warned of in this process
 
 
-def model_context(cfg: RolloutConfig, model_dir: Path) -> tuple[int, str] | None:
+def model_context(cfg: RolloutConfig | None, model_dir: Path) -> tuple[int, str] | None:
     """(the longest sequence the engine takes in tokens, where that number comes from): the model config's
     max_position_embeddings (or its like), or rollout.vllm.max_model_len where a vLLM engine runs with a smaller
-    one set; None when neither names one."""
+    one set (cfg None: the transformers engine); None when neither names one."""
     from transformers import AutoConfig
 
     try:
@@ -360,38 +374,29 @@ def model_context(cfg: RolloutConfig, model_dir: Path) -> tuple[int, str] | None
         config = None
     field = next((f for f in CONTEXT_FIELDS if isinstance(getattr(config, f, None), int)), None)
     context = (getattr(config, field), f"{field} of {model_dir}") if field else None
-    limit = cfg.vllm.max_model_len if cfg.engine != "transformers" else None
+    limit = cfg.vllm.max_model_len if cfg is not None and cfg.engine != "transformers" else None
     if limit and (context is None or limit < context[0]):
         context = (limit, "rollout.vllm.max_model_len")
     return context
 
 
-def check_prompt_lengths(cfg: RolloutConfig, rows: list[dict], prompts_path: Path, model_dir: Path) -> None:
-    """Raise PromptTooLongError naming the rows whose chat-templated prompt, as the engine gets it (its last
-    rollout.max_prompt_length tokens when that is set: TRL's left truncation), leaves less room than
-    rollout.max_completion_length in the model's context: such a prompt is cut by no engine, and it runs past the
-    positions the model was trained on (slowly: 16,714 tokens for a context of 256 took 87 s). The whole split is
-    checked once per process, so round 0 stops, not the round that first draws such a row."""
-    context = model_context(cfg, model_dir)
-    if context is None:
-        return
-    stat = prompts_path.stat()
-    checked = (str(prompts_path), stat.st_mtime_ns, stat.st_size, str(model_dir), context[0],
-               cfg.max_completion_length, cfg.max_prompt_length)
-    if checked in _fitting:
-        return
+def too_long_rows(rows: list[dict], prompts_path: Path, model_dir: Path, room: int,
+                  cut: int | None = None) -> list[tuple[int, str, int]]:
+    """(row index, prompt_id, prompt tokens) of each row whose chat-templated prompt, as the engine gets it (its
+    last `cut` tokens when that is set: TRL's left truncation), takes more than `room` tokens. Measured once per
+    process for a given file, model and room; the same rows on every call, so a dropped row is dropped in every
+    round and on every rerun."""
+    measured = (str(prompts_path), prompts_path.stat().st_mtime_ns, prompts_path.stat().st_size, len(rows),
+                str(model_dir), room, cut)
+    if measured in _measured:
+        return _measured[measured]
+    if cut and cut <= room:  # every prompt is cut to fit
+        _measured[measured] = []
+        return []
     from transformers import AutoTokenizer
 
     from stages.rollout.engines import prompt_token_ids
 
-    (tokens, where), room = context, context[0] - cfg.max_completion_length
-    budget = f"rollout.max_completion_length {cfg.max_completion_length}"
-    if room < 1:
-        raise PromptTooLongError(f"rollout: {budget} leaves no room for a prompt in the model's context of {tokens} "
-                                 f"tokens ({where}); lower it")
-    if cfg.max_prompt_length and cfg.max_prompt_length <= room:  # every prompt is cut to fit
-        _fitting.add(checked)
-        return
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def may_not_fit(prompt: list[dict]) -> bool:
@@ -402,16 +407,46 @@ def check_prompt_lengths(cfg: RolloutConfig, rows: list[dict], prompts_path: Pat
 
     chats = [(i, row) for i, row in enumerate(rows) if row["prompt"] and may_not_fit(row["prompt"])]  # text: none
     lengths = [len(ids) for ids in prompt_token_ids(tokenizer, [row["prompt"] for _, row in chats])]
-    too_long = [(i, row["prompt_id"], n) for (i, row), n in zip(chats, lengths)
-                if min(n, cfg.max_prompt_length or n) > room]
-    if too_long:
-        named = ", ".join(f"row {i} (prompt_id {pid}) has {n} prompt tokens" for i, pid, n in too_long[:3])
+    found = [(i, row["prompt_id"], n) for (i, row), n in zip(chats, lengths) if min(n, cut or n) > room]
+    _measured[measured] = found
+    return found
+
+
+def rows_named(too_long: list[tuple[int, str, int]]) -> str:
+    """The first three too-long rows, for a message."""
+    named = ", ".join(f"row {i} (prompt_id {pid}) has {n} prompt tokens" for i, pid, n in too_long[:3])
+    return f"{named}{', ...' if len(too_long) > 3 else ''} ({len(too_long)} row(s))"
+
+
+def check_prompt_lengths(cfg: RolloutConfig, rows: list[dict], prompts_path: Path,
+                         model_dir: Path) -> list[tuple[int, str, int]]:
+    """The too-long rows of the split (too_long_rows): those whose prompt, as the engine gets it, leaves less room
+    than rollout.max_completion_length in the model's context: such a prompt is cut by no engine, and it runs past
+    the positions the model was trained on (slowly: 16,714 tokens for a context of 256 took 87 s). Under
+    rollout.too_long_prompts fail they raise PromptTooLongError naming them; under drop they are returned, for the
+    caller to leave out of the pool. The whole split is checked, so round 0 stops, not the round that first draws
+    such a row."""
+    context = model_context(cfg, model_dir)
+    if context is None:
+        return []
+    (tokens, where), room = context, context[0] - cfg.max_completion_length
+    budget = f"rollout.max_completion_length {cfg.max_completion_length}"
+    if room < 1:
+        raise PromptTooLongError(f"rollout: {budget} leaves no room for a prompt in the model's context of {tokens} "
+                                 f"tokens ({where}); lower it")
+    too_long = too_long_rows(rows, prompts_path, model_dir, room, cfg.max_prompt_length)
+    if too_long and cfg.too_long_prompts == "fail":
         raise PromptTooLongError(
-            f"rollout: {prompts_path}: {named}{', ...' if len(too_long) > 3 else ''} ({len(too_long)} row(s)): "
-            f"more than the model's context of {tokens} tokens ({where}) leaves beside {budget}; set "
-            f"rollout.max_prompt_length: {room} to keep each prompt's last {room} tokens (TRL's left truncation), "
-            "or shorten or remove these rows")
-    _fitting.add(checked)
+            f"rollout: {prompts_path}: {rows_named(too_long)}: more than the model's context of {tokens} tokens "
+            f"({where}) leaves beside {budget}; set rollout.max_prompt_length: {room} to keep each prompt's last "
+            f"{room} tokens (TRL's left truncation), transform.on_bad_rows: drop (rollout.too_long_prompts: drop) "
+            "to leave these rows out, or shorten or remove them")
+    if too_long and len(too_long) == len(rows):
+        raise PromptTooLongError(f"rollout: {prompts_path}: every one of its {len(rows)} prompts is longer than the "
+                                 f"model's context of {tokens} tokens ({where}) leaves beside {budget}, so none is "
+                                 f"left to sample (e.g. {rows_named(too_long)}); set rollout.max_prompt_length: "
+                                 f"{room}, or give shorter prompts")
+    return too_long
 
 
 def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
@@ -425,7 +460,16 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
     import pyarrow.parquet as pq
 
     rows = pq.read_table(prompts_path).to_pylist()
-    check_prompt_lengths(cfg, rows, prompts_path, policy.base_dir)
+    too_long = check_prompt_lengths(cfg, rows, prompts_path, policy.base_dir)
+    if too_long:  # too_long_prompts: drop: out of the pool every round draws from (the same rows in every round)
+        i, pid, n = too_long[0]
+        if (str(prompts_path), len(too_long)) not in _warned:  # once per process, not every round
+            _warned.add((str(prompts_path), len(too_long)))
+            log.warning("rollout: left out %d prompt(s) of %s longer than the model's context leaves beside "
+                        "rollout.max_completion_length %d (rollout.too_long_prompts: drop), e.g. row %d (prompt_id "
+                        "%s, %d tokens)", len(too_long), prompts_path, cfg.max_completion_length, i, pid, n)
+        dropped = {i for i, _, _ in too_long}
+        rows = [row for i, row in enumerate(rows) if i not in dropped]
     picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
     picked, rerolled = with_rerolls(picked, rows, list(reroll_prompt_ids))
     expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
@@ -471,6 +515,7 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         "rows": len(records),
         "prompts": len(picked),
         "rerolled_prompts": len(rerolled),
+        "prompts_too_long": len(too_long),
         "prompts_truncated_frac": cut / len(prompts),
         "completion_length_mean": sum(lengths) / len(lengths),
         "truncated_frac": sum(r["finish_reason"] == "length" for r in records) / len(records),
