@@ -282,7 +282,7 @@ def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label
     features = feature_model or model  # before the rounds: the policy they start from
     return materialize(ctx, "eval", Call(
         ebft_strided.evaluate, {"model": model, "prompts": prompts, "adapter": adapter, "feature_model": features},
-        ebft=Config(ctx.config.ebft, only=ebft.EBFTConfig.BLOCK_FIELDS),  # the blocks; the rest is scoring's
+        ebft=Config(ctx.config.ebft, only=ctx.config.ebft.BLOCK_FIELDS),  # the blocks; the rest is scoring's
         max_documents=cfg.max_prompts, model_dir=model_dir, adapter_dir=adapter_dir,
         feature_model_dir=InputDir(features), prompts_path=InputFile(prompts, f"{cfg.split}.parquet"),
         out_dir=OUT_DIR, on_progress=Progress(ctx.reporter.progress(f"eval {label}", "document")),
@@ -337,7 +337,7 @@ def strided_rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | 
     sampling = ("prompts_per_round", "num_generations", "temperature", "top_p", "seed")  # what it reads of rollout
     return materialize(ctx, "rollout", Call(
         ebft_strided.rollout, {"policy": policy, "adapter": adapter, "prompts": prompts},
-        ebft=Config(ctx.config.ebft, only=ebft.EBFTConfig.BLOCK_FIELDS),  # the blocks; the rest is scoring's
+        ebft=Config(ctx.config.ebft, only=ctx.config.ebft.BLOCK_FIELDS),  # the blocks; the rest is scoring's
         rollout_cfg=Config(ctx.config.rollout, only=sampling),
         policy=Sampled(policy, adapter, policy_version), prompts_path=InputFile(prompts, "train.parquet"),
         round_index=round_index, out_dir=OUT_DIR,
@@ -376,7 +376,7 @@ def atropos_batch_task(ctx: RunContext, session, policy: Artifact, adapter: Arti
     cfg = ctx.config.rollout
     sampling = {k: getattr(cfg, k) for k in ("engine", "temperature", "top_p", "max_completion_length")}
     return materialize(ctx, "rollout", Call(
-        atropos.pull, {"policy": policy, "adapter": adapter}, opts=cfg.atropos,
+        atropos.pull, {"policy": policy, "adapter": adapter}, opts=ctx.config.rollout.atropos,
         session=Served(session, policy, adapter, atropos_batch_size(ctx), sampling), round_index=round_index,
         num_generations=cfg.num_generations, tokenizer_dir=InputDir(policy), out_dir=OUT_DIR),
         label=f"atropos batch r{round_index}")
