@@ -87,8 +87,9 @@ def _function_reads(fn: ast.FunctionDef) -> tuple[set[tuple], set[str], set[str]
     keyed_args = {id(arg) for node in nodes if isinstance(node, ast.Call)
                   and (_chain(node.func) or [""])[-1] == "key_fields" for arg in node.args}
     inner = {id(n.value) for n in nodes if isinstance(n, ast.Attribute)}
-    inner |= {id(node.args[0]) for node in nodes if isinstance(node, ast.Call) and node.args  # Config(section,
-              and (_chain(node.func) or [""])[-1] == "Config" and any(k.arg == "only" for k in node.keywords)}  # only=...)
+    inner |= {id(node.args[0]) for node in nodes  # Config(section, only=...): read for `only`'s fields
+              if isinstance(node, ast.Call) and node.args and (_chain(node.func) or [""])[-1] == "Config"
+              and any(k.arg == "only" for k in node.keywords)}
     reads, calls, stage_names = set(), set(), set()
     for node in nodes:
         if isinstance(node, ast.Call):

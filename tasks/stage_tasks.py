@@ -291,10 +291,12 @@ def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label
 
 @dataclass(frozen=True)
 class EngineSettings(Arg):
-    """rollout.engine_options(cfg, max_lora_rank, devices) as the rollout's argument. The key holds the rollout.vllm
-    options the engine is handed, dtype as resolved for the placement (those a vllm_server engine is not handed
-    are the server's own), and the placement. The rest says how the engine runs, not what it samples:
-    batch_size is rollout.generation_batch_size (the config's key holds it), rollout.ray_vllm places the engines,
+    """rollout.engine_options(cfg, max_lora_rank, devices) as the rollout's argument, which keys the config's
+    `vllm` (the rollout task's Config leaves it to this). The key holds the rollout.vllm options the engine is
+    handed, dtype as resolved for the placement (those a vllm_server engine is not handed are the server's own),
+    vllm.max_model_len wherever a vLLM engine runs (the stage's prompt-length check reads it off the config),
+    and the placement. The rest says how the engine runs, not what it samples: batch_size is
+    rollout.generation_batch_size (the config's key holds it), rollout.ray_vllm places the engines,
     max_lora_rank is the largest adapter the engine is ready to load."""
 
     cfg: rollout.RolloutConfig
@@ -307,7 +309,10 @@ class EngineSettings(Arg):
 
     def as_key(self) -> dict:
         handed = self.value
-        return {"vllm": {k: handed[k] for k in key_fields(self.cfg.vllm) if k in handed}, "devices": self.devices}
+        vllm = {k: handed[k] for k in key_fields(self.cfg.vllm) if k in handed}
+        if self.cfg.engine != "transformers":  # rollout.check_prompt_lengths: rows too long for it
+            vllm["max_model_len"] = self.cfg.vllm.max_model_len
+        return {"vllm": vllm, "devices": self.devices}
 
 
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)
