@@ -1,4 +1,4 @@
-"""Wall time and eval accuracy of configs/atropos.yaml, started as README's "Atropos" section says:
+"""Wall time and eval accuracy of configs/atropos.yaml, started as docs/methods/atropos.md says:
 `posttrain run` (which starts run-api and the policy server), then the example environment.
 
     /tmp/atropos-venv/bin/python benchmarks/atropos.py --artifacts /tmp/atropos-bench [overrides...]

@@ -1,6 +1,6 @@
 """axolotl's config keys, moved into posttrain's sections before validation: flows/config.py's `before`
 validators call `move_top_level_keys`, `move_training_keys`, `move_device_keys` and `reward_model_flags`
-(README "Coming from axolotl / TRL / Atropos"). A key of theirs that posttrain has under another name moves
+(docs/coming-from.md). A key of theirs that posttrain has under another name moves
 there; one it does not honour is an error naming it; `posttrain validate` shows where each went.
 """
 

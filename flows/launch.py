@@ -1,10 +1,13 @@
 """What a posttrain process does around a flow run: library defaults set before Prefect and torch load, the
-temporary Prefect server started early, and bad-input errors reported by their message, not a traceback.
-Used by `posttrain run` (flows/cli.py) and `posttrain resume` (flows/resume.py)."""
+temporary Prefect server started early, bad-input errors reported by their message, not a traceback, and
+SIGINT/SIGTERM turned into one line saying how to resume. Used by `posttrain run` (flows/cli.py) and `posttrain
+resume` (flows/resume.py)."""
 
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -70,13 +73,15 @@ def start_temporary_prefect_server() -> Callable[[], None] | None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
     def launch() -> subprocess.Popen:
+        # its own session: a Ctrl-C at the terminal (SIGINT to the foreground process group) reaches this process,
+        # which marks its flow run crashed through the server, not the server too
         return subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(site_packages), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
              "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                  "PREFECT__SERVER_FINAL": "1"},
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None, start_new_session=True,
         )
 
     server = launch()
@@ -165,17 +170,75 @@ class FirstStart:
             self.fd = None
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stops where it is, as at Ctrl-C (Prefect marks the flow run crashed,
+    MLflow the parent run failed), and `posttrain resume` continues it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> Callable[[], None]:
+    """From now on SIGINT and SIGTERM raise `Stopped` in the main thread; a second one ends the process at once
+    (exit 128 + its number, no cleanup). Returns a function that puts the previous handlers back."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopping = False
+
+    def handler(signum, frame):
+        nonlocal stopping
+        if stopping:  # a second Ctrl-C while the first one unwinds: leave now
+            os._exit(128 + signum)
+        stopping = True
+        raise Stopped(signum)
+
+    for s in previous:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return restore
+
+
+def stopped_message(signum: int) -> str:
+    """The line a signal-stopped run prints: how to continue it (`posttrain resume`, flows/resume.py)."""
+    from flows.run import OPENED
+
+    name = signal.Signals(signum).name
+    if not OPENED:
+        return f"stopped by {name} before the run opened; nothing to resume"
+    run_name, root = OPENED[-1]
+    try:
+        artifacts = os.path.relpath(root) if not os.path.relpath(root).startswith("..") else str(root)
+    except ValueError:  # another drive (Windows)
+        artifacts = str(root)
+    return f"stopped by {name}; resume with: posttrain resume {run_name} --artifacts {shlex.quote(artifacts)}"
+
+
 def report_errors(run: Callable[[], int], debug: bool) -> int:
     """Call run() and return its exit code. A health check that stopped training prints its message
     (exit 3); a bad-input error (`input_errors`) prints its message without a traceback (exit 2), unless
-    `debug`. Prefect still records the flow run as failed with the traceback."""
+    `debug`. Prefect still records the flow run as failed with the traceback. SIGINT (Ctrl-C) or SIGTERM stop
+    the run with one line, "stopped by SIGINT; resume with: posttrain resume <run> --artifacts <dir>", and exit
+    130 or 143 (128 + the signal's number, as a shell reports a process the signal ended); with `debug`, the
+    traceback too."""
     from stages.evaluation.health import TrainingUnhealthy
 
     user_errors = input_errors()
     if not debug:
-        hide_tracebacks_of(user_errors)
+        hide_tracebacks_of(user_errors + (KeyboardInterrupt,))
+    restore = stop_on_signals() if _main_thread() else None
     try:
         return run()
+    except KeyboardInterrupt as e:  # Stopped, or a KeyboardInterrupt someone raised
+        restore = None  # the handlers stay: a second signal while this process exits ends it at once
+        if debug:
+            raise
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(stopped_message(signum), file=sys.stderr, flush=True)
+        return 128 + signum
     except TrainingUnhealthy as e:  # a health check stopped the run: the message says what and where
         print(f"stopped: {e}", file=sys.stderr)
         return 3
@@ -184,6 +247,53 @@ def report_errors(run: Callable[[], int], debug: bool) -> int:
             raise
         print(f"error: {e}\n(the run is recorded as failed; `--debug` shows the traceback)", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk that reached us as another library's error (Prefect's server: HTTP 500)
+        full = full_disk_message(e)
+        if full is None or debug:
+            raise
+        print(f"error: {full}", file=sys.stderr)
+        return 2
+    finally:
+        if restore:
+            restore()
+
+
+FULL_DISK_BYTES = 1 << 20
+"""Free bytes under which the artifacts folder's disk counts as full."""
+
+
+def full_disk_message(error: BaseException) -> str | None:
+    """One line for an error the full (or read-only) disk of the artifacts folder caused but a library reported
+    in its own words: the error names a refused write (tasks/store.py `refused_write`), or the artifacts folder's
+    disk has under FULL_DISK_BYTES free (Prefect's temporary server keeps its database there, and answers a write
+    it cannot make with HTTP 500). None for any other error."""
+    from flows.run import OPENED
+    from tasks.store import refused_write
+
+    root = OPENED[-1][1] if OPENED else None
+    refused = refused_write(error, root)
+    if refused is None and root is not None:
+        try:
+            stats = os.statvfs(root)
+        except OSError:
+            return None
+        if stats.f_bavail * stats.f_frsize >= FULL_DISK_BYTES:
+            return None
+    elif refused is None:
+        return None
+    reason = refused.strerror if refused is not None else "No space left on device"
+    if root is None:
+        return (f"the disk refused a write ({reason}; {type(error).__name__} from a library writing there): free "
+                "space or make it writable, then run the same command again (finished stages are reused)")
+    return (f"the disk holding {root} refused a write ({reason}; {type(error).__name__} from a library writing "
+            f"there): free space or make it writable, then `posttrain resume {OPENED[-1][0]} --artifacts {root}` "
+            "(finished stages are reused)")
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def input_errors() -> tuple[type[BaseException], ...]:
@@ -207,13 +317,20 @@ def input_errors() -> tuple[type[BaseException], ...]:
 
 def hide_tracebacks_of(errors: tuple[type[BaseException], ...]) -> None:
     """Keep Prefect's console handler from printing the traceback of these errors (the flow and task run
-    loggers still send it, with the failed state, to the Prefect server)."""
+    loggers still send it, with the failed state, to the Prefect server), and, with KeyboardInterrupt among them,
+    its "Crash detected! Execution was aborted by an interrupt (a termination) signal" lines."""
     import logging
 
     class InputErrorTraceback(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             return not (record.name.startswith("prefect") and record.exc_info
-                        and isinstance(record.exc_info[1], errors))
+                        and (isinstance(record.exc_info[1], errors) or full_disk_message(record.exc_info[1])))
+
+    class InterruptNotice(logging.Filter):  # a signal-stopped run says so in one line (report_errors)
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.name.startswith("prefect") and KeyboardInterrupt in errors
+                        and "Execution was aborted by" in record.getMessage())  # an interrupt, a termination
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(InputErrorTraceback())
+        handler.addFilter(InterruptNotice())

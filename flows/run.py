@@ -21,6 +21,10 @@ from tasks.store import ArtifactStore
 
 log = logging.getLogger("posttrain")
 
+OPENED: list[tuple[str, Path]] = []
+"""(run name, artifacts folder) of each training run this process opened or continued, newest last: the run a
+signal-stopped `posttrain run` or `resume` names in its "resume with" line (flows/launch.py `stopped_message`)."""
+
 
 def normalize_overrides(overrides: list[str] | dict | None) -> list[str]:
     """Accept ["grpo.rounds=2"] (CLI) or {"grpo.rounds": 2} (Prefect parameters)."""
@@ -82,6 +86,8 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         previous = lineage.client.get_run(resume)
         run_name = previous.info.run_name
         run_dir = root / "runs" / run_name
+        if purpose == "train":
+            OPENED.append((run_name, root))
         changed = config_differences(yaml.safe_load((run_dir / "config.yaml").read_text()),
                                      cfg.model_dump(mode="json"))
         if changed and not allow_config_change:
@@ -118,6 +124,8 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         "posttrain.pid": str(os.getpid()),
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
+    if purpose == "train":
+        OPENED.append((run_name, root))
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
 
 

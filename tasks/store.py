@@ -218,13 +218,14 @@ class ArtifactStore:
         return None, problems if folder.exists() else []
 
     def key_folders(self) -> Iterator[tuple[str, str, Path]]:
-        """(stage, key, folder) of every key folder in a stage folder, with a manifest or without (a stage
-        folder: one the store locked a key of, or one holding a manifest), sorted."""
+        """(stage, key, folder) of every key folder of a stage, with a manifest or without, sorted. The stages:
+        those the store has locked a key of (`.locks/<stage>/<key>.lock`; a stage name may hold a slash, as
+        the data versions' `data/<name>` do) and those with a manifest two levels down."""
+        locks = self.root / LOCKS
         stages = {stage for stage, _, _ in self.artifact_folders()}
-        if (self.root / LOCKS).is_dir():
-            stages |= {p.name for p in (self.root / LOCKS).iterdir() if p.is_dir()}
+        stages |= {lock.parent.relative_to(locks).as_posix() for lock in locks.rglob("*.lock")}
         for stage in sorted(stages):
-            if (self.root / stage).is_dir() and not stage.startswith("."):
+            if (self.root / stage).is_dir() and not any(part.startswith(".") for part in stage.split("/")):
                 for folder in sorted((self.root / stage).iterdir()):
                     if folder.is_dir() and not folder.name.startswith("."):
                         yield stage, folder.name, folder
@@ -293,7 +294,7 @@ class ArtifactStore:
                 refused = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             shutil.rmtree(tmp, ignore_errors=True)
             if refused is not None:
-                raise StorageError(f"stage {stage} ({key})", tmp, refused) from e
+                raise StorageError(f"stage {stage} ({key})", final, refused) from e
             raise
         _write_quietly(self.root / VERIFIED / stage / f"{key}.json", json.dumps(stamps))  # renaming the folder
         # changes no file's stamp

@@ -106,7 +106,7 @@ def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config
     assert len(computed(healed)) == 1 and computed(healed)[0].startswith("rollout")
     assert [w for w in healed["warnings"] if "rollouts.parquet is missing" in w]
 
-    # a file changed in place (same size): reuse checks sizes only; `posttrain verify` hashes every file,
+    # a file changed in place (same size): `posttrain verify` hashes every file (a run checks it before reuse too),
     # --repair sets the folder aside, and the next run recomputes that stage alone
     from flows.cli import main as cli
 

@@ -6,7 +6,7 @@ of ragged length, advantages of both signs, old log-probs perturbed from the mod
 ratios are != 1 and tokens get clipped on both sides, reference log-probs perturbed too,
 beta > 0, epsilon 0.2 / epsilon_high 0.28 -- we check, for every loss_type:
 
-* loss:      grpo_loss(completion_logps(...))  ==  trainer._compute_loss(model, inputs)
+* loss:      grpo_loss(LossInputs(completion_logps(...), ...))  ==  trainer._compute_loss(model, inputs)
 * gradients: d loss / d params of both sides agree (catches terms whose value is ~equal
              but whose gradient is not, e.g. a ratio factor that is ~1 in value)
 * metrics:   our clip_ratio / kl  ==  TRL's clip_ratio/region_mean / kl
@@ -34,14 +34,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import inspect
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from stages.training.grpo import collate
-from stages.training.grpo_loss import LOSS_TYPES, grpo_loss
+from stages.training.grpo_loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
 from stages.training.logprobs import completion_logps
 
 TEMPERATURE = 0.7
@@ -63,8 +63,23 @@ OTHER_MICRO_BATCH_TOKENS = 13  # completion tokens of the step's other micro-bat
 LOG_RATIOS = [0.5, -0.5, 0.22, 0.1, -0.1, -0.3, 0.4]
 
 
-def _supports_bias_correction() -> bool:
-    return "use_bias_correction_kl" in inspect.signature(grpo_loss).parameters
+def _settings(loss_type: str, **overrides) -> LossConfig:
+    """The parity batch's loss settings (TRL's, as the fixture sets them)."""
+    return LossConfig(loss_type=loss_type, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, beta=BETA,
+                      max_completion_length=MAX_COMPLETION_LENGTH, **overrides)
+
+
+def _parity_inputs(batch, logps, **extra) -> LossInputs:
+    """The parity batch as grpo_loss's input record, with `logps` as pi_theta's."""
+    inputs = batch["inputs"]
+    return LossInputs(logps, inputs["old_per_token_logps"], inputs["advantages"], inputs["completion_mask"],
+                      num_items_in_batch=batch["num_items"], gradient_accumulation_steps=GRAD_ACCUM,
+                      ref_logps=inputs["ref_per_token_logps"], **extra)
+
+
+def _as_floats(out):
+    """(loss, metrics as Python floats) of a LossOutputs."""
+    return out.loss, {k: float(v) for k, v in out.metrics.items()}
 
 
 # ---------------------------------------------------------------- fixtures
@@ -198,29 +213,11 @@ def _trl_loss(trainer, inputs, loss_type: str, bias_correction: bool):
 
 
 def _our_loss(trainer, batch, loss_type: str, bias_correction: bool):
-    inputs = batch["inputs"]
     logps, _ = completion_logps(
         trainer.model, batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"], TEMPERATURE
     )
-    kwargs = {}
-    if _supports_bias_correction():
-        kwargs["use_bias_correction_kl"] = bias_correction
-    # Without the parameter, grpo_loss never corrects; the True cases then fail, as they should.
-    return grpo_loss(
-        logps,
-        inputs["old_per_token_logps"],
-        inputs["ref_per_token_logps"],
-        inputs["advantages"],
-        inputs["completion_mask"],
-        loss_type=loss_type,
-        epsilon=EPSILON,
-        epsilon_high=EPSILON_HIGH,
-        beta=BETA,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        num_items_in_batch=batch["num_items"],
-        gradient_accumulation_steps=GRAD_ACCUM,
-        **kwargs,
-    )
+    return _as_floats(grpo_loss(_parity_inputs(batch, logps),
+                                _settings(loss_type, use_bias_correction_kl=bias_correction)))
 
 
 def _grads(model, loss):
@@ -298,17 +295,11 @@ def test_accumulation_scaling(trainer, batch):
     for loss_type in LOSS_TYPES:
         with torch.no_grad():
             two, _ = _our_loss(trainer, batch, loss_type, False)
-            kwargs = {"use_bias_correction_kl": False} if _supports_bias_correction() else {}
             logps, _ = completion_logps(
                 trainer.model, batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"], TEMPERATURE
             )
-            inputs = batch["inputs"]
-            one, _ = grpo_loss(
-                logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], inputs["advantages"],
-                inputs["completion_mask"], loss_type=loss_type, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, beta=BETA,
-                max_completion_length=MAX_COMPLETION_LENGTH, num_items_in_batch=batch["num_items"],
-                gradient_accumulation_steps=1, **kwargs,
-            )
+            one, _ = _as_floats(grpo_loss(replace(_parity_inputs(batch, logps), gradient_accumulation_steps=1),
+                                          _settings(loss_type, use_bias_correction_kl=False)))
         factor = 1.0 if loss_type == "dapo" else 2.0
         torch.testing.assert_close(one, two * factor, **TOL)
 
@@ -325,10 +316,13 @@ def test_clipping_by_hand():
     old = torch.zeros(2, 2)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1, 1], [1, 0]])
-    common = dict(epsilon=0.2, epsilon_high=0.28, beta=0.0, max_completion_length=2, num_items_in_batch=3.0,
-                  gradient_accumulation_steps=1)
+    common = dict(epsilon=0.2, epsilon_high=0.28, beta=0.0, max_completion_length=2)
 
-    loss, stats = grpo_loss(logps, old, None, adv, mask, loss_type="bnpo", **common)
+    def grpo_loss_by_hand(logps, loss_type, **settings):
+        inputs = LossInputs(logps, old, adv, mask, num_items_in_batch=3.0, gradient_accumulation_steps=1)
+        return _as_floats(grpo_loss(inputs, LossConfig(loss_type=loss_type, **settings)))
+
+    loss, stats = grpo_loss_by_hand(logps, loss_type="bnpo", **common)
     assert loss.item() == pytest.approx((-1.28 - 1.25 + 0.8) / 3, abs=1e-6)
     assert stats["clip_ratio"] == pytest.approx(2 / 3, abs=1e-6)
     assert stats["tokens"] == 3.0 and stats["kl"] == 0.0
@@ -342,12 +336,11 @@ def test_clipping_by_hand():
         "dapo": (-1.28 - 1.25 + 0.8) / 3,
     }
     for loss_type, value in expected.items():
-        loss, _ = grpo_loss(logps.detach(), old, None, adv, mask, loss_type=loss_type, **common)
+        loss, _ = grpo_loss_by_hand(logps.detach(), loss_type=loss_type, **common)
         assert loss.item() == pytest.approx(value, abs=1e-6), loss_type
 
     # With symmetric clipping (epsilon_high = epsilon) the 1.25 token is clipped too.
-    loss, stats = grpo_loss(logps.detach(), old, None, adv, mask, loss_type="bnpo",
-                            **{**common, "epsilon_high": 0.2})
+    loss, stats = grpo_loss_by_hand(logps.detach(), loss_type="bnpo", **{**common, "epsilon_high": 0.2})
     assert loss.item() == pytest.approx((-1.2 - 1.2 + 0.8) / 3, abs=1e-6)
     assert stats["clip_ratio"] == pytest.approx(1.0, abs=1e-6)
 
@@ -355,8 +348,9 @@ def test_clipping_by_hand():
 def test_unknown_loss_type_raises():
     t = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(t, t, None, torch.ones(1), torch.ones(1, 1), loss_type="nope", epsilon=0.2, epsilon_high=0.2,
-                  beta=0.0, max_completion_length=1, num_items_in_batch=1, gradient_accumulation_steps=1)
+        grpo_loss(LossInputs(t, t, torch.ones(1), torch.ones(1, 1), num_items_in_batch=1,
+                             gradient_accumulation_steps=1),
+                  LossConfig(loss_type="nope", epsilon=0.2, epsilon_high=0.2, beta=0.0, max_completion_length=1))
 
 
 @pytest.mark.parametrize("variant", ["is_token_truncate", "is_sequence_mask", "sequence_level_ratio",
@@ -375,7 +369,7 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
                            torch.zeros_like(mask))
     saved = {k: getattr(trainer, k) for k in ("use_vllm", "vllm_importance_sampling_correction",
                                               "importance_sampling_level", "off_policy_mask_threshold")}
-    ours_kwargs = {}
+    ours_inputs, ours_settings = {}, {}
     try:
         if variant.startswith("is_"):
             mode = "token_truncate" if variant == "is_token_truncate" else "sequence_mask"
@@ -383,10 +377,10 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
             assert (weights == 1.5).any() or (weights == 0).any()  # the cap is exercised
             trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
             inputs["importance_sampling_ratio"] = weights
-            ours_kwargs["is_weights"] = weights
+            ours_inputs["is_weights"] = weights
         elif variant == "sequence_level_ratio":
             trainer.importance_sampling_level = "sequence"
-            ours_kwargs["importance_sampling_level"] = "sequence"
+            ours_settings["importance_sampling_level"] = "sequence"
         else:
             trainer.off_policy_mask_threshold = 0.1
             inputs["sampling_per_token_logps"] = sampling
@@ -398,13 +392,9 @@ def test_off_policy_corrections_match_trl(trainer, batch, loss_type, variant):
         if variant == "off_policy_mask":
             keep = off_policy_mask(inputs["advantages"], logps, sampling, mask, 0.1)
             assert 0 < keep.sum() < len(keep)  # some sequences dropped, some kept
-            ours_kwargs["off_policy_keep"] = keep
-        ours, _ = grpo_loss(
-            logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], inputs["advantages"],
-            inputs["completion_mask"], loss_type=loss_type, epsilon=EPSILON, epsilon_high=EPSILON_HIGH, beta=BETA,
-            max_completion_length=MAX_COMPLETION_LENGTH, num_items_in_batch=batch["num_items"],
-            gradient_accumulation_steps=GRAD_ACCUM, use_bias_correction_kl=True, **ours_kwargs,
-        )
+            ours_inputs["off_policy_keep"] = keep
+        ours, _ = _as_floats(grpo_loss(_parity_inputs(batch, logps, **ours_inputs),
+                                       _settings(loss_type, use_bias_correction_kl=True, **ours_settings)))
         our_grads = _grads(trainer.model, ours)
     finally:
         for k, v in saved.items():
@@ -421,7 +411,8 @@ def test_mean_ratio_is_the_token_mean_of_pi_over_pi_old():
     logps = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.3, 0.3]]))
     old = torch.log(torch.tensor([[0.25, 0.2, 0.3], [0.6, 0.3, 0.1]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    _, stats = grpo_loss(logps, old, None, torch.tensor([1.0, -1.0]), mask, loss_type="dapo", epsilon=0.2,
-                         epsilon_high=0.2, beta=0.0, max_completion_length=3, num_items_in_batch=5,
-                         gradient_accumulation_steps=1)
+    inputs = LossInputs(logps, old, torch.tensor([1.0, -1.0]), mask, num_items_in_batch=5,
+                        gradient_accumulation_steps=1)
+    _, stats = _as_floats(grpo_loss(inputs, LossConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.2, beta=0.0,
+                                                       max_completion_length=3)))
     assert math.isclose(stats["mean_ratio"], (2.0 + 1.0 + 0.5 + 1.0 + 3.0) / 5, rel_tol=1e-6)

@@ -98,7 +98,9 @@ def served(tmp_path_factory):
     proc = start_server([sys.executable, "-m", "flows.cli", "serve-rewards", str(config), "--port", str(port)], url)
     yield url
     stop(proc)
-    assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read()  # uvicorn re-raises the SIGTERM it handled
+    output = proc.stdout.read()
+    assert proc.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the SIGTERM it handled
+    assert "Traceback" not in output, output  # bad requests (test_serve_rewards_refuses_...) print none
 
 
 def remote_config(url: str, routes: dict[str, str], **options) -> ScoreConfig:
@@ -161,6 +163,44 @@ def test_function_hanging_inside_the_server_costs_only_its_samples(tmp_path, ser
             assert r["errors"][0].startswith("remote:hangs: flaky_verifier.hangs_on_hang: ")
         else:
             assert value == 1.0 and r["errors"] == []
+
+
+def test_serve_rewards_refuses_oversized_and_malformed_requests_and_does_not_echo(served):
+    """A body over --max-request-mb (default 16) answers 413, with Content-Length or without (chunked); a
+    malformed `response.output` answers 422 with one line naming the field (and no server traceback: `served`);
+    a reply carries the scores only, not the request."""
+    body = verify_request([{"role": "user", "content": "say 7"}], "<answer>7</answer>", {"answer": "7"})
+    big = {**body, "padding": "x" * (20 * 2**20)}
+    refused = httpx.post(f"{served}/verify", json=big, timeout=60)
+    assert refused.status_code == 413 and "--max-request-mb" in refused.json()["detail"], refused.text[:300]
+
+    def chunks():
+        data = httpx.Request("POST", served, json=big).content
+        for start in range(0, len(data), 2**20):
+            yield data[start : start + 2**20]
+
+    chunked = httpx.post(f"{served}/verify", content=chunks(), headers={"content-type": "application/json"},
+                         timeout=60)
+    assert chunked.status_code == 413, chunked.text[:300]
+
+    for output, field in (("not a list", "response.output"), ([{"type": "message", "content": 5}],
+                                                              "response.output[0].content"),
+                          ([{"type": "message", "content": ["text"]}], "response.output[0].content[0]")):
+        bad = {**body, "response": {**body["response"], "output": output}}
+        reply = httpx.post(f"{served}/accuracy/verify", json=bad)
+        assert reply.status_code == 422, reply.text[:300]
+        detail = reply.json()["detail"]
+        assert detail.startswith(field + ":") and "\n" not in detail, detail
+        batch = httpx.post(f"{served}/verify_batch", json={"requests": [body, bad]})
+        assert batch.status_code == 422 and batch.json()["detail"].startswith(f"requests[1].{field}:"), batch.text
+    assert httpx.post(f"{served}/verify", content=b"{not json").status_code == 422
+    assert httpx.post(f"{served}/verify_batch", json={"requests": "x"}).status_code == 422
+
+    padded = {**body, "notes": "y" * 100_000}  # a column the functions ignore
+    reply = httpx.post(f"{served}/accuracy/verify", json=padded)
+    assert reply.status_code == 200 and len(reply.content) < 1000, len(reply.content)
+    assert reply.json() == {"reward": 1.0, "rewards": {"accuracy": 1.0}, "mask_sample": False,
+                            "failure_reason": None}
 
 
 @pytest.fixture

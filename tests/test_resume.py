@@ -1,5 +1,6 @@
-"""Resume: a run killed with SIGKILL mid-round finishes with the same metrics as an uninterrupted run,
-in the same MLflow parent run, with no round logged twice. Real `posttrain` processes, real kills."""
+"""Resume: a run stopped mid-round by SIGINT (Ctrl-C), SIGTERM or SIGKILL finishes with the same metrics and
+the same exported bytes as an uninterrupted run, in the same MLflow parent run, with no round logged twice. Real
+`posttrain` processes, real signals; SIGINT and SIGTERM are answered with one line saying how to resume."""
 
 from __future__ import annotations
 
@@ -30,20 +31,42 @@ def posttrain(*args: str, env_root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([POSTTRAIN, *args], capture_output=True, text=True, timeout=600, env=own_env(env_root))
 
 
-def run_until(artifacts: Path, stage: str, finished_rounds: int, *args: str) -> None:
-    """Start `posttrain` and SIGKILL its whole process group while `stage` is being written (its temp
-    folder exists) once `finished_rounds` optimize rounds are done."""
+def run_until(artifacts: Path, stage: str, finished_rounds: int, *args: str, sig=signal.SIGKILL,
+              group: bool = True) -> tuple[int, str]:
+    """Start `posttrain` and send `sig` to its whole process group (as Ctrl-C does; else to it alone, as `kill`
+    does) while `stage` is being written (its temp folder exists) once `finished_rounds` optimize rounds are
+    done: (its exit code, its stdout and stderr)."""
     log = artifacts.parent / f"killed-{stage}-{finished_rounds}.log"
-    process = subprocess.Popen([POSTTRAIN, *args], stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                               start_new_session=True, env=own_env(artifacts))
+    process = subprocess.Popen([POSTTRAIN, *args], stdout=open(log, "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True, env=own_env(artifacts))
     deadline = time.time() + 300
     while (len(list((artifacts / "optimize").glob("*/_manifest.json"))) < finished_rounds
            or not list((artifacts / stage).glob(".tmp-*"))):
         assert process.poll() is None, f"finished before the kill: {log.read_text()[-2000:]}"
         assert time.time() < deadline, "no progress"
         time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    (os.killpg if group else os.kill)(process.pid, sig)
+    process.wait(timeout=120)
+    time.sleep(1.0)  # what its workers still print once it is gone
+    return process.returncode, log.read_text()
+
+
+def check_stopped(code: int, output: str, sig: int, run_name: str, artifacts: Path) -> None:
+    """SIGINT/SIGTERM: exit 128 + the signal, one line saying how to resume, no traceback (of the flow or of its
+    reward workers)."""
+    assert code == 128 + sig, output[-3000:]
+    lines = [line for line in output.splitlines() if "resume with" in line]
+    assert lines == [f"stopped by {signal.Signals(sig).name}; resume with: posttrain resume {run_name} "
+                     f"--artifacts {artifacts}"], output[-3000:]
+    for noise in ("Traceback", "EOFError", "KeyboardInterrupt", "Crash detected"):
+        assert noise not in output, output[-3000:]
+
+
+def exported_files(summary: dict) -> dict[str, bytes]:
+    """The exported model's files, less the manifest (its times) and the model card (its artifacts folder)."""
+    folder = Path(summary["exported_model"])
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.is_file() and p.name not in ("_manifest.json", "README.md")}
 
 
 def parent_runs(client: MlflowClient, experiment: str) -> list:
@@ -66,15 +89,17 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
 
     killed = tmp_path / "killed"
     args = ["run", str(config), f"artifacts_dir={killed}", *common]
-    run_until(killed, "rollout", 1, *args)  # killed while round 1 samples
+    code, output = run_until(killed, "rollout", 1, *args, sig=signal.SIGINT)  # Ctrl-C while round 1 samples
     (run_name,) = [p.name for p in (killed / "runs").iterdir()]
+    check_stopped(code, output, signal.SIGINT, run_name, killed)
 
     # a resume with another config is refused, naming the key
     changed = posttrain("resume", run_name, "--artifacts", str(killed), "grpo.learning_rate=0.5", env_root=killed)
     assert changed.returncode == 2 and "grpo.learning_rate" in changed.stderr, changed.stderr[-2000:]
 
     resume = ["resume", run_name, "--artifacts", str(killed), "--quiet"]
-    run_until(killed, "optimize", 2, *resume)  # killed mid-optimize of round 2
+    code, output = run_until(killed, "score", 2, *resume, sig=signal.SIGTERM, group=False)  # `kill` mid-score r2
+    check_stopped(code, output, signal.SIGTERM, run_name, killed)
     run_until(killed, "export", ROUNDS, *args)  # the same command again; killed while exporting
     again = posttrain(*resume, env_root=killed)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -83,6 +108,7 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
     b = json.loads((killed / "runs" / run_name / "summary.json").read_text())
     assert b["final_accuracy"] == a["final_accuracy"] and b["base_accuracy"] == a["base_accuracy"]
     assert [s["status"] for s in b["stages"] if s["stage"] == "optimize r0"] == ["cached"]
+    assert exported_files(b) == exported_files(a) and "model.safetensors" in exported_files(a)  # byte for byte
 
     client_a = MlflowClient(f"sqlite:///{straight / 'mlflow.db'}")
     client_b = MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")

@@ -157,3 +157,25 @@ def test_mlflow_store_on_a_full_disk_names_the_database_in_one_line(small_disk, 
     lineage.log_metrics(run_id, {"after": 2.0}, step=1)
     metrics = lineage.client.get_run(run_id).data.metrics
     assert metrics["kept"] == 1.0 and metrics["after"] == 2.0
+
+
+def test_a_library_error_on_a_full_artifacts_disk_is_one_line(small_disk, monkeypatch, capsys):
+    """Prefect's temporary server keeps its database in the artifacts folder and answers a write it cannot make
+    with HTTP 500: the run ends with one line naming the disk and how to resume (exit 2), not the library's
+    traceback. Any other error on a disk with room left goes on as it was."""
+    from flows import run as run_module
+    from flows.launch import report_errors
+
+    monkeypatch.setattr(run_module, "OPENED", [("tiny-20261127-101500", small_disk)])
+
+    def server_error():
+        raise RuntimeError("Server error '500 Internal Server Error' for url 'http://127.0.0.1:4242/api/task_runs/'")
+
+    with pytest.raises(RuntimeError):  # room left: not a disk problem
+        report_errors(server_error, debug=False)
+    filler = fill(small_disk)
+    assert report_errors(server_error, debug=False) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the disk holding {small_disk} refused a write" in err[0]
+    assert f"posttrain resume tiny-20261127-101500 --artifacts {small_disk}" in err[0]
+    filler.unlink()

@@ -184,9 +184,10 @@ def test_verify_reports_a_folder_whose_manifest_was_deleted(tmp_path, capsys):
     lost = store.write("s", "k2", produce_file("world"), inputs={}, config={}).path
     (lost / MANIFEST).unlink()
     (tmp_path / "runs" / "some-run").mkdir(parents=True)  # not a stage's folder
+    store.write("data/cfg", "v1", produce_file("rows"), inputs={}, config={})  # a data version: two levels
     assert cli(["verify", "--artifacts", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert f"damaged: s/k2: {MANIFEST} is missing" in out and "2 artifact folders checked, 1 damaged" in out
+    assert f"damaged: s/k2: {MANIFEST} is missing" in out and "3 artifact folders checked, 1 damaged" in out
     assert cli(["verify", "--artifacts", str(tmp_path), "--repair"]) == 0
     assert not lost.exists() and list((tmp_path / "s" / ".damaged").iterdir())
     assert cli(["verify", "--artifacts", str(tmp_path)]) == 0

@@ -5,7 +5,7 @@ OpenAI-compatible server that returns vLLM's `prompt_token_ids` / `token_ids` wi
 and sends each group to Atropos' API with the sampled tokens' log-probs and, in `overrides`, the policy
 version that sampled them, its name and the gold answer.
 
-Run it after `run-api` and `posttrain run configs/atropos.yaml` are up (README, "Atropos"):
+Run it after `run-api` and `posttrain run configs/atropos.yaml` are up (docs/methods/atropos.md):
 
     python configs/examples/atropos_env.py serve --env.rollout_server_url http://127.0.0.1:8000 \\
         --openai.base_url http://127.0.0.1:9100/v1 --env.group_size 16

@@ -45,11 +45,18 @@ class BaseModelConfig(BaseModel):
     vocab_size: int = Field(512, ge=64)
     """BPE vocabulary trained on the task text. Digits are always single tokens."""
     hidden_size: int = Field(256, ge=64)
+    """Width of a model built here. Keep hidden_size / num_attention_heads >= 64: vLLM loads no smaller head."""
     num_hidden_layers: int = Field(4, ge=1)
+    """Transformer blocks of a model built here. More: more capacity, slower rounds."""
     num_attention_heads: int = Field(4, ge=1)
+    """Query heads of a model built here; must divide hidden_size."""
     num_key_value_heads: int = Field(2, ge=1)
+    """Key/value heads of a model built here (grouped-query attention); must divide num_attention_heads."""
     intermediate_size: int = Field(512, ge=16)
+    """Width of each MLP of a model built here."""
     max_position_embeddings: int = Field(256, ge=32)
+    """Context length of a model built here, in tokens: prompt and completion must fit in it (longer prompts
+    are refused or dropped by rollout and eval, `too_long_prompts`)."""
     seed: int = 0
     """Initialization of a model built here. Unused with `path` (set with the top-level `seed` there too)."""
     special_tokens: dict[Literal["pad_token", "eos_token", "bos_token", "unk_token"], str] | None = \

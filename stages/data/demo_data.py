@@ -66,6 +66,7 @@ class DemoDataConfig(BaseModel):
     documents. The sft split states the teacher's answers (teacher_accuracy), train and eval the true ones.
     Unset: one question/answer row per question."""
     seed: int = 1234
+    """Seed of the questions, their answers and the teacher's mistakes: another seed, another demo dataset."""
 
 
 def format_answer(value: int | str) -> str:

@@ -29,7 +29,9 @@ class DemoPairsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_train: int = Field(2000, ge=1)
+    """Preference pairs (or stepwise solutions) in the train split."""
     num_eval: int = Field(200, ge=1)
+    """Pairs in the eval split, held out of train; the reward model's and DPO's held-out accuracy is measured on them."""
     kind: Literal["pair", "stepwise"] = "pair"
     """pair: a right and a wrong answer per question (DPO, `reward_model.kind: orm`); stepwise: a solution
     as steps ("Compare 3 and 8: keep 8", ..., "<answer>8</answer>") with one label per step
@@ -51,6 +53,7 @@ class DemoPairsConfig(BaseModel):
     system_prompt: str | None = None
     """Prepended as a system message when set (match the prompts transform's)."""
     seed: int = 4321
+    """Seed of the questions and of the wrong answers paired with the right ones."""
 
 
 def demo_eval_questions(demo: DemoDataConfig) -> set[str]:

@@ -38,7 +38,10 @@ class EvalConfig(BaseModel):
     max_prompts: int | None = Field(None, ge=1)
     """Evaluate on the first N prompts only; unset: all."""
     max_completion_length: int = Field(16, ge=1)
+    """Most tokens of each greedy eval completion (set it as rollout.max_completion_length: a shorter budget
+    cuts answers the policy was trained to give)."""
     batch_size: int = Field(256, ge=1)
+    """Eval prompts per generate call. Higher: faster, more memory."""
     too_long_prompts: Literal["fail", "drop"] = "fail"
     """An eval prompt that leaves less room than max_completion_length in the model's context (its
     max_position_embeddings), which it would run past. fail: the eval stops before the model loads, naming its row

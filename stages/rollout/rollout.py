@@ -42,6 +42,7 @@ class VLLMOptions(BaseModel):
     """Engine dtype; auto: the run's train.precision (float32 on CPU, bfloat16 on a GPU), the dtype the
     trainer computes in, so that sampling log-probs match the trainer's most closely."""
     tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one vLLM engine shards the model over (vLLM's `tensor_parallel_size`); 1 on a CPU."""
     sleep_mode: bool = not_in_key(False)
     """vllm, ray_vllm on a GPU (TRL's `vllm_enable_sleep_mode`): after each round's generation the engine
     sleeps (vLLM level 1: weights moved to CPU memory, KV cache freed), so the optimize stage on the same GPU
@@ -83,6 +84,7 @@ class RayVLLMOptions(BaseModel):
     address: str | None = None
     """Ray cluster to join; unset: RAY_ADDRESS, else a local Ray instance started by the run."""
     num_cpus_per_engine: float = Field(1.0, gt=0)
+    """CPUs Ray reserves for each engine actor (Ray's `num_cpus`)."""
     num_gpus_per_engine: float | None = Field(None, ge=0)
     """unset: rollout.vllm.tensor_parallel_size when the cluster has GPUs, else 0."""
     startup_timeout_s: float = Field(900.0, gt=0)
@@ -173,6 +175,8 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the optimize stage scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p; 1: off (TRL's
+    default). Below 1, vLLM's sampling log-probs are taken after the cut (stages/rollout/engines/vllm_local.py)."""
     generation_batch_size: int = Field(256, ge=1)
     """transformers engine: sequences per generate call. Higher: faster, more memory."""
     async_prefetch: bool = not_in_key(False)
@@ -195,6 +199,8 @@ class RolloutConfig(BaseModel):
     """CPU cores the flow's process (optimizer, and reward workers it spawns) is pinned to while
     the rounds run; unset: all. With worker_cpus it splits the machine between engine and trainer."""
     seed: int = 0
+    """Seed of the prompts each round draws and of the sampling (per round and prompt): the same seed, the
+    same completions from the same policy."""
 
     @model_validator(mode="after")
     def _check_server_urls(self) -> "RolloutConfig":

@@ -9,7 +9,9 @@ across rounds, so a vLLM engine starts once per flow run as in-process.
 
 The worker runs `stages.rollout.rollout.run` unchanged, so the rollouts it writes are the same
 table the in-process path writes. If the process dies, the round fails with its exit code
-and the next round starts a fresh worker.
+and the next round starts a fresh worker. Signals are the flow's business, as for the reward workers
+(stages/scoring/reward_workers.py `parent_handles_signals`): the worker ignores SIGINT, a flow stopped
+mid-rollout kills it, and the end of its pipe (the flow's process is gone) ends it quietly.
 """
 
 from __future__ import annotations
@@ -22,13 +24,24 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from stages.scoring.reward_workers import parent_handles_signals, start_quietly
+
 
 class RolloutWorkerError(RuntimeError):
     """The rollout failed inside the worker process (the message carries the worker's error)."""
 
 
 def _main(conn, cpus: list[int] | None, torch_threads: int | None) -> None:
-    """The worker's loop: one job at a time, progress messages while it runs."""
+    """The worker's loop: one job at a time, progress messages while it runs; until None, or until the pipe
+    ends (the flow's process is gone: exit quietly)."""
+    parent_handles_signals()
+    try:
+        _serve(conn, cpus, torch_threads)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def _serve(conn, cpus: list[int] | None, torch_threads: int | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     import torch
@@ -49,6 +62,8 @@ def _main(conn, cpus: list[int] | None, torch_threads: int | None) -> None:
                                       on_progress=lambda done, total: conn.send(("progress", done, total)),
                                       reroll_prompt_ids=reroll_prompt_ids)
                 reply = ("done", summary)
+            except (BrokenPipeError, ConnectionResetError):  # a progress message found the flow gone
+                raise
             except Exception as exc:  # sent back whole: the flow re-raises it with the worker's traceback
                 reply = ("error", type(exc).__name__, str(exc), traceback.format_exc())
             _release_gpu_cache()  # before the reply: the trainer may start on the same GPU when it comes
@@ -81,7 +96,7 @@ class RolloutWorker:
         parent, child = context.Pipe()
         self._process = context.Process(target=_main, args=(child, self.cpus, self.torch_threads),
                                         name="posttrain-rollout", daemon=True)
-        self._process.start()
+        start_quietly(self._process)
         child.close()
         self._conn = parent
 
@@ -94,25 +109,37 @@ class RolloutWorker:
                 self._start()
             self._conn.send((cfg.model_dump(mode="json"), policy, str(prompts_path), round_index, str(out_dir),
                              engine_settings, list(reroll_prompt_ids)))
-            while True:
-                try:
-                    message = self._conn.recv()
-                except (EOFError, ConnectionResetError):
-                    self._process.join(5)
-                    code = self._process.exitcode
-                    self._process = None
-                    raise RolloutWorkerError(
-                        f"rollout r{round_index}: the rollout worker process died (exit code {code}); "
-                        "the next round starts a new one") from None
-                if message[0] == "progress":
-                    if on_progress:
-                        on_progress(message[1], message[2])
-                elif message[0] == "done":
-                    return message[1]
-                else:
-                    _, name, text, worker_traceback = message
-                    raise RolloutWorkerError(f"rollout r{round_index} failed in the rollout worker: {name}: {text}\n"
-                                             f"worker traceback:\n{worker_traceback}")
+            try:
+                return self._wait(round_index, on_progress)
+            except RolloutWorkerError:  # the job is over (failed, or its worker died)
+                raise
+            except BaseException:  # stopped (Ctrl-C, SIGTERM) mid-job: the job is abandoned, and so is the worker
+                self._process.kill()
+                self._process.join(5)
+                self._process = None
+                raise
+
+    def _wait(self, round_index: int, on_progress: Callable[[int, int], None] | None) -> dict:
+        """The worker's reply to the job sent; its progress messages go to `on_progress`."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, ConnectionResetError):
+                self._process.join(5)
+                code = self._process.exitcode
+                self._process = None
+                raise RolloutWorkerError(
+                    f"rollout r{round_index}: the rollout worker process died (exit code {code}); "
+                    "the next round starts a new one") from None
+            if message[0] == "progress":
+                if on_progress:
+                    on_progress(message[1], message[2])
+            elif message[0] == "done":
+                return message[1]
+            else:
+                _, name, text, worker_traceback = message
+                raise RolloutWorkerError(f"rollout r{round_index} failed in the rollout worker: {name}: {text}\n"
+                                         f"worker traceback:\n{worker_traceback}")
 
     def close(self) -> None:
         """Stop the process (its engines are closed first)."""

@@ -17,13 +17,15 @@ _POOLS_LOCK = threading.Lock()
 
 
 def shared_pool(names: list[str], num_workers: int, timeout_s: float,
-                sources: dict[str, str] | None = None, ray: dict | None = None) -> RewardWorkerPool:
+                sources: dict[str, str] | None = None, ray: dict | None = None,
+                memory_mb: float | None = None) -> RewardWorkerPool:
     """A pool kept alive across calls in this process (spawning costs seconds); replaced if broken, or
     if the source of a `module.fn` it runs changed since its workers imported it. `ray`: the keyword
-    arguments of a RayRewardPool (address, num_cpus) to score on Ray actors instead of local processes."""
+    arguments of a RayRewardPool (address, num_cpus) to score on Ray actors instead of local processes. `memory_mb`:
+    each local worker's memory cap (score.reward_memory_mb)."""
     from stages.scoring.rewards import BUILTIN_REWARDS
 
-    key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())))
+    key = (tuple(names), num_workers, timeout_s, tuple(sorted((sources or {}).items())), memory_mb)
     if ray is not None:
         key += (("ray", tuple(sorted(ray.items()))),)
     resolved = [(sources or {}).get(name, name) for name in names]
@@ -38,7 +40,7 @@ def shared_pool(names: list[str], num_workers: int, timeout_s: float,
 
                 pool = _POOLS[key] = RayRewardPool(names, num_workers, timeout_s, sources, **ray)
             else:
-                pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources)
+                pool = _POOLS[key] = RewardWorkerPool(names, num_workers, timeout_s, sources, memory_mb=memory_mb)
             _POOL_CODE[key] = code
         return pool
 

@@ -6,11 +6,17 @@ awaited. A flaky sample does not stop the stage: a call that raises, runs past `
 its worker is retried one sample at a time (a hung or dead worker is killed and replaced first), so
 the healthy samples of the batch still get their values, and each sample that fails on its own comes
 back as an error string ("accuracy: TimeoutError after 60 s") with a logged warning naming the
-function and the sample. A function may also fail single samples itself, without raising: a
+function and the sample. With `memory_mb` (score.reward_memory_mb) the OS caps each worker's memory; an
+allocation past it fails the call (MemoryError in Python), and a sample that breaches it on its own comes back
+the same way ("accuracy: MemoryError past score.reward_memory_mb = 2048 MB"). A function may also fail single samples itself, without raising: a
 `SampleError` in place of a value (remote verifiers do, for a request that failed).
 Bugs do stop the stage with `RewardFunctionError`, naming the function: a reward module that cannot
 be loaded in a worker, a function that returns the wrong number of values or something that is not a
 number (or None).
+
+Signals are the parent's business: a worker ignores SIGINT (a Ctrl-C reaches the whole process group; the
+parent stops the run and closes its pools) and SIGTERM while its parent lives, and takes the end of its pipe
+as "the parent is gone": it exits 0, quietly.
 """
 
 from __future__ import annotations
@@ -143,27 +149,85 @@ def answer(funcs: dict[str, Callable], name: str, batch: dict) -> tuple:
         return ("bad", f"{reprlib.repr(values)} ({type(values).__name__})", None)
 
 
-def _worker_main(conn, sources: dict[str, str], index: int = 0) -> None:
-    """Import every reward function once, say "ready", then answer (name, batch) messages until None.
-    Worker `index` is this process's LOCAL_RANK: a reward model on CUDA goes to GPU index % GPUs
-    (stages/runtime/devices.py), so the workers of a multi-GPU machine share them out."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def start_quietly(process) -> None:
+    """Start a spawned child with SIGINT and SIGTERM blocked (the mask survives fork and exec), so that a Ctrl-C
+    while its interpreter starts is held until its main function has set `parent_handles_signals`."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        return process.start()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def parent_handles_signals() -> None:
+    """In a child started by `start_quietly`: ignore SIGINT, and SIGTERM while the parent lives (the parent
+    stops the run and closes its children: a child that died first would look like a crash of its function);
+    an orphan exits 0 on SIGTERM. Then take the signals held since the start."""
     import os
 
+    parent = os.getppid()
+
+    def on_sigterm(signum, frame):
+        if os.getppid() != parent:
+            os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def limit_memory(memory_mb: int) -> None:
+    """Cap this process's memory at `memory_mb` MiB, enforced by the kernel: RLIMIT_DATA, its heap and private
+    writable mappings (what Python, numpy and torch allocate; not the address space libraries reserve and never
+    touch, which RLIMIT_AS would count: importing torch alone reserves ~0.8 GB of it, more with more cores). An
+    allocation past it fails: MemoryError in Python, an error naming the allocation in numpy and torch.
+    Linux; elsewhere RLIMIT_DATA may not cover mmap, so large allocations can get past it."""
+    import resource
+
+    limit = int(memory_mb * 2**20)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _worker_main(conn, sources: dict[str, str], index: int = 0, memory_mb: int | None = None) -> None:
+    """Import every reward function once, say "ready", then answer (name, batch) messages until None, or
+    until the pipe ends (the parent is gone: exit quietly).
+    Worker `index` is this process's LOCAL_RANK: a reward model on CUDA goes to GPU index % GPUs
+    (stages/runtime/devices.py), so the workers of a multi-GPU machine share them out. `memory_mb`: the cap
+    (`limit_memory`), set before the user's code is imported."""
+    import os
+
+    parent_handles_signals()
+    if memory_mb:
+        limit_memory(memory_mb)
     os.environ["LOCAL_RANK"] = str(index)
-    funcs, load_error = load_rewards(sources)
-    if load_error:
-        conn.send(load_error)
-        return
-    conn.send(("ready", None, None))
-    while True:
-        message = conn.recv()
-        if message is None:
+    try:
+        funcs, load_error = load_rewards(sources)
+        if load_error:
+            conn.send(load_error)
             return
-        reply = answer(funcs, *message)
-        try:
-            conn.send(reply)
-        except Exception:  # values that cannot be pickled
-            conn.send(("bad", f"{reprlib.repr(reply[1])} (not picklable)", None))
+        conn.send(("ready", None, None))
+        while True:
+            message = conn.recv()
+            if message is None:
+                return
+            reply = answer(funcs, *message)
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, ConnectionResetError):
+                raise
+            except Exception:  # values that cannot be pickled
+                conn.send(("bad", f"{reprlib.repr(reply[1])} (not picklable)", None))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone
+        return
 
 
 def _exit_reason(proc) -> str:
@@ -190,9 +254,12 @@ class _Worker:
 class RewardWorkerPool:
     """`num_workers` spawned processes that score batches with named reward functions."""
 
-    def __init__(self, names: list[str], num_workers: int, timeout_s: float, sources: dict[str, str] | None = None):
+    def __init__(self, names: list[str], num_workers: int, timeout_s: float, sources: dict[str, str] | None = None,
+                 memory_mb: int | None = None):
         """`sources` maps a reward's name (as jobs and results call it) to what resolves it, when
-        they differ, e.g. {"reward_model": "reward_model:/artifacts/reward_model/<key>"}."""
+        they differ, e.g. {"reward_model": "reward_model:/artifacts/reward_model/<key>"}. `memory_mb`: each
+        worker's memory cap (score.reward_memory_mb; None: none)."""
+        self.memory_mb = memory_mb
         self.sources = {name: (sources or {}).get(name, name) for name in names}
         for name in self.sources.values():
             resolve_reward(name, load=False)  # fail fast in the parent with a clear message
@@ -210,8 +277,8 @@ class RewardWorkerPool:
         """Worker `index` (its slot in the pool), new, loading the reward functions; its first reply is "ready"
         or "load_error"."""
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker_main, args=(child, self.sources, index), daemon=True)
-        proc.start()
+        proc = self.ctx.Process(target=_worker_main, args=(child, self.sources, index, self.memory_mb), daemon=True)
+        start_quietly(proc)
         child.close()
         return _Worker(proc, parent, deadline=time.monotonic() + STARTUP_TIMEOUT_S)
 
@@ -300,6 +367,7 @@ class RewardWorkerPool:
 
         def failed(task: tuple[int, int, int], error: str, details: str = "") -> None:
             j, lo, hi = task
+            error = self._memory_hint(error)
             name, _, ids = jobs[j]
             if hi - lo > 1:  # isolate the failing samples: re-call the batch one sample at a time
                 log.info("reward function %r failed on samples %s..%s (%s); scoring them one at a time",
@@ -332,7 +400,9 @@ class RewardWorkerPool:
                     if replies[w] is None:  # the worker died
                         reason = self._death(w)
                         if not w.ready:
-                            self._fail(f"a reward worker died ({reason}) while importing reward_funcs {self.names}")
+                            hint = (f"; score.reward_memory_mb = {self.memory_mb:g} MB may be less than importing them "
+                                    "takes (torch alone: ~1.6 GB on 16 cores)" if self.memory_mb else "")
+                            self._fail(f"a reward worker died ({reason}) while importing reward_funcs {self.names}{hint}")
                         self._kill(w)
                         self.workers[i] = self._spawn(i)
                         failed(w.task, f"worker process died ({reason})")
@@ -364,6 +434,17 @@ class RewardWorkerPool:
                     self.workers[i] = self._spawn(i)
                     failed(w.task, f"TimeoutError after {self.timeout_s:g} s")
         return list(zip(values, errors))
+
+    def _memory_hint(self, error: str) -> str:
+        """An error that an allocation past the memory cap caused, saying so (as a timeout says its seconds)."""
+        if not self.memory_mb:
+            return error
+        if error.startswith("MemoryError"):
+            rest = error.removeprefix("MemoryError").lstrip(": ")
+            return f"MemoryError past score.reward_memory_mb = {self.memory_mb:g} MB" + (f" ({rest})" if rest else "")
+        if "allocate memory" in error or error.startswith("worker process died"):  # torch's alloc error; C code
+            return f"{error} (score.reward_memory_mb = {self.memory_mb:g} MB)"
+        return error
 
     def _check(self, job: tuple[str, dict, list[str]], task: tuple[int, int, int], status: str, payload) -> None:
         """Stop the stage on what is a bug in the function, not a flaky sample."""

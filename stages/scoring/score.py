@@ -88,6 +88,13 @@ class ScoreConfig(BaseModel):
     """Seconds one call may take; past it the worker is killed and replaced, the batch re-scored one
     sample at a time, and each sample that times out on its own gets `reward_on_error`. Higher: fewer
     false timeouts on slow graders; a hanging function costs up to (1 + batch size / workers) times this."""
+    reward_memory_mb: float | None = key_when_set(None, gt=0)
+    """Memory (MiB) each reward worker may allocate, enforced by the OS (Linux RLIMIT_DATA: heap and private
+    writable memory, not reserved address space); an allocation past it fails the call, and each sample that
+    breaches it on its own gets `reward_on_error`, as a timeout does. None: no cap. No default fits every machine:
+    importing torch alone takes ~1.6 GB of it on 16 cores (more with more cores; 2048 stopped that import), CUDA and
+    a small reward model ~3 GB; a plain grader ~100 MB. Local workers only (not `backend: ray`). In the
+    stage's key when set (a breach changes the rewards)."""
     reward_on_error: float = Field(0.0, allow_inf_nan=False)
     """Value a reward function contributes for a sample it raised, hung or crashed on (counted in
     `score/errors`, explained in the row's `errors` column). 0.0: an unscorable completion earns nothing."""
@@ -125,6 +132,13 @@ class ScoreConfig(BaseModel):
                     f"remote_verifiers.{name}: timeout_s x (retries + 1) + backoff = {worst:g} s is more than "
                     f"reward_timeout_s = {self.reward_timeout_s:g} s, so a hanging service would be cut off by the "
                     "worker pool's timeout instead of its own; lower timeout_s or retries, or raise reward_timeout_s")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_cap_where_enforced(self):
+        if self.reward_memory_mb is not None and self.backend == "ray":
+            raise ValueError("reward_memory_mb caps local reward workers only; Ray actors are not capped (unset it, "
+                             "or use backend: local)")
         return self
 
     @model_validator(mode="after")
@@ -169,7 +183,8 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
             }
             jobs.append((name, batch, [r["rollout_id"] for r in chunk]))
     ray = ({"address": cfg.ray.address, "num_cpus": cfg.ray.num_cpus_per_actor} if cfg.backend == "ray" else None)
-    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray)
+    pool = shared_pool(cfg.reward_funcs, cfg.reward_num_workers, cfg.reward_timeout_s, sources, ray,
+                       memory_mb=cfg.reward_memory_mb)
     worker_stats: list = []
     started = time.perf_counter()
     outputs = pool.score(jobs, worker_stats)

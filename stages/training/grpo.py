@@ -1,6 +1,7 @@
 """optimize (GRPO): one round of policy-gradient updates on scored rollouts.
 
-Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping; computed in grpo_loss.py):
+Loss (TRL 1.16 GRPOTrainer._compute_loss, DeepSeekMath GRPO with PPO clipping; grpo_loss.py computes it from
+one input record, `LossInputs`, which `RoundTrainer.accumulate` assembles per micro-batch):
   ratio_t   = exp(logp_t - old_logp_t)      old = pi_old, the policy at the start of the round
   loss_t    = -min(ratio_t * A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) * A)
             + beta * KL_t,  KL_t = ratio_t * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
@@ -52,7 +53,7 @@ from stages.runtime.imports import LazyModule
 from stages.runtime.keys import key_when_set, not_in_key
 from stages.scoring.advantages import ZERO_ADVANTAGE
 from stages.training import logprobs
-from stages.training.grpo_loss import grpo_loss, off_policy_mask, sampling_correction
+from stages.training.grpo_loss import LossConfig, LossInputs, grpo_loss, off_policy_mask, sampling_correction
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 
@@ -167,11 +168,17 @@ class GRPOConfig(BaseModel):
     overlong filtering). True: a cut-off answer is not punished or rewarded for being cut off; fewer tokens
     train. False (TRL's default): every completion trains."""
     lora_r: int = Field(16, ge=1)
+    """LoRA rank (adapter: lora; PEFT's `r`). Higher: more trainable weights per layer, more memory.
+    The rollout engines' LoRA slots are sized from it."""
     lora_alpha: int = Field(32, ge=1)
+    """LoRA scaling numerator (PEFT's `lora_alpha`): the update is scaled by lora_alpha / lora_r."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA branch's input while training (PEFT's `lora_dropout`)."""
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """Modules the adapter wraps (PEFT's `target_modules`): by default every attention and MLP projection
+    (Qwen2/Llama names)."""
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL term by the importance ratio (TRL's default, DeepSeek-V3.2)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
@@ -221,6 +228,7 @@ class GRPOConfig(BaseModel):
     this key), and not with train.strategy fsdp (a config error). Changes float rounding only, so it is not
     in the artifact key."""
     seed: int = 0
+    """Seed of each round's row order and of the adapter's initialization (with the round index)."""
 
     @model_validator(mode="after")
     def _adam_options_need_adam(self):
@@ -307,6 +315,35 @@ def collate(rows: list[dict], pad_token_id: int) -> dict:
         "old_per_token_logps": pad([r["sampling_logprobs"] for r in rows], 0.0, "right", torch.float32),
         "advantages": torch.tensor([r["advantage"] for r in rows], dtype=torch.float32),
     }
+
+
+# ---------------------------------------------------------------- the loss's inputs
+
+
+def loss_config(cfg: GRPOConfig, max_completion_length: int) -> LossConfig:
+    """grpo_loss's settings from the stage's config (epsilon_high unset: epsilon)."""
+    return LossConfig(loss_type=cfg.loss_type, epsilon=cfg.epsilon,
+                      epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon, beta=cfg.beta,
+                      max_completion_length=max_completion_length, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                      importance_sampling_level=cfg.importance_sampling_level)
+
+
+def loss_inputs(cfg: GRPOConfig, batch: dict, logps: torch.Tensor, old_logps: torch.Tensor,
+                ref_logps: torch.Tensor | None, num_items: float, micro_batches: int) -> LossInputs:
+    """A collated micro-batch's LossInputs: the loss mask (completion tokens, less the rows
+    mask_truncated_completions leaves out) and the off-policy corrections of the rows' sampling log-probs:
+    pi_old / pi_sampling (vllm_importance_sampling_*) and the off-policy mask (off_policy_mask_threshold)."""
+    mask = batch["completion_mask"].float() * batch["keep"].unsqueeze(1)
+    sampling_logps = batch["old_per_token_logps"]
+    is_weights = keep = None
+    if cfg.vllm_importance_sampling_correction:
+        is_weights = sampling_correction(old_logps, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
+                                         cfg.vllm_importance_sampling_cap)
+    if cfg.off_policy_mask_threshold is not None:
+        keep = off_policy_mask(batch["advantages"], logps, sampling_logps, mask, cfg.off_policy_mask_threshold)
+    return LossInputs(logps, old_logps, batch["advantages"], mask, num_items_in_batch=num_items,
+                      gradient_accumulation_steps=micro_batches, ref_logps=ref_logps, is_weights=is_weights,
+                      off_policy_keep=keep)
 
 
 # ---------------------------------------------------------------- one round
@@ -596,71 +633,51 @@ class RoundTrainer:
                    old_logps: dict, num_items: float, max_completion_length: int, ce_coef: float,
                    rl_coef: float = 1.0) -> dict:
         """Forward and backward of one optimizer step's micro-batches on this rank (gradients accumulate in
-        the parameters); return the step's statistics, summed over ranks. The loss is rl_coef times GRPO's
-        plus ce_coef times the reference cross-entropy (rl: ebft's weights; GRPO: 1 and 0)."""
-        cfg = self.cfg
-        step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
-        stats_sum: dict[str, torch.Tensor] = {}  # float64 sums on the device, read once after the step
-
-        def add(key: str, value: torch.Tensor) -> None:
-            stats_sum[key] = stats_sum[key] + value.double() if key in stats_sum else value.double()
-
-        epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        the parameters); return the step's statistics, summed over ranks. Per micro-batch: log-probs of the policy
+        (and the reference), pi_old, the loss's inputs with their corrections (`loss_inputs`), `grpo_loss`. The loss
+        is rl_coef times GRPO's plus ce_coef times the reference cross-entropy (rl: ebft's weights; GRPO: 1 and 0)."""
+        settings = loss_config(self.cfg, max_completion_length)
+        sums, sequences = StepSums(), 0
         mine, passes = self.rank_share(live)
         for slot in range(passes):
-            filler = slot >= len(mine)
-            rows_mb = live[0][:1] if filler else mine[slot]
-            batch = self.collated(rows_mb, plan.masked_out, None if plan.pi_old_is_step or filler else old_logps)
-            mask = batch["completion_mask"].float() * batch["keep"].unsqueeze(1)
-            sampling_logps = batch["old_per_token_logps"]
+            if slot >= len(mine):
+                self._filler_pass(live[0][:1], plan.masked_out)
+                continue
+            rows = mine[slot]
+            batch = self.collated(rows, plan.masked_out, None if plan.pi_old_is_step else old_logps)
             logps, entropy = self.forward_logps(self.model, batch)
             ref_logps = self.reference_logps(batch)
-            if filler:  # the passes (weight gathers, gradient reduce-scatter) every rank joins, adding nothing
-                (logps.sum() * 0.0).backward()
-                continue
             old = logps.detach() if plan.pi_old_is_step else batch["old_logps"]
-            is_weights = keep_mask = None
-            if cfg.vllm_importance_sampling_correction:
-                is_weights = sampling_correction(old, sampling_logps, mask, cfg.vllm_importance_sampling_mode,
-                                                 cfg.vllm_importance_sampling_cap)
-                _track_is(stats_sum, is_weights, mask)
-            if cfg.off_policy_mask_threshold is not None:
-                keep_mask = off_policy_mask(batch["advantages"], logps, sampling_logps, mask,
-                                            cfg.off_policy_mask_threshold)
-            dropped = torch.zeros(len(rows_mb), dtype=torch.bool, device=mask.device)
-            if is_weights is not None:
-                dropped |= ((is_weights.expand_as(mask) == 0) & (mask > 0)).any(-1)
-            if keep_mask is not None:
-                dropped |= keep_mask.squeeze(-1) == 0
-            add("dropped", dropped.sum())
-            loss, stats = grpo_loss(
-                logps, old, ref_logps, batch["advantages"], mask,
-                loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=epsilon_high, beta=cfg.beta,
-                max_completion_length=max_completion_length, num_items_in_batch=num_items,
-                gradient_accumulation_steps=len(micro_batches), use_bias_correction_kl=cfg.use_bias_correction_kl,
-                importance_sampling_level=cfg.importance_sampling_level, is_weights=is_weights,
-                off_policy_keep=keep_mask, stats_as_tensors=True,
-            )
-            if rl_coef != 1.0:
-                loss = rl_coef * loss
-            if ce_coef:
+            inputs = loss_inputs(self.cfg, batch, logps, old, ref_logps, num_items, len(micro_batches))
+            out = grpo_loss(inputs, settings)
+            loss = out.loss if rl_coef == 1.0 else rl_coef * out.loss
+            if ce_coef:  # rl: ebft's term, divided like the loss by the step's micro-batches
                 with self.placement.autocast(self.devices):
-                    ce = reference_cross_entropy(self.model, rows_mb, self.tokenizer.pad_token_id)
-                add("ce_loss", ce.detach() / len(micro_batches))
+                    ce = reference_cross_entropy(self.model, rows, self.tokenizer.pad_token_id)
+                sums.add("ce_loss", ce.detach() / len(micro_batches))
                 loss = loss + ce_coef * ce / len(micro_batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
-            add("loss", loss.detach())
-            for key in ("kl", "clip_ratio", "mean_ratio"):
-                add(key, stats[key].double() * stats["tokens"].double())
-            add("entropy", (entropy * mask).sum())
-            add("tokens", stats["tokens"])
-            step_stats["sequences"] = step_stats.get("sequences", 0.0) + len(rows_mb)
-        step_stats.update(read_back(stats_sum))  # the step's one read back from the device
+            sums.add_micro_batch(loss, out.metrics, entropy, inputs.mask)
+            sequences += len(rows)
+        return self._step_stats(sums, sequences, bool(ce_coef))
+
+    def _filler_pass(self, rows: list[dict], masked_out: set[str]) -> None:
+        """fsdp, a rank short of a step's micro-batches: the forward passes (policy, reference) and a backward of
+        0 on one row, so that it joins every weight gather and gradient reduce-scatter, adding nothing."""
+        batch = self.collated(rows, masked_out)
+        logps, _ = self.forward_logps(self.model, batch)
+        self.reference_logps(batch)
+        (logps.sum() * 0.0).backward()
+
+    def _step_stats(self, sums: StepSums, sequences: int, tracks_ce: bool) -> dict:
+        """The step's statistics as floats (one read back), summed over ranks; the gradients summed over ranks."""
+        step_stats = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "mean_ratio": 0.0, "entropy": 0.0, "tokens": 0.0,
+                      "sequences": float(sequences), **sums.read_back()}
         if self.group is not None:
             if not self.sharded:  # FSDP summed them in each backward (reduce-scatter)
                 self.group.sum_gradients(self.params)
-            step_stats = _sum_step_stats(self.group, step_stats, cfg.vllm_importance_sampling_correction,
-                                         bool(ce_coef))
+            step_stats = _sum_step_stats(self.group, step_stats, self.cfg.vllm_importance_sampling_correction,
+                                         tracks_ce)
         return step_stats
 
     def step(self, learning_rate: float, position: int) -> float:
@@ -844,20 +861,35 @@ def reference_cross_entropy(model, rows: list[dict], pad_token_id: int) -> torch
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _track_is(stats_sum: dict, weights: torch.Tensor, mask: torch.Tensor) -> None:
-    """Accumulate the correction ratio's sum over tokens and its max (float64 tensors on the device)."""
-    per_token = weights.expand_as(mask)
-    total, top = (per_token * mask).sum().double(), (per_token * mask).max().double()
-    stats_sum["is_sum"] = stats_sum["is_sum"] + total if "is_sum" in stats_sum else total
-    stats_sum["is_max"] = torch.maximum(stats_sum["is_max"], top) if "is_max" in stats_sum else top.clamp(min=0.0)
+class StepSums:
+    """A step's statistics summed over its micro-batches as float64 tensors on the device (is_max: their max),
+    read back once after the step (one host sync per step, not per micro-batch)."""
 
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
 
-def read_back(stats_sum: dict) -> dict[str, float]:
-    """A step's device-side sums as Python floats, in one transfer (one host sync per step, not per pass)."""
-    if not stats_sum:
-        return {}
-    values = torch.stack(list(stats_sum.values())).tolist()
-    return dict(zip(stats_sum, values))
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.values[key] = self.values[key] + value.double() if key in self.values else value.double()
+
+    def add_micro_batch(self, loss: torch.Tensor, metrics: dict, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        """A micro-batch's loss and `grpo_loss` metrics, its token means turned into sums over its tokens."""
+        self.add("loss", loss.detach())
+        for key in ("kl", "clip_ratio", "mean_ratio"):
+            self.add(key, metrics[key].double() * metrics["tokens"].double())
+        self.add("entropy", (entropy * mask).sum())
+        self.add("tokens", metrics["tokens"])
+        self.add("dropped", metrics["dropped"])
+        if "is_sum" in metrics:
+            self.add("is_sum", metrics["is_sum"])
+            top = metrics["is_max"]
+            self.values["is_max"] = (torch.maximum(self.values["is_max"], top) if "is_max" in self.values
+                                     else top.clamp(min=0.0))
+
+    def read_back(self) -> dict[str, float]:
+        """The sums as Python floats, in one transfer."""
+        if not self.values:
+            return {}
+        return dict(zip(self.values, torch.stack(list(self.values.values())).tolist()))
 
 
 _SUMMED_STATS = ("loss", "kl", "clip_ratio", "mean_ratio", "entropy", "tokens", "sequences", "dropped", "is_sum")

@@ -35,12 +35,20 @@ class SFTConfig(BaseModel):
     completion_field: str = "teacher_completion"
     """Column of the prompts table with the assistant's target text."""
     num_train_epochs: float = Field(3.0, gt=0)
+    """Passes over the demonstrations (fractions allowed, as in TRL's SFTConfig)."""
     learning_rate: float = Field(3e-3, gt=0)
+    """Peak learning rate of the cosine schedule (AdamW). The default suits the small built model; a
+    pretrained one wants ~1e-5 to 1e-4."""
     micro_batch_size: int = Field(32, ge=1)
+    """Demonstrations per forward/backward pass (TRL's per_device_train_batch_size). Higher: faster, more memory."""
     gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step: the effective batch is micro_batch_size times this (times processes)."""
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    """Share of the optimizer steps the learning rate warms up over, linearly from 0."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     seed: int = 0
+    """Seed of the data order (and of dropout, where the model has any)."""
     save_steps: int | None = not_in_key(100, ge=1)
     """Optimizer steps between checkpoints a rerun resumes from (TRL/HF `save_steps`; stages/runtime/checkpoints.py);
     null: none. Not part of the stage's key: it changes when the weights are saved, not what they are."""
