@@ -140,16 +140,10 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
     }
 
 
-def verifier_key(cfg: EvalConfig, scoring) -> dict:
-    """What of the run's ScoreConfig changes the eval's verdicts, for its key: the remote verifiers it calls,
-    the value a failed call counts as, and the failure share that stops it (the functions' code is keyed by
-    digest beside it)."""
-    from stages.runtime.keys import key_fields
-    from stages.scoring.rewards.remote import REMOTE_PREFIX
-
-    used = {name[len(REMOTE_PREFIX):] for name in cfg.reward_funcs or () if name.startswith(REMOTE_PREFIX)}
-    return {"remote_verifiers": {name: key_fields(v) for name, v in scoring.remote_verifiers.items() if name in used},
-            "reward_on_error": scoring.reward_on_error, "max_error_rate": scoring.max_error_rate}
+SCORING_FIELDS = ("remote_verifiers", "reward_on_error", "max_error_rate")
+"""The fields of the run's ScoreConfig (`run`'s `scoring`) that change the eval's verdicts, for its key: the remote
+verifiers it may call, the value a failed call counts as, the failure share that stops it. The rest say where and
+how fast the verifier runs (workers, timeout); the functions' code is keyed by digest with `reward_funcs`."""
 
 
 def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path: Path, out_dir: Path,
