@@ -218,10 +218,9 @@ class RoundLog:
         counts = {k.removeprefix("score/errors/"): v for k, v in summary.items()
                   if k.startswith("score/errors/") and v}
         if counts:
-            failed = ", ".join(f"{name} on {count}" for name, count in counts.items())
-            self.ctx.reporter.warn(f"score r{r}: reward functions failed on some samples ({failed} of "
-                                   f"{summary.get('score/samples', '?')}), which got score.reward_on_error; "
-                                   f"tracebacks: {scored.path / ERROR_LOG}")
+            failed = ", ".join(f"{name} failed on {count}" for name, count in counts.items())
+            self.ctx.reporter.warn(f"score r{r}: {failed} of {summary.get('score/samples', '?')} samples, which got "
+                                   f"score.reward_on_error; tracebacks: {scored.path / ERROR_LOG}")
 
     def publish(self) -> None:
         """Metrics and sample completions of the rounds not logged yet, in one request each."""

@@ -475,6 +475,24 @@ def test_a_reward_failing_on_more_than_max_error_rate_stops_the_round_with_one_l
     assert metrics["score/errors"] == 1 and metrics["score/errors/raises_on_done"] == 1
 
 
+def test_a_round_with_some_failed_samples_is_one_warning_in_the_run_summary(tmp_path):
+    """Issue 44: summary.json said `warnings: []` for a run whose reward function failed on its samples. A round
+    under score.max_error_rate is one warning (console and summary.json's `warnings`) naming the log file."""
+    from types import SimpleNamespace
+
+    from flows.rounds import RoundLog
+    from tasks.reporting import Reporter
+
+    reporter = Reporter(tmp_path, quiet=True)
+    round_log = RoundLog(SimpleNamespace(reporter=reporter), "parent-run", [])
+    folder = tmp_path / "score" / "abc"
+    for summary in ({"score/samples": 256, "score/errors": 0}, {"score/samples": 256, "score/errors": 3,
+                                                                 "score/errors/check": 3, "score/errors/format": 0}):
+        round_log.warn_reward_errors(4, SimpleNamespace(manifest={"summary": summary}, path=folder))
+    assert reporter.warnings == [f"score r4: check failed on 3 of 256 samples, which got score.reward_on_error; "
+                                 f"tracebacks: {folder / 'reward_errors.log'}"]
+
+
 @pytest.mark.timeout(60)
 def test_hanging_reward_is_killed_and_replaced(rollouts_path, out_dir, user_rewards, caplog):
     caplog.set_level(logging.WARNING, logger="stages.scoring.reward_workers")
