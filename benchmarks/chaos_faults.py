@@ -663,8 +663,9 @@ def probe_reward_memory(p: Probe, warm: Warm) -> None:
         "    for i in range(0, 3 << 29, 4096):  # 1.5 GB of it touched\n"
         "        block[i] = 1\n"
         "    return [1.0 for c in completions]\n")
-    config = p.config({"score": {"reward_funcs": ["format", "hog_rewards.hog"], "reward_memory_mb": 2048},
-                       "grpo": {"rounds": 1}})
+    # every sample breaches the cap: past score.max_error_rate (issue 44) that stops the run, so it is lifted here
+    config = p.config({"score": {"reward_funcs": ["format", "hog_rewards.hog"], "reward_memory_mb": 2048,
+                                 "max_error_rate": 1.0}, "grpo": {"rounds": 1}})
     ran = p.posttrain(run_args(config), "run")
     p.completes_row("run goes on", ran)
     import pyarrow.parquet as pq
