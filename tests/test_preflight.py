@@ -97,7 +97,17 @@ def test_new_user_config_validates_fails_fast_when_broken_and_runs(new_user, pre
     stages = {row["stage"] for row in results["stages"]}
     assert "sft" not in stages and {"score r0", "score r1"} <= stages
     run = Lineage(new_user.parent.parent / "artifacts", "own-data").client.get_run(results["mlflow_run_id"])
-    assert str(new_user.parent) in json.loads(run.data.tags["posttrain.code_dirs"])  # what a resume adds again
+    assert str(new_user.parent) in json.loads(run.data.tags["posttrain.code_dirs"])
+
+    # a resume reads the run's saved config (artifacts/runs/<run>/), not the user's: the module's folder comes
+    # from the run's tag (here every stage is cached, and the checks import the module again)
+    sys.path.remove(str(new_user.parent))
+    del sys.modules["own_rewards"]
+    saved = new_user.parent.parent / "artifacts" / "runs" / results["run_name"] / "config.yaml"
+    again = posttrain_pipeline(str(saved), quiet=True, resume=results["mlflow_run_id"])
+    assert str(new_user.parent) in sys.path and sys.modules["own_rewards"].__file__ == str(new_user.parent /
+                                                                                            "own_rewards.py")
+    assert again["final_accuracy"] == results["final_accuracy"]
 
 
 def test_sft_runs_only_where_the_config_asks(tmp_path):
