@@ -33,7 +33,7 @@ run: $(STAMP)
 # that run several torch processes at once (reward workers, vLLM, a second run) do not starve each other.
 # $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
 test: $(STAMP) $(SMOLLM2)
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q --durations=25
 
 # Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.

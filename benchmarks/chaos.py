@@ -6,6 +6,7 @@ that nothing is corrupted and the result equals an uninterrupted run's (issue 13
   nice -n 10 .venv/bin/python benchmarks/chaos.py --config configs/dpo.yaml
   nice -n 10 .venv/bin/python benchmarks/chaos.py --sweep [--sweep-after 0 2]
   nice -n 10 .venv/bin/python benchmarks/chaos.py --data-add [--data-kills 10] [--data-rows 50000]
+  nice -n 10 .venv/bin/python benchmarks/chaos.py --faults [--probe NAME ...] [--list-probes]
 
 Pipeline mode, in artifacts folders under --work:
 1. reference/: `posttrain run CONFIG` to completion (uninterrupted wall), then again (cached rerun wall);
@@ -30,6 +31,11 @@ the first long stage; this puts a kill into every stage the config has, with the
 Data mode: `posttrain data add` of a new file, killed --data-kills times at moments drawn uniformly within one
 add's duration and once as soon as its temp folder appears; then every registered version's files and sha256
 are valid, each file can be added again and `data list` shows its version exactly once.
+
+Faults mode (benchmarks/chaos_faults.py): issue 42's probes as a new user or a faulty machine would run them
+(bad rewards, damaged cache files, bad data rows, a disk that fills, overlong prompts, the reward server's
+limits, SIGINT/SIGTERM, a library on PYTHONPATH, a reward's memory, bad configs), each on the tiny test config:
+exit code, a one-line message naming what is wrong, no traceback, and a rerun that nothing cached trips.
 """
 
 from __future__ import annotations
@@ -430,15 +436,27 @@ def main() -> None:
     parser.add_argument("--data-add", action="store_true", help="kill `posttrain data add` instead of a run")
     parser.add_argument("--data-kills", type=int, default=10)
     parser.add_argument("--data-rows", type=int, default=50000, help="rows per data file (50000: ~3.5 MB)")
+    parser.add_argument("--faults", action="store_true", help="issue 42's fault probes (benchmarks/chaos_faults.py)")
+    parser.add_argument("--probe", action="append", default=[], metavar="NAME",
+                        help="--faults: only this probe (repeatable; --list-probes names them)")
+    parser.add_argument("--list-probes", action="store_true", help="name the --faults probes and exit")
     parser.add_argument("--work", type=Path, default=None, help="folder for the artifacts folders and logs (kept)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON summary here")
     args = parser.parse_args()
+    if args.faults or args.list_probes:
+        import chaos_faults
+
+        if args.list_probes:
+            return chaos_faults.list_probes()
     work = (args.work or Path(tempfile.mkdtemp(prefix="posttrain-chaos-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    summary = data_mode(args, work) if args.data_add else pipeline_mode(args, work)
+    if args.faults:
+        summary = chaos_faults.faults_mode(args, work)
+    else:
+        summary = data_mode(args, work) if args.data_add else pipeline_mode(args, work)
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2, default=str))
-    print_table(summary)
+    (chaos_faults.print_faults_table if args.faults else print_table)(summary)
     print(f"details: {args.out or work}")
 
 

@@ -53,8 +53,8 @@ def _chain(node: ast.AST) -> list[str] | None:
 
 
 def _outside_lambdas(fn: ast.AST):
-    """The nodes of `fn`, less those inside a lambda: a task's lambda is the stage call it hands to
-    `materialize`, run only on a cache miss; what the key holds is computed outside it."""
+    """The nodes of `fn`, less those inside a lambda: a task's lambda says how its call runs (materialize's
+    runner); what the key holds is the task's `Call` and its arguments (tasks/calls.py)."""
     pending = [fn]
     while pending:
         node = pending.pop()
@@ -67,7 +67,8 @@ def _function_reads(fn: ast.FunctionDef) -> tuple[set[tuple], set[str], set[str]
     in its `f(ctx, "<stage>", ...)` calls}), lambdas left out. An attribute is None when the whole section is
     read (passed on, dumped, keyed). A local name bound to `ctx.config` stands for it; one bound to
     `ctx.config.<section>` stands for the section where it is read whole, or where a field of it is handed to
-    `key_fields` (its other field reads say how or where the stage runs, e.g. `cfg.worker_cpus`)."""
+    `key_fields` (its other field reads say how or where the stage runs, e.g. `cfg.worker_cpus`). A section
+    handed over as `Config(section, only=...)` is read for those fields only (`only`'s own read)."""
     nodes = list(_outside_lambdas(fn))
     aliases = {}  # local name -> the chain it stands for
     for node in nodes:
@@ -78,6 +79,9 @@ def _function_reads(fn: ast.FunctionDef) -> tuple[set[tuple], set[str], set[str]
     keyed_args = {id(arg) for node in nodes if isinstance(node, ast.Call)
                   and (_chain(node.func) or [""])[-1] == "key_fields" for arg in node.args}
     inner = {id(n.value) for n in nodes if isinstance(n, ast.Attribute)}
+    inner |= {id(node.args[0]) for node in nodes  # Config(section, only=...): read for `only`'s fields
+              if isinstance(node, ast.Call) and node.args and (_chain(node.func) or [""])[-1] == "Config"
+              and any(k.arg == "only" for k in node.keywords)}
     reads, calls, stage_names = set(), set(), set()
     for node in nodes:
         if isinstance(node, ast.Call):
@@ -232,8 +236,8 @@ class KeyIndex:
         self.devices = devices
         probe = devices.DeviceConfig(precision="bf16")
         self.device_key_fields = set(devices.key_fields(probe))  # what of a train: section a key holds
-        self.device_keyed_by = sorted(stage for stage, (_, calls) in self.reads.items()
-                                      if "devices.key_fields" in calls)
+        self.device_keyed_by = sorted(stage for stage, (_, calls) in self.reads.items()  # a call's placement
+                                      if {"devices.key_fields", "placement"} & calls)  # is keyed by key_fields
         self.methods = {}  # (section, method) -> the fields it returns (e.g. ebft.block_fields())
 
     def _fields_of(self, section: str, attribute: str) -> set[str] | None:
@@ -243,6 +247,8 @@ class KeyIndex:
         if attribute in model.model_fields:
             return {attribute}
         method = getattr(model, attribute, None)
+        if isinstance(method, tuple) and set(method) <= set(model.model_fields):  # e.g. EBFTConfig.BLOCK_FIELDS
+            return set(method)
         if callable(method):
             try:
                 value = method(model())

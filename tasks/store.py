@@ -2,9 +2,9 @@
 
 `artifacts/<stage>/<key>/`, key = content hash of (stage name, stage code version,
 canonical JSON of the stage's config section, input artifact keys). The code version hashes the
-stage module and the project modules it imports (`code_version`); the tasks add digests of the
-user code and of the files a section names by path to the section (`path_digest`). A folder is written
-in a temp folder beside it, `_manifest.json` last, then renamed into place; a folder
+stage module and the project modules it imports (`code_version`); the section is the key of the stage's call
+(tasks/calls.py), which holds digests of the user code and of the files it reads by path (`path_digest`). A
+folder is written in a temp folder beside it, `_manifest.json` last, then renamed into place; a folder
 without a valid manifest does not exist and is recomputed.
 
 Two runs sharing an artifacts folder compute each key once: `write` holds an exclusive lock

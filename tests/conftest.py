@@ -182,8 +182,7 @@ def key_of(monkeypatch, tmp_path):
     from tasks.store import ArtifactStore
 
     monkeypatch.setattr(stage_tasks, "materialize",
-                        lambda ctx, stage, module, section, inputs, produce, label=None, **_:
-                        stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+                        lambda ctx, stage, call, **_: stage_tasks.artifact_key(ctx.store, stage, call))
 
     def key_of(task, config: dict, *args):
         ctx = stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),

@@ -181,6 +181,40 @@ def test_a_rollout_key_has_only_the_vllm_options_its_engine_gets(key_of, tmp_pat
     assert key("vllm", server_url="http://elsewhere:8000", server_adapter_root="/srv") == key("vllm")
     assert key("vllm_server", dtype="bfloat16", enforce_eager=False) == key("vllm_server")  # the server's own
     assert key("vllm_server", server_adapter_root="/srv") != key("vllm_server")
+    # the stage's prompt-length check reads max_model_len wherever a vLLM engine runs (a server's included)
+    assert key("vllm_server", max_model_len=64) != key("vllm_server")
+    assert key("transformers", max_model_len=64) == key("transformers")
+
+
+def _stage(cfg, data_path, out_dir, scale: float = 1.0, on_progress=None) -> dict:
+    """A stand-in stage function for the Call tests."""
+    return {}
+
+
+def test_a_call_keys_every_argument_it_passes(tmp_path):
+    """The key of a Call is derived from its arguments: every one is in it unless it is at the function's default
+    or of a kind that says where or when (out_dir, progress); an argument without a key (a bare path) or an
+    artifact the call does not name among its inputs is refused."""
+    from stages.scoring.score import ScoreConfig
+    from tasks.calls import OUT_DIR, Call, InputFile, Progress
+
+    data = artifact("rollout", tmp_path)
+
+    def key(**arguments) -> dict:
+        return Call(_stage, {"data": data}, **{"cfg": ScoreConfig(), "data_path": InputFile(data, "x.parquet"),
+                                               "out_dir": OUT_DIR, **arguments}).key()
+
+    plain = key()
+    assert set(plain) == {"cfg", "data_path"} and plain["data_path"] == ["rollout/rollout-key", "x.parquet"]
+    assert key(scale=1.0, on_progress=Progress(print)) == plain  # the default; a progress callback
+    assert key(scale=0.5)["scale"] == 0.5
+    assert key(cfg=ScoreConfig(backend="ray")) == plain  # score.backend is declared not_in_key
+    with pytest.raises(TypeError, match="argument data_path: a PosixPath has no key"):
+        key(data_path=tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match=r"reads \['sft/sft-key'\]"):
+        key(data_path=InputFile(artifact("sft", tmp_path), "x.parquet"))
+    with pytest.raises(TypeError):
+        Call(_stage, {}, cfg=ScoreConfig(), out_dir=OUT_DIR)  # data_path missing: refused before any key
 
 
 def test_code_version_follows_the_modules_a_stage_imports(tmp_path, monkeypatch):

@@ -216,8 +216,8 @@ def test_keys_cover_the_feature_model_and_the_ebft_options(monkeypatch, tmp_path
     from tasks import stage_tasks
     from tasks.store import ArtifactStore
 
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
-                        **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, call, **_:
+                        stage_tasks.artifact_key(ctx.store, stage, call))
 
     def context(config: dict):
         return stage_tasks.RunContext(PipelineConfig.model_validate(config), ArtifactStore(tmp_path / "artifacts"),

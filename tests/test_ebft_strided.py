@@ -239,8 +239,8 @@ def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
     from tasks import stage_tasks
     from tasks.store import ArtifactStore
 
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, label=None,
-                        **_: stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, call, **_:
+                        stage_tasks.artifact_key(ctx.store, stage, call))
 
     def context(ebft_options: dict):
         config = {"rl": "ebft", "ebft": {"mode": "strided", **ebft_options}}

@@ -139,7 +139,7 @@ def test_a_hub_id_runs_through_the_base_model_task(hub_cache, tmp_path, monkeypa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     artifact = base_model_stage(tmp_path, monkeypatch, {"path": "org/tiny"})
-    assert artifact.manifest["config"]["commit"] == COMMITS[0]
+    assert artifact.manifest["config"]["source"]["commit"] == COMMITS[0]  # the key holds the commit
     tokenizer = AutoTokenizer.from_pretrained(artifact.path)
     assert tokenizer.chat_template == CHAT_TEMPLATE and tokenizer.eos_token == "<|im_end|>"
     assert AutoModelForCausalLM.from_pretrained(artifact.path).config.model_type == "qwen2"

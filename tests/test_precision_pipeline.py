@@ -25,11 +25,16 @@ def _manifests(root: Path, stage: str) -> list[dict]:
             if (folder / MANIFEST).exists()]
 
 
+def _keyed_precision(config: dict) -> str | None:
+    """The precision a stage's key (its manifest's config) holds: its placement's, a rollout's engine settings'."""
+    return (config.get("devices") or config.get("engine_settings", {}).get("devices") or {}).get("precision")
+
+
 def _check_bf16_run(root: Path, summary: dict, device_type: str) -> None:
     for stage in RUNS_A_MODEL:
         manifests = _manifests(root, stage)
         assert manifests, stage
-        assert all(m["config"].get("precision") == "bf16" for m in manifests), stage
+        assert all(_keyed_precision(m["config"]) == "bf16" for m in manifests), stage
     for stage in ("sft", "reward_model", "optimize"):
         for manifest in _manifests(root, stage):
             assert manifest["summary"]["precision"] == "bf16", stage

@@ -65,7 +65,7 @@ def test_smollm2_gguf_through_grpo_rounds_on_vllm_then_export(prefect_harness, t
     from stages.training.logprobs import completion_logps
 
     round0_adapter = next(p.parent for p in (root / "optimize").glob("*/adapter_model.safetensors")
-                          if json.loads((p.parent / "_manifest.json").read_text())["config"]["round"] == 0)
+                          if json.loads((p.parent / "_manifest.json").read_text())["config"]["round_index"] == 0)
     policy, _ = load_policy(base, round0_adapter, merge=False)
     assert {r["policy_version"] for r in by_round[1]} == {1}
     with torch.no_grad():

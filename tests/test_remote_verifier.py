@@ -371,8 +371,8 @@ def test_score_key_has_the_verifier_url_and_version_not_code(monkeypatch, tmp_pa
     from tasks.store import Artifact, ArtifactStore
 
     sections = []
-    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, module, section, inputs, produce, **_:
-                        sections.append(section) or stage_tasks.artifact_key(ctx.store, stage, module, section, inputs))
+    monkeypatch.setattr(stage_tasks, "materialize", lambda ctx, stage, call, **_:
+                        sections.append(call.key()) or stage_tasks.artifact_key(ctx.store, stage, call))
 
     def key(**verifier):
         config = {"score": {"reward_funcs": ["remote:math"], "remote_verifiers": {"math": verifier}}}
@@ -380,7 +380,7 @@ def test_score_key_has_the_verifier_url_and_version_not_code(monkeypatch, tmp_pa
         return stage_tasks.score_task.fn(ctx, Artifact("rollout", "k", tmp_path, {}), 0)
 
     base = key(url="http://a:1")
-    assert "user_code" not in sections[-1]
+    assert sections[-1]["cfg"]["user_code"] == []
     assert key(url="http://a:1") == base
     assert key(url="http://b:1") != base
     assert key(url="http://a:1", version="v2") != base

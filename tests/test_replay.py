@@ -180,7 +180,7 @@ def _round_artifacts(root: Path) -> dict[int, dict[str, str]]:
             ref = manifest(ref)["inputs"]["scored"]
         found["score"] = ref.split("/")[1]
         found["rollout"] = manifest(ref)["inputs"]["rollouts"].split("/")[1]
-        rounds[m["config"]["round"]] = found
+        rounds[m["config"]["round_index"]] = found
     return rounds
 
 

@@ -1,7 +1,7 @@
-"""The base policy as a transformers folder: built offline (a BPE tokenizer trained locally and a randomly
-initialised Qwen2 model from a transformers config), or read from `model.path`: a hub id, a local folder
-or a .gguf file (stages/data/model_source.py), which is saved again here as plain safetensors + tokenizer, so a
-GGUF is dequantized once and every stage and vLLM loads an ordinary folder.
+"""The base policy as a transformers folder: built offline (a BPE tokenizer trained locally, `build`: on a prompts
+table's texts, and a randomly initialised Qwen2 model from a transformers config), or read from `model.path`: a
+hub id, a local folder or a .gguf file (stages/data/model_source.py), which is saved again here as plain
+safetensors + tokenizer, so a GGUF is dequantized once and every stage and vLLM loads an ordinary folder.
 
 head_dim = hidden_size / num_attention_heads is kept >= 64 so vLLM can load a built model.
 """
@@ -182,3 +182,22 @@ def run(cfg: BaseModelConfig, texts: list[str], out_dir: Path, source: ModelSour
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return {"num_parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}
+
+
+def prompt_texts(prompts_path: Path, completion_field: str) -> list[str]:
+    """The texts of a prompts table a tokenizer is trained on: a chat row in ChatML with its completion
+    (`completion_field`, else `answer`), a raw document (a row without a prompt) as it is."""
+    import pyarrow.parquet as pq
+
+    return [
+        "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["prompt"])
+        + f"<|im_start|>assistant\n{row.get(completion_field) or row['answer']}<|im_end|>\n"
+        if row["prompt"] else str(row.get(completion_field) or row.get("text") or "")
+        for row in pq.read_table(prompts_path).to_pylist()
+    ]
+
+
+def build(cfg: BaseModelConfig, prompts_path: Path, completion_field: str, out_dir: Path) -> dict:
+    """`run` for a model built here (no cfg.path): its tokenizer trained on the prompts table's texts
+    (`prompt_texts`)."""
+    return run(cfg, prompt_texts(prompts_path, completion_field), out_dir)
