@@ -5,6 +5,7 @@ user modules beside the config are found, and your own data runs without SFT unl
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -32,6 +33,8 @@ def new_user(tmp_path, monkeypatch):
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folders a config adds are this test's only
+    monkeypatch.delitem(sys.modules, "own_rewards", raising=False)
     task = tmp_path / "task"
     task.mkdir()
     rows = [{"question": f"What is {i} + {i % 7}?", "answer": str(i + i % 7)} for i in range(60)]
@@ -76,8 +79,6 @@ def test_new_user_config_validates_fails_fast_when_broken_and_runs(new_user, pre
     """The scripted new user: validate passes (SFT off, said so), `posttrain run` with a bad reward module stops in
     seconds with exit 2 before any stage, and the fixed config runs to the end with its reward module found beside
     the config (in the flow process and in the spawned reward workers), no PYTHONPATH."""
-    import sys
-
     from flows.pipeline import posttrain_pipeline
     from tasks.lineage import Lineage
 
@@ -131,6 +132,8 @@ def test_init_writes_a_task_that_validates_and_runs(tmp_path, monkeypatch, prefe
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)
     assert main(["init", "my-task"]) == 0
     assert len((tmp_path / "my-task" / "data.jsonl").read_text().splitlines()) == 5
     assert main(["init", "my-task"]) == 2  # never overwrites
