@@ -1,7 +1,8 @@
 """`posttrain` command line.
 
+  posttrain init FOLDER                          a new task that runs as it is: config, five rows, reward module
   posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
-  posttrain validate CONFIG [KEY.PATH=VALUE ...]  check a config and print it resolved
+  posttrain validate CONFIG [KEY.PATH=VALUE ...]  print a config resolved and check what a run would trip on
   posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
   posttrain serve-rewards CONFIG [--host H] [--port N]  serve a config's reward functions at /verify
   posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
@@ -63,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
-    from flows import resume, retrain, serve_rewards, server, verify
+    from flows import init, resume, retrain, serve_rewards, server, verify
+
+    p = init.add_arguments(sub.add_parser("init", help="write a new task that runs as it is: a config, five rows of "
+                                                       "data and a reward function (flows/init.py)"))
+    p.set_defaults(handler=init.init_command, extras_into=None)
 
     p = serve_rewards.add_arguments(sub.add_parser(
         "serve-rewards", help="serve the config's score.reward_funcs as an HTTP verification service (NeMo Gym "
@@ -104,14 +109,27 @@ def pipeline_command(args) -> int:
     """run / validate / serve-vllm: load the config, then act on it."""
     from flows.config import ConfigError, load_config
 
+    from flows import preflight
+
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2
-    if args.command == "validate":
+    if args.command == "validate":  # the resolved config, then what a run would trip on (flows/preflight.py)
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
+        report = preflight.inspect_config(cfg, args.config)
+        for note in report.notes:
+            print(f"note: {note}", file=sys.stderr)
+        for problem in report.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2 if report.problems else 0
+    if args.command == "run":  # seconds, before the Prefect server starts: exit 2 naming each problem
+        try:
+            preflight.check(cfg, args.config)
+        except preflight.PreflightError as e:
+            print("\n".join(f"error: {line}" for line in e.problems), file=sys.stderr)
+            return 2
 
     from tasks.store import StorageError, check_writable
 

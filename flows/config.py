@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from stages.data.base_model import BaseModelConfig
-from stages.data.demo_data import DemoDataConfig
+from stages.data.demo_data import SPLITS as DEMO_SPLITS, DemoDataConfig
 from stages.data.demo_pairs import DemoPairsConfig
 from stages.data.preferences import PreferenceConfig
 from stages.data.transform import TransformConfig
@@ -180,6 +180,21 @@ class PipelineConfig(BaseModel):
             if not math.isfinite(value):
                 raise PydanticCustomError("not_finite", "{key}: got {value}; expected a finite number",
                                           {"key": key, "value": str(value)})
+        return self
+
+    @model_validator(mode="after")
+    def _sft_runs_where_asked(self):
+        """sft.enabled unset: true where the prompts will have the split sft.split to warm-start on (the demo task
+        makes one; so may a transform.paths entry of that name), false otherwise: your own data goes straight to the
+        method (DESIGN.md, "a config trains what it names"). rl: reward_model trains no policy (its own check)."""
+        if self.sft.enabled is None and self.rl != "reward_model":
+            if self.transform.datasets:
+                asked = False
+            elif self.transform.paths:
+                asked = self.sft.split in self.transform.paths
+            else:
+                asked = self.sft.split in DEMO_SPLITS
+            self.sft = self.sft.model_copy(update={"enabled": asked})
         return self
 
     @model_validator(mode="before")
@@ -575,8 +590,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def code_dirs(config_path: str | Path) -> list[str]:
+    """Where `module.fn` user code of a config is found besides sys.path: the config's own folder and the
+    working folder (axolotl's `file.fn`), absolute. A resumed run records the first run's (flows/run.py)."""
+    return [str(Path(config_path).resolve().parent), str(Path.cwd())]
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read YAML, apply overrides, validate. Raises ConfigError naming file and key path."""
+    """Read YAML, apply overrides, validate. Raises ConfigError naming file and key path. The config's folder
+    and the working folder become importable (`code_dirs`): a reward module beside the config is found."""
     path = Path(path)
     try:
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
@@ -592,6 +614,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     for override in overrides or []:
         apply_override(data, override)
     source = str(path) + (" (with overrides)" if overrides else "")
+    from stages.runtime.imports import add_code_dirs
+
+    add_code_dirs(code_dirs(path))
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

@@ -13,10 +13,12 @@ from pathlib import Path
 import yaml
 from prefect.runtime import flow_run
 
-from flows.config import ConfigError, PipelineConfig, config_differences, load_config
+from flows import preflight
+from flows.config import ConfigError, PipelineConfig, code_dirs, config_differences, load_config
 from tasks.lineage import Lineage, git_commit, process_alive
 from tasks.reporting import Reporter
 from tasks.stage_tasks import RunContext, base_model_task, demo_data_task, sft_task, transform_task
+from stages.runtime.imports import add_code_dirs
 from tasks.store import ArtifactStore
 
 log = logging.getLogger("posttrain")
@@ -24,6 +26,10 @@ log = logging.getLogger("posttrain")
 OPENED: list[tuple[str, Path]] = []
 """(run name, artifacts folder) of each training run this process opened or continued, newest last: the run a
 signal-stopped `posttrain run` or `resume` names in its "resume with" line (flows/launch.py `stopped_message`)."""
+
+CODE_DIRS_TAG = "posttrain.code_dirs"
+"""Parent-run tag: the folders user modules were found in (flows/config.py `code_dirs`), as JSON; a resume, which
+reads the run's saved config from artifacts/runs/<name>/, adds them again."""
 
 
 def normalize_overrides(overrides: list[str] | dict | None) -> list[str]:
@@ -82,8 +88,12 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     flow_run_id = str(flow_run.get_id() or "")
     if purpose == "train" and resume is None:
         resume = lineage.unfinished_run(cfg.hash(), flow_run_id)
+    previous = lineage.client.get_run(resume) if resume else None
+    if previous is not None:  # its user modules are found where the first attempt found them (its config's folder)
+        add_code_dirs(json.loads(previous.data.tags.get(CODE_DIRS_TAG) or "[]"))
+    if purpose == "train":  # before any stage: what the run would trip on (flows/preflight.py); exit 2
+        preflight.check(cfg, config_path)
     if resume:
-        previous = lineage.client.get_run(resume)
         run_name = previous.info.run_name
         run_dir = root / "runs" / run_name
         if purpose == "train":
@@ -122,6 +132,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         "artifact_root": str(root),
         "posttrain.purpose": purpose,
         "posttrain.pid": str(os.getpid()),
+        CODE_DIRS_TAG: json.dumps(code_dirs(config_path)),
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
     if purpose == "train":
@@ -157,6 +168,9 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
         announce(ctx, message, logging.WARNING)
         ctx.lineage.set_tags(parent, {f"transform.dropped_rows.{split}": dropped["rows"]})
     base = base_model_task(ctx, prompts)
+    announce(ctx, f"sft: warm start on split {cfg.sft.split!r} ({cfg.sft.completion_field})" if cfg.sft.enabled else
+             "sft: off, the policy starts from the base model as it is (sft.enabled: true warm-starts it)",
+             logging.INFO)
     champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
     policy = champion or (sft_task(ctx, base, prompts) if cfg.sft.enabled else base)
     prompts = retrain.data_version_prompts(ctx, parent, raw, prompts)  # data.version: its rows are the train split

@@ -118,7 +118,9 @@ def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
     for name in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME"):
         monkeypatch.delenv(name, raising=False)
     data = tmp_path / "train.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1?", "answer": "2"}, {"question": "2+2?"}]))
+    # the bad row after the rows `posttrain validate` tries (flows/preflight.py HEAD_ROWS): the transform stage meets it
+    rows = [{"question": f"{i}+1?", "answer": str(i + 1)} for i in range(40)] + [{"question": "2+2?"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
     config = tmp_path / "bad.yaml"
     config.write_text(f"name: bad-row\nartifacts_dir: {tmp_path / 'artifacts'}\n"
                       f"transform: {{paths: {{train: {data}, eval: {data}}}}}\n")
@@ -127,7 +129,7 @@ def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
                          timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "error: transform: 2 bad row(s)" in out.stderr
-    assert f"{data} (train) row 1: missing or empty field answer" in out.stderr
+    assert f"{data} (train) row 40: missing or empty field answer" in out.stderr
     # no traceback through our code (Prefect's own server may log unrelated ones when the machine is busy)
     assert "stages/data/transform.py" not in out.stderr and "flows/pipeline.py" not in out.stderr
     debug = subprocess.run([posttrain, "run", str(config), "--quiet", "--debug"], capture_output=True, text=True,

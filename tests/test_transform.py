@@ -506,21 +506,26 @@ def test_a_transform_may_return_only_a_prompt(tmp_path, out_dir, user_module):
         evaluate.run(evaluate.EvalConfig(), tmp_path / "no-model", None, out_dir / "train.parquet", tmp_path)
 
 
+def _tiny_model_and_a_long_prompt(root: Path) -> Path:
+    """A tiny model (context 256) under root/model and a train split whose row 3 is ~600 tokens long."""
+    from conftest import tiny_model
+
+    tiny_model(root, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
+    raw = root / "raw.jsonl"
+    _write_jsonl(raw, [{"question": f"say {i}", "answer": str(i)} for i in range(3)]
+                 + [{"question": "say " + "1 2 3 " * 200, "answer": "0"}])
+    transform.run(TransformConfig(), {"train": raw}, root)
+    return root / "train.parquet"
+
+
 def test_a_prompt_longer_than_the_models_context_stops_the_first_round(tmp_path):
     """A prompt that leaves less room than rollout.max_completion_length in the model's context
     (max_position_embeddings) stops round 0, naming the prompts file's row and the lengths, whichever round
     would first draw it; rollout.max_prompt_length (TRL's left truncation) lets the round run."""
-    from conftest import tiny_model
-
     from stages.rollout import rollout
     from stages.rollout.engines import Policy
 
-    tiny_model(tmp_path, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
-    raw = tmp_path / "raw.jsonl"
-    _write_jsonl(raw, [{"question": f"say {i}", "answer": str(i)} for i in range(3)]
-                 + [{"question": "say " + "1 2 3 " * 200, "answer": "0"}])
-    transform.run(TransformConfig(), {"train": raw}, tmp_path)
-    prompts = tmp_path / "train.parquet"
+    prompts = _tiny_model_and_a_long_prompt(tmp_path)
     cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=1, max_completion_length=4, engine="transformers")
 
     with pytest.raises(BadRowError, match=rf"{prompts}: row 3 \(prompt_id train-000003\) has \d{{3,}} prompt "
@@ -540,8 +545,6 @@ def test_under_drop_a_prompt_longer_than_the_models_context_is_left_out_of_every
     row, and the count in the round's summary."""
     import logging
 
-    from conftest import tiny_model
-
     from flows.config import PipelineConfig
     from stages.rollout import rollout
     from stages.rollout.engines import Policy
@@ -551,12 +554,7 @@ def test_under_drop_a_prompt_longer_than_the_models_context_is_left_out_of_every
     assert key_fields(config.rollout)["too_long_prompts"] == key_fields(config.eval)["too_long_prompts"] == "drop"
     assert key_fields(PipelineConfig().rollout)["too_long_prompts"] == "fail"
 
-    tiny_model(tmp_path, ["<|im_start|>user\nsay 1<|im_end|>\n<|im_start|>assistant\n7<|im_end|>"] * 20)
-    raw = tmp_path / "raw.jsonl"
-    _write_jsonl(raw, [{"question": f"say {i}", "answer": str(i)} for i in range(3)]
-                 + [{"question": "say " + "1 2 3 " * 200, "answer": "0"}])
-    transform.run(TransformConfig(), {"train": raw}, tmp_path)
-    prompts = tmp_path / "train.parquet"
+    prompts = _tiny_model_and_a_long_prompt(tmp_path)
     cfg = config.rollout.model_copy(update={"num_generations": 2, "prompts_per_round": 2, "max_completion_length": 4})
     fitting = pq.read_table(prompts).to_pylist()[:3]
 

@@ -56,9 +56,9 @@ class TransformConfig(BaseModel):
     """Sources of the train split (axolotl's `datasets:`; instead of `paths`): hub datasets, local files or
     folders, each with its own name, split slice, data_files, revision, type and field names. Their rows, in
     order, are the train split; the stage's summary counts each source's rows. The pipeline needs an eval
-    split too: set test_datasets or val_set_size. The prompts have two splits, train and eval, so with
-    sft.enabled set sft.split: train (the warm start trains on the same rows; point sft.completion_field at
-    the target column, e.g. answer) or sft.enabled: false (axolotl's RL runs start from the model as it is)."""
+    split too: set test_datasets or val_set_size. The prompts have two splits, train and eval, so SFT is off
+    unless asked for (axolotl's RL runs start from the model as it is); to warm-start, set sft.enabled: true with
+    sft.split: train (the same rows) and sft.completion_field at the target column, e.g. answer."""
     test_datasets: list[DatasetSource] | None = None
     """Sources of the eval split (axolotl's `test_datasets:`), same shape as datasets."""
     val_set_size: float | None = Field(None, ge=0)

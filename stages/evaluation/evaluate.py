@@ -261,24 +261,10 @@ def prompts_too_long(cfg: EvalConfig, rows: list[dict], prompts_path: Path, mode
     """(row index, prompt_id, prompt tokens) of the rows whose chat-templated prompt leaves less room than
     eval.max_completion_length in the model's context (stages/rollout/rollout.py too_long_rows); under
     too_long_prompts: fail, PromptTooLongError naming them instead."""
-    from stages.rollout.rollout import PromptTooLongError, model_context, rows_named, too_long_rows
+    from stages.rollout.rollout import model_context, prompts_that_do_not_fit
 
     context = model_context(None, model_dir)  # eval generates with transformers
     if context is None:
         return []
-    (tokens, where), room = context, context[0] - cfg.max_completion_length
-    budget = f"eval.max_completion_length {cfg.max_completion_length}"
-    if room < 1:
-        raise PromptTooLongError(f"eval: {budget} leaves no room for a prompt in the model's context of {tokens} "
-                                 f"tokens ({where}); lower it")
-    too_long = too_long_rows(rows, prompts_path, model_dir, room)
-    if too_long and cfg.too_long_prompts == "fail":
-        raise PromptTooLongError(
-            f"eval: {prompts_path}: {rows_named(too_long)}: more than the model's context of {tokens} tokens "
-            f"({where}) leaves beside {budget}; set transform.on_bad_rows: drop (eval.too_long_prompts: drop) to "
-            "leave these rows out, or shorten or remove them")
-    if too_long and len(too_long) == len(rows):
-        raise PromptTooLongError(f"eval: {prompts_path}: every one of its {len(rows)} evaluated prompts is longer "
-                                 f"than the model's context of {tokens} tokens ({where}) leaves beside {budget} "
-                                 f"(e.g. {rows_named(too_long)}), so none is left to evaluate; give shorter prompts")
-    return too_long
+    return prompts_that_do_not_fit("eval", cfg.too_long_prompts, rows, prompts_path, model_dir, context,
+                                   cfg.max_completion_length)

@@ -435,23 +435,36 @@ def check_prompt_lengths(cfg: RolloutConfig, rows: list[dict], prompts_path: Pat
     context = model_context(cfg, model_dir)
     if context is None:
         return []
-    (tokens, where), room = context, context[0] - cfg.max_completion_length
-    budget = f"rollout.max_completion_length {cfg.max_completion_length}"
+    return prompts_that_do_not_fit("rollout", cfg.too_long_prompts, rows, prompts_path, model_dir, context,
+                                   cfg.max_completion_length, cfg.max_prompt_length)
+
+
+def prompts_that_do_not_fit(stage: str, mode: str, rows: list[dict], prompts_path: Path, model_dir: Path,
+                            context: tuple[int, str], max_completion_length: int,
+                            max_prompt_length: int | None = None) -> list[tuple[int, str, int]]:
+    """The rows (too_long_rows) whose prompt leaves less room than `stage`.max_completion_length in the model's
+    `context` (tokens, where that number comes from); under `mode` fail, PromptTooLongError naming them (with the
+    ways out: rollout.max_prompt_length's left truncation where the stage has it, dropping them, shortening them);
+    under drop, the rows, unless none would be left."""
+    (tokens, where), room = context, context[0] - max_completion_length
+    budget = f"{stage}.max_completion_length {max_completion_length}"
     if room < 1:
-        raise PromptTooLongError(f"rollout: {budget} leaves no room for a prompt in the model's context of {tokens} "
+        raise PromptTooLongError(f"{stage}: {budget} leaves no room for a prompt in the model's context of {tokens} "
                                  f"tokens ({where}); lower it")
-    too_long = too_long_rows(rows, prompts_path, model_dir, room, cfg.max_prompt_length)
-    if too_long and cfg.too_long_prompts == "fail":
+    too_long = too_long_rows(rows, prompts_path, model_dir, room, max_prompt_length)
+    cut = (f"set rollout.max_prompt_length: {room} to keep each prompt's last {room} tokens (TRL's left "
+           "truncation), " if stage == "rollout" else "set ")
+    if too_long and mode == "fail":
         raise PromptTooLongError(
-            f"rollout: {prompts_path}: {rows_named(too_long)}: more than the model's context of {tokens} tokens "
-            f"({where}) leaves beside {budget}; set rollout.max_prompt_length: {room} to keep each prompt's last "
-            f"{room} tokens (TRL's left truncation), transform.on_bad_rows: drop (rollout.too_long_prompts: drop) "
+            f"{stage}: {prompts_path}: {rows_named(too_long)}: more than the model's context of {tokens} tokens "
+            f"({where}) leaves beside {budget}; {cut}transform.on_bad_rows: drop ({stage}.too_long_prompts: drop) "
             "to leave these rows out, or shorten or remove them")
     if too_long and len(too_long) == len(rows):
-        raise PromptTooLongError(f"rollout: {prompts_path}: every one of its {len(rows)} prompts is longer than the "
+        raise PromptTooLongError(f"{stage}: {prompts_path}: every one of its {len(rows)} prompts is longer than the "
                                  f"model's context of {tokens} tokens ({where}) leaves beside {budget}, so none is "
-                                 f"left to sample (e.g. {rows_named(too_long)}); set rollout.max_prompt_length: "
-                                 f"{room}, or give shorter prompts")
+                                 f"left (e.g. {rows_named(too_long)}); "
+                                 + (f"set rollout.max_prompt_length: {room}, or " if stage == "rollout" else "")
+                                 + "give shorter prompts")
     return too_long
 
 

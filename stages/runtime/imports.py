@@ -297,3 +297,19 @@ def user_code(names, builtins: dict | None = None) -> list[list[str | None]]:
     holds of the user code a config names (`source_digest` of the module; None if it is not local)."""
     return [[name, source_digest(name.rpartition(".")[0])] for name in names
             if "." in name and name not in (builtins or {})]
+
+
+def add_code_dirs(dirs) -> list[str]:
+    """Make `module.fn` user code in these folders importable (axolotl finds `file.fn` in the working folder;
+    posttrain also looks beside the config): each folder, absolute, is appended to sys.path unless it is there,
+    so an installed package of the same name still wins. Spawned workers (reward workers, the rollout worker)
+    get the parent's sys.path from multiprocessing, torchrun ranks as PYTHONPATH (stages/runtime/distributed.py).
+    Returns the folders as added (absolute paths)."""
+    added = []
+    for folder in dirs:
+        path = os.path.abspath(folder)
+        if path not in [os.path.abspath(p or ".") for p in sys.path]:
+            sys.path.append(path)
+        added.append(path)
+    importlib.invalidate_caches()
+    return added

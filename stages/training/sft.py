@@ -28,8 +28,12 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
-    """false: the base model is the policy as it is."""
+    enabled: bool | None = None
+    """true: warm-start the policy on the demonstrations of `split`; false: the base model is the policy as it
+    is. Unset: a config trains what it names (flows/config.py `_sft_runs_where_asked`): true where the prompts
+    have the split `split` (the built-in demo task's, or a transform.paths entry of that name), false for your own
+    data without one (transform.datasets, or paths without it), which goes straight to the method as in axolotl's
+    RL runs and TRL's GRPOTrainer. The run says which at its start; the saved config holds the value."""
     split: str = "sft"
     """Which prompts split holds the demonstrations."""
     completion_field: str = "teacher_completion"
