@@ -87,6 +87,8 @@ def inspect_config(cfg: PipelineConfig, config_path: str | Path) -> Report:
     if cfg.uses_rounds and cfg.rl != "ebft" and cfg.rollout.source != "atropos":
         for i, name in enumerate(cfg.score.reward_funcs):
             _reward(name, f"score.reward_funcs.{i}", report, where)
+    for i, name in enumerate(cfg.eval.reward_funcs or ()):  # the eval's own verifier, when named
+        _reward(name, f"eval.reward_funcs.{i}", report, where)
     if cfg.uses_rounds and cfg.rollout.rollout_func:
         fn = _function(cfg.rollout.rollout_func, "rollout.rollout_func", report, where)
         if fn is not None:
@@ -336,12 +338,20 @@ def _stages_read_the_splits(cfg: PipelineConfig, report: Report) -> None:
     if cfg.eval.split not in splits:
         report.problem("eval.split", f"the prompts have no split {cfg.eval.split!r} (they have {', '.join(have)}); "
                                      "add transform.paths.eval, or set eval.split to one of them")
-    elif cfg.transform.type != "text" and splits[cfg.eval.split] and not hasattr(cfg.eval, "reward_funcs"):
+    elif cfg.transform.type != "text" and splits[cfg.eval.split] and _eval_needs_answers(cfg):
         unanswered = [r["prompt_id"] for r in splits[cfg.eval.split] if r.get("answer") is None]
         if unanswered:
             report.problem("transform.answer_field", f"rows of the eval split have no answer (e.g. "
                                                      f"{unanswered[0]}): the eval scores against gold answers; "
                                                      "point transform.answer_field at the column that has them")
+
+
+def _eval_needs_answers(cfg: PipelineConfig) -> bool:
+    """The eval's verifier compares against gold answers: it is a built-in accuracy (your own verifier reads
+    whichever columns it needs)."""
+    from stages.evaluation.evaluate import verifier_funcs
+
+    return bool({"accuracy", "stated_accuracy"} & set(verifier_funcs(cfg.eval, cfg.score.reward_funcs)))
 
 
 # --- user code -----------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ eval: {{max_completion_length: 8, max_prompts: 16}}
     ("model.path=task/modle", "model.path", "did you mean task/model"),
     ("transform.answer_field=solution", "transform.paths.train", "missing or empty field solution"),
     ("sft.enabled=true", "sft.split", "no split 'sft'"),
+    ("eval.reward_funcs=[own_rewards.corect]", "eval.reward_funcs.0", "did you mean own_rewards.correct"),
 ])
 def test_validate_names_each_planted_mistake(new_user, override, key, says, capsys):
     started = time.perf_counter()
