@@ -14,6 +14,15 @@ from tasks.reporting import accuracy_notes
 from tasks.store import MANIFEST
 
 
+@pytest.fixture(autouse=True)
+def close_pools():
+    """The eval judges on reward workers (a pool kept per process): none outlives its test."""
+    yield
+    from stages.scoring import reward_pools
+
+    reward_pools.close_pools()
+
+
 def tagged(answers):
     return [f"<answer>{a}</answer>" for a in answers]
 
@@ -225,10 +234,7 @@ def verifiers(tmp_path, monkeypatch):
     (folder / "eval_verifiers.py").write_text(VERIFIERS)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.setenv("PYTHONPATH", str(folder) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    yield "eval_verifiers"
-    from stages.scoring import reward_pools
-
-    reward_pools.close_pools()
+    return "eval_verifiers"
 
 
 def test_the_eval_judges_with_the_tasks_verifier_and_so_does_its_constant_baseline(tmp_path, verifiers):
