@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from chaos import ROOT, env_for, reap_survivors, verify_manifests
+from chaos_common import ROOT, env_for, reap_survivors, verify_manifests
 
 EXPERIMENT = "test-tiny"
 PREPARE_STAGES = ("demo_data", "transform", "base_model", "sft", "eval")
