@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from chaos import ROOT, env_for, reap_survivors, verify_manifests
+from chaos_common import ROOT, env_for, reap_survivors, verify_manifests
 
 EXPERIMENT = "test-tiny"
 PREPARE_STAGES = ("demo_data", "transform", "base_model", "sft", "eval")
@@ -650,7 +650,8 @@ def probe_namespace_library(p: Probe, warm: Warm) -> None:
 def probe_reward_memory(p: Probe, warm: Warm) -> None:
     """Item 10: a reward function allocating 10 GB under score.reward_memory_mb=2048 is reported like a timeout
     naming the function (the sample gets reward_on_error and an errors entry); the run goes on. The pages touched
-    stop at 1.5 GB, so an unenforced limit shows without taking the machine's memory."""
+    stop at 3 GB (past the cap, whether the OS counts address space or pages), so an unenforced limit shows
+    without taking the machine's memory."""
     if not_built("stages/scoring/score.py", "reward_memory_mb"):
         return p.row("10 GB reward", "reported like a timeout, naming the function",
                      "score.reward_memory_mb not in stages/scoring/score.py", "not built")
@@ -659,8 +660,9 @@ def probe_reward_memory(p: Probe, warm: Warm) -> None:
     warm.copy(p.artifacts, PREPARE_STAGES)
     (p.dir / "hog_rewards.py").write_text(
         "import mmap\n\n\ndef hog(prompts, completions, **kwargs):\n"
-        "    block = mmap.mmap(-1, 10 << 30)  # 10 GB, lazily backed\n"
-        "    for i in range(0, 3 << 29, 4096):  # 1.5 GB of it touched\n"
+        "    # 10 GB, private and lazily backed: as malloc gets a large block (mmap's default, MAP_SHARED, is shmem)\n"
+        "    block = mmap.mmap(-1, 10 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n"
+        "    for i in range(0, 3 << 30, 4096):  # 3 GB of it touched: past the cap, whatever the OS counts\n"
         "        block[i] = 1\n"
         "    return [1.0 for c in completions]\n")
     # every sample breaches the cap: past score.max_error_rate (issue 44) that stops the run, so it is lifted here

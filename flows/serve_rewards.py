@@ -199,6 +199,10 @@ TOKEN_ENV = "POSTTRAIN_REWARDS_TOKEN"
 """Environment variable holding the server's bearer token when --token is not given."""
 
 
+DISCARD_AT_MOST = 1 << 30
+"""Bytes of a refused body read (and dropped) so that its client can read the 413; past it the connection closes."""
+
+
 class RequestSizeLimit:
     """ASGI middleware: a request body over `max_bytes` answers 413 and reaches no route. Judged by Content-Length
     before anything is read; a body without one (chunked) is read up to the limit, then handed on whole."""
@@ -214,6 +218,7 @@ class RequestSizeLimit:
             if not length.isdigit():
                 return await self.refuse(send, 400, "Content-Length is not a number")
             if int(length) > self.max_bytes:
+                await self.discard_body(receive, int(length))
                 return await self.refuse(send, 413, f"the request body ({int(length) / 2**20:.1f} MB) is over this "
                                                     f"server's limit of {self.max_bytes / 2**20:g} MB (--max-request-mb)")
             return await self.app(scope, receive, send)
@@ -225,6 +230,8 @@ class RequestSizeLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
+                if message.get("more_body"):
+                    await self.discard_body(receive, DISCARD_AT_MOST)
                 return await self.refuse(send, 413, f"the request body is over this server's limit of "
                                                     f"{self.max_bytes / 2**20:g} MB (--max-request-mb)")
             if not message.get("more_body"):
@@ -241,8 +248,20 @@ class RequestSizeLimit:
         return await self.app(scope, replay, send)
 
     @staticmethod
+    async def discard_body(receive, length: int) -> None:
+        """Read the rest of a refused body chunk by chunk, keeping none of it, when it is at most DISCARD_AT_MOST
+        bytes: a client that sends its whole body before it reads the reply (urllib, requests) then gets the 413,
+        not a connection reset half-way through its upload. A larger one is not read at all."""
+        if length > DISCARD_AT_MOST:
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                return
+
+    @staticmethod
     async def refuse(send, status: int, detail: str) -> None:
-        """Answer `status` with {"detail": ...} and close the connection (the rest of the body is not read)."""
+        """Answer `status` with {"detail": ...} and close the connection."""
         import json
 
         content = json.dumps({"detail": detail}).encode()

@@ -4,6 +4,7 @@ subprocess on a free loopback port, and a NeMo Gym-shaped service that hangs, fa
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
@@ -11,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -174,6 +177,10 @@ def test_serve_rewards_refuses_oversized_and_malformed_requests_and_does_not_ech
     big = {**body, "padding": "x" * (20 * 2**20)}
     refused = httpx.post(f"{served}/verify", json=big, timeout=60)
     assert refused.status_code == 413 and "--max-request-mb" in refused.json()["detail"], refused.text[:300]
+    with pytest.raises(urllib.error.HTTPError) as plain:  # sends the whole body before it reads the reply
+        urllib.request.urlopen(urllib.request.Request(f"{served}/verify", data=json.dumps(big).encode(),
+                                                      headers={"Content-Type": "application/json"}), timeout=60)
+    assert plain.value.code == 413
 
     def chunks():
         data = httpx.Request("POST", served, json=big).content

@@ -50,6 +50,7 @@ def test_an_allocation_past_the_cap_fails_only_its_sample_and_says_why(greedy, c
     assert errors == {1: f"{greedy}: MemoryError past score.reward_memory_mb = 512 MB"}
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"{greedy!r} failed on sample r0-b: MemoryError past" in m for m in warned), warned
+    assert not any("Traceback" in m for m in warned), warned  # reported as a timeout is
 
 
 def test_without_a_cap_the_same_allocation_succeeds(greedy):

@@ -371,7 +371,9 @@ class RewardWorkerPool:
 
         def failed(task: tuple[int, int, int], error: str, details: str = "") -> None:
             j, lo, hi = task
-            error = self._memory_hint(error)
+            hinted = self._memory_hint(error)
+            if hinted != error:  # past the memory cap: reported as a timeout is, without the traceback
+                error, details = hinted, ""
             name, _, ids = jobs[j]
             if hi - lo > 1:  # isolate the failing samples: re-call the batch one sample at a time
                 log.debug("reward function %r failed on samples %s..%s (%s); scoring them one at a time",
