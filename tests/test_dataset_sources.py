@@ -251,7 +251,7 @@ def test_axolotl_top_level_keys_move_into_their_sections():
      r"type 'chat_template.default' is not supported"),
     ({"datasets": [{"path": "a.jsonl", "type": "completion"}], "val_set_size": 0.1},
      r"axolotl's completion is type: text here"),
-    ({"datasets": [{"path": "a.jsonl"}], "val_set_size": 0.1},  # sft on, reading the split `sft`
+    ({"datasets": [{"path": "a.jsonl"}], "val_set_size": 0.1, "sft": {"enabled": True}},  # asked for, no split
      r"sft.split is 'sft', but transform.datasets makes the prompts splits train, eval. Set sft.enabled: false"),
     ({"datasets": [{"path": "a.jsonl"}], "val_set_size": 1.5, "sft": {"enabled": False}},
      r"val_set_size 1.5: a fraction below 1 or a whole row count"),
