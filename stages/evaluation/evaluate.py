@@ -166,7 +166,10 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     from stages.scoring.score import ScoreConfig
 
     names = list(cfg.reward_funcs or VERIFIER_DEFAULT)
-    scoring = (scoring or ScoreConfig()).model_copy(update={"reward_funcs": names, "reward_weights": None})
+    # Local worker processes even under score.backend: ray: the pool is kept for the run, and Ray actors kept
+    # idle would hold the CPUs the rounds' score actors wait for (a scaled-out run hung so).
+    scoring = (scoring or ScoreConfig()).model_copy(update={"reward_funcs": names, "reward_weights": None,
+                                                            "backend": "local"})
     check_remote_names(names, scoring.remote_verifiers)  # eval.reward_funcs: remote:<name> of score.remote_verifiers
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
     unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]
