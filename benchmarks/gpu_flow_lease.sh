@@ -25,11 +25,14 @@ start=$SECONDS
 if compgen -G "$FLOW_WHEELS/*.whl" > /dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-cache-dir --find-links "$FLOW_WHEELS" prefect==3.7.7 fastapi==0.135.3 \
         mlflow-skinny==3.17.2 math-verify==0.9.0 gguf==0.19.0 "pydantic>=2.7" rich 2>&1 | tail -8 | tee "$OUT/install.txt"
+    # TRL's trainers (SFT, DPO) and datasets, without their pins on what the image has (pyarrow, transformers)
+    "$PYTHON" -m pip install -q --no-index --no-cache-dir --no-deps "$FLOW_WHEELS"/{trl,datasets,dill,multiprocess,fsspec}-*.whl \
+        2>&1 | tail -4 | tee -a "$OUT/install.txt"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "$PYTHON" -c "import sys, torch, transformers, peft, prefect, mlflow; print(sys.version.split()[0], 'torch', \
 torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'prefect', prefect.__version__, \
-'mlflow', mlflow.__version__, 'cuda', torch.cuda.is_available())" 2>&1; } | tee "$OUT/versions.txt"
+'mlflow', mlflow.__version__, 'trl', __import__('trl').__version__, 'pyarrow', __import__('pyarrow').__version__, 'cuda', torch.cuda.is_available())" 2>&1; } | tee "$OUT/versions.txt"
 echo "install: $((SECONDS - start)) s" | tee -a "$OUT/versions.txt"
 # shellcheck disable=SC2086  # $3 is a list of dotted overrides
 run_config() {  # name, config, overrides: the run as a user starts it, timed, its output kept

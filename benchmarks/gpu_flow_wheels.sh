@@ -15,4 +15,7 @@ for tag in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux
 for have in numpy sympy hf_xet tokenizers huggingface_hub pygments pyyaml regex mpmath protobuf; do
     rm -f "$dest/$have"-*.whl
 done
+# TRL and datasets, installed there with --no-deps (their pins on pyarrow/transformers would pull ~60 MB more)
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d "$dest" \
+    trl==1.16.0 datasets==5.2.0 "dill<0.4.2" "multiprocess<0.70.20" "fsspec<=2026.9.0"
 du -sh "$dest"
