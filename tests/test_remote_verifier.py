@@ -35,6 +35,7 @@ NUM_GENERATIONS = 4
 
 @pytest.fixture(autouse=True)
 def close_pools():
+    reward_pools.close_pools()  # an earlier module's runs keep theirs for this process
     yield
     reward_pools.close_pools()
     assert mp.active_children() == []

@@ -32,6 +32,7 @@ def greedy(tmp_path, monkeypatch):
 
 
 def score(name: str, memory_mb: float | None) -> tuple[list, dict]:
+    before = set(mp.active_children())  # pools an earlier test's run keeps for this process (reward_pools.py)
     pool = RewardWorkerPool([name], 1, 60.0, memory_mb=memory_mb)
     try:
         texts = ["fine", "greedy", "fine"]
@@ -41,7 +42,7 @@ def score(name: str, memory_mb: float | None) -> tuple[list, dict]:
         return values, errors
     finally:
         pool.close()
-        assert mp.active_children() == []
+        assert set(mp.active_children()) <= before  # this pool's workers are gone
 
 
 def test_an_allocation_past_the_cap_fails_only_its_sample_and_says_why(greedy, caplog):

@@ -40,7 +40,8 @@ IDS = [f"r0-{pid}-g{i % 2}" for i, (pid, _) in enumerate(COMPLETIONS)]
 
 @pytest.fixture(autouse=True)
 def close_pools():
-    """No test leaves reward workers behind: cached pools are closed after each test."""
+    """No test leaves reward workers behind: cached pools (an earlier module's runs' too) are closed around each test."""
+    reward_pools.close_pools()
     yield
     reward_pools.close_pools()
     assert mp.active_children() == []
