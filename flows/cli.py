@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(handler=pipeline_command, extras_into="overrides")
         if name in ("run", "serve-vllm"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
+            p.add_argument("--verbose", action="store_true",
+                           help="also Prefect's own console lines (each task run's state, the flow run's link)")
             p.add_argument("--debug", action="store_true",
                            help="on a data, reward-function or file error, show the whole traceback")
         if name == "serve-vllm":
@@ -139,6 +141,9 @@ def pipeline_command(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     embedded_defaults(cfg.artifacts_dir)
+    if not args.verbose:  # Prefect's per-task state lines off the console (its UI still gets every log line),
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # and datasets' map bars
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     server_ready = start_temporary_prefect_server() if args.command == "run" else None  # boots meanwhile
     from flows.pipeline import posttrain_pipeline  # (imports Prefect, which sets up its log handlers)
 

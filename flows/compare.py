@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from tasks.lineage import flatten, tracking_uri
+from tasks.lineage import flatten, process_alive, tracking_uri
 
 MISSING = "-"
 PARENT_FILTER = "tags.mlflow.parentRunId IS NULL"
@@ -353,12 +354,22 @@ def search_parent_runs(client, experiment: str | None = None) -> list:
     return found
 
 
+def shown_status(run) -> str:
+    """MLflow's status, except KILLED for a run still RUNNING whose process (tags posttrain.pid and posttrain.host,
+    this host) is gone: a SIGKILL or a lost machine leaves no chance to end the run in MLflow."""
+    tags = run.data.tags
+    if (run.info.status == "RUNNING" and tags.get("posttrain.host") == socket.gethostname()
+            and not process_alive(tags.get("posttrain.pid", ""))):
+        return "KILLED"
+    return run.info.status
+
+
 def to_run_data(client, run, experiments: dict[str, str], artifacts_dir: Path, full: bool) -> RunData:
     """RunData from an MLflow run. `full`: also config, all histories and stages (for compare);
     otherwise only what the `runs` listing shows."""
     info, data = run.info, run.data
     out = RunData(run_id=info.run_id, name=info.run_name or info.run_id,
-                  experiment=experiments.get(info.experiment_id, info.experiment_id), status=info.status,
+                  experiment=experiments.get(info.experiment_id, info.experiment_id), status=shown_status(run),
                   start_ms=info.start_time, end_ms=info.end_time, metrics=dict(data.metrics))
     wanted = HISTORIES if full else (("eval/accuracy",) if "eval/accuracy_base" not in data.metrics else ())
     for key in wanted:

@@ -48,6 +48,8 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
     cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
     root = Path(cfg.artifacts_dir).resolve()
     run_name = run_dir.name
+    reporter.line(f"run {run_name}: MLflow run {parent} (experiment {cfg.name!r}, under Model training); "
+                  f"watch it with: {ui_command(root)}")
     try:
         prompts, base, policy = prepare_policy(ctx, parent)
         evaluate = evaluator(cfg, policy)  # the method's eval task (rl: ebft strided: raw documents' blocks)

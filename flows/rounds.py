@@ -63,7 +63,10 @@ def eval_round(ctx: RunContext, policy, prompts, adapter, r: int, evaluate=eval_
     cfg = ctx.config
     if cfg.eval.every_rounds and (r + 1) % cfg.eval.every_rounds == 0 and r + 1 < cfg.grpo.rounds:
         evaluated = evaluate(ctx, policy, prompts, label=f"r{r}", adapter=adapter, version=r + 1)
-        ctx.lineage.log_metrics(ctx.lineage.parent_id, eval_metrics(evaluated.manifest["summary"]), step=r + 1)
+        metrics = eval_metrics(evaluated.manifest["summary"])
+        ctx.lineage.log_metrics(ctx.lineage.parent_id, metrics, step=r + 1)
+        if "eval/accuracy" in metrics:
+            ctx.reporter.line(f"eval after round {r + 1}: accuracy {metrics['eval/accuracy']:.3f}")
 
 
 def settle(in_flight: dict[int, tuple]) -> None:
@@ -195,6 +198,8 @@ class RoundLog:
     def __init__(self, ctx: RunContext, parent: str, verifiers: list[str]):
         self.ctx, self.parent, self.verifiers = ctx, parent, verifiers
         self.history: list[dict] = []  # each round's metrics, for the run's summary table
+        self.last_finished = time.perf_counter()
+        self.computed_s: list[float] = []  # wall seconds of each round computed now (the ETA's rate)
         self.findings: list[dict] = []  # out-of-range round metrics
         self.unpublished: list[tuple[dict, int, list]] = []  # cached rounds: (metrics, round, completions)
 
@@ -206,8 +211,28 @@ class RoundLog:
         self.unpublished.append((metrics, r, samples))
         if not (scored.reused and adapter.reused):  # computed now: show it now (with the cached ones before it)
             self.publish()
+        self.show_round(metrics, r, cached=scored.reused and adapter.reused)
         self.warn_reward_errors(r, scored)
         self.check_health(metrics, r, scored, adapter)
+
+    def show_round(self, metrics: dict, r: int, cached: bool) -> None:
+        """One console line per round: reward, KL, entropy, completion length, seconds, and the run's ETA (the
+        mean of the rounds computed so far, times the rounds left)."""
+        now = time.perf_counter()
+        seconds, self.last_finished = now - self.last_finished, now
+        if not cached:
+            self.computed_s.append(seconds)
+        total = self.ctx.config.grpo.rounds
+        parts = [f"round {r + 1}/{total}:"]
+        for name, key, fmt in (("reward", "train/reward_mean", ".3f"), ("kl", "train/kl", ".4f"),
+                               ("entropy", "train/entropy", ".3f"), ("length", "train/completion_length", ".1f")):
+            if metrics.get(key) is not None:
+                parts.append(f"{name} {metrics[key]:{fmt}}")
+        parts.append("cached" if cached else f"{seconds:.1f}s")
+        left = total - (r + 1)
+        if left > 0 and self.computed_s:
+            parts.append(f"ETA {format_eta(sum(self.computed_s) / len(self.computed_s) * left)}")
+        self.ctx.reporter.line("  ".join(parts))
 
     def warn_reward_errors(self, r: int, scored) -> None:
         """One warning (console and summary.json's `warnings`) for a round whose reward functions failed on some
@@ -255,6 +280,16 @@ class RoundLog:
         if stop:
             quarantined = quarantine(adapter.path) if any(f.fatal for f in stop) else None
             raise TrainingUnhealthy(r, stop, quarantined)
+
+
+def format_eta(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def logged_rounds(ctx: RunContext, parent: str, verifiers: list[str], rounds) -> Trained:

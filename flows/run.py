@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -132,6 +133,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         "artifact_root": str(root),
         "posttrain.purpose": purpose,
         "posttrain.pid": str(os.getpid()),
+        "posttrain.host": socket.gethostname(),  # with the pid: `posttrain runs` shows a run whose process died KILLED
         CODE_DIRS_TAG: json.dumps(code_dirs(config_path)),
     }
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)

@@ -23,6 +23,11 @@ MAX_PARAM_LEN = 6000
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch request
 
 
+# The MLflow UI opens an experiment in the view its kind names: its runs, metric charts and models ("Model
+# training"), not the GenAI traces view it infers for an experiment without the tag.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 def tracking_uri(artifacts_root: Path) -> str:
     """The MLflow store in use: MLFLOW_TRACKING_URI, else the sqlite file under artifacts/."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{artifacts_root / 'mlflow.db'}"
@@ -243,9 +248,12 @@ class Lineage:
                 location = None
                 if self.uri.startswith("sqlite:") and not os.environ.get("MLFLOW_TRACKING_URI"):
                     location = (artifacts_root / "mlruns").as_uri()
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                self.experiment_id = self.client.create_experiment(
+                    experiment, artifact_location=location, tags={EXPERIMENT_KIND: MODEL_TRAINING})
             else:
                 self.experiment_id = found.experiment_id
+                if EXPERIMENT_KIND not in found.tags:  # made by an older posttrain, or by hand
+                    self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         self.parent_id: str | None = None
         self._logged: set[tuple[str, int]] = set()  # (metric, step) the parent had before a resume
 

@@ -29,6 +29,12 @@ class Reporter:
             with self._lock:
                 self.console.print(text)
 
+    def line(self, text: str) -> None:
+        """A plain line (no markup) unless quiet: the run's start, each round, each periodic eval."""
+        if not self.quiet:
+            with self._lock:
+                self.console.print(text, soft_wrap=True, markup=False)
+
     def start(self, label: str) -> float:
         self._print(f"[bold cyan]>[/] {label} ...")
         return time.time()

@@ -162,3 +162,28 @@ def test_row_builders_without_a_store():
     rows, shared, different = artifact_rows([one, two])
     assert shared == ["sft"] and different == [] and rows[1] == ["export", "-", "k2", "not in every run"]
     assert summarize_stages(["sft", "rollout r0", "rollout r1", "rollout r3"]) == "sft, rollout r0-r1, r3"
+
+
+def test_a_run_whose_process_died_shows_killed_and_a_live_one_running(tmp_path, capsys):
+    """A SIGKILL leaves the MLflow run RUNNING; `posttrain runs` shows it KILLED (its pid is gone on this host),
+    a run whose process lives RUNNING, and the experiment opens in MLflow's model-training view."""
+    import socket
+    import subprocess
+    import sys
+
+    from tasks.lineage import EXPERIMENT_KIND, MODEL_TRAINING
+
+    root = tmp_path / "artifacts"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lineage = Lineage(root, "cmp")
+    for name, pid in (("cmp-killed", gone.pid), ("cmp-live", os.getpid())):
+        run_dir = root / "runs" / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.yaml").write_text("name: cmp\n")
+        lineage.start(name, {"artifact_root": str(root), "posttrain.purpose": "train", "posttrain.pid": str(pid),
+                             "posttrain.host": socket.gethostname()}, {"name": "cmp"}, run_dir / "config.yaml")
+    assert main(["runs", "--artifacts", str(root)]) == 0
+    row = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines() if line.startswith("cmp-")}
+    assert row == {"cmp-killed": "KILLED", "cmp-live": "RUNNING"}
+    assert lineage.client.get_experiment(lineage.experiment_id).tags[EXPERIMENT_KIND] == MODEL_TRAINING

@@ -5,13 +5,18 @@ user modules beside the config are found, and your own data runs without SFT unl
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 REWARDS = '''
 def correct(prompts, completions, answer, **kwargs):
@@ -94,8 +99,15 @@ def test_new_user_config_validates_fails_fast_when_broken_and_runs(new_user, pre
     assert "score.reward_funcs.0: cannot import module 'own_rewardz'" in capsys.readouterr().err
     assert not (new_user.parent.parent / "artifacts" / "transform").exists()  # no stage ran
 
-    results = posttrain_pipeline(str(new_user), quiet=True)
+    capsys.readouterr()
+    results = posttrain_pipeline(str(new_user))
     assert results["final_accuracy"] is not None
+    out = capsys.readouterr().out  # a run you can watch (issue 44 item 5): its name and MLflow run first, a line a round
+    assert f"run {results['run_name']}: MLflow run {results['mlflow_run_id']}" in out.splitlines()[0]
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in rounds] == ["round 1/2", "round 2/2"]
+    assert "reward " in rounds[0] and "kl " in rounds[0] and "length " in rounds[0] and "ETA " in rounds[0]
+    assert "ETA" not in rounds[1]
     stages = {row["stage"] for row in results["stages"]}
     assert "sft" not in stages and {"score r0", "score r1"} <= stages
     run = Lineage(new_user.parent.parent / "artifacts", "own-data").client.get_run(results["mlflow_run_id"])
@@ -110,6 +122,15 @@ def test_new_user_config_validates_fails_fast_when_broken_and_runs(new_user, pre
     assert str(new_user.parent) in sys.path and sys.modules["own_rewards"].__file__ == str(new_user.parent /
                                                                                             "own_rewards.py")
     assert again["final_accuracy"] == results["final_accuracy"]
+
+    # the command a user types: Prefect's per-task state lines and its ephemeral server's link only with --verbose
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)  # its own ephemeral server, as a user's first run
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(new_user)], cwd=new_user.parent.parent,
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert "round 2/2:" in shown.stdout and "cached" in shown.stdout
+    assert "Task run '" not in shown.stdout + shown.stderr and "View at http" not in shown.stdout + shown.stderr
 
 
 def test_sft_runs_only_where_the_config_asks(tmp_path):
