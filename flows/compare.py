@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.lineage import flatten, process_alive, tracking_uri
+from tasks.lineage import CODE_ARTIFACTS, CODE_TAG_PREFIX, flatten, process_alive, tracking_uri
 
 MISSING = "-"
 PARENT_FILTER = "tags.mlflow.parentRunId IS NULL"
@@ -55,6 +55,7 @@ class RunData:
     config: dict[str, str] = field(default_factory=dict)  # flattened resolved config
     stages: list[dict] = field(default_factory=list)  # {stage, status, seconds, key, path}
     stages_source: str = ""  # "summary.json", "stages.json", "mlflow stage runs" or ""
+    code: dict[str, str] = field(default_factory=dict)  # user module -> source digest (tags code.<module>)
 
     def wall_s(self, now_ms: int | None = None) -> float | None:
         """End minus start; a run still RUNNING counts up to now."""
@@ -305,6 +306,8 @@ def compare_report(runs: list[RunData], now_ms: int | None = None) -> str:
     out += [f"  ({n})" for n in notes]
     out.append("")
 
+    out += code_rows(runs) + [""]
+
     rows, shared, different = artifact_rows(runs)
     out.append("artifacts (content key per stage)")
     if rows:
@@ -312,6 +315,51 @@ def compare_report(runs: list[RunData], now_ms: int | None = None) -> str:
     out.append(f"  shared (reused, same folder in every run): {summarize_stages(shared)}")
     out.append(f"  different: {summarize_stages(different)}")
     return "\n".join(out)
+
+
+def differing_code(runs: list[RunData]) -> list[str]:
+    """User modules whose source differs between the runs (or that only some runs called)."""
+    modules = sorted(set().union(*(r.code for r in runs)))
+    return [m for m in modules if len({r.code.get(m) for r in runs}) > 1]
+
+
+def code_rows(runs: list[RunData]) -> list[str]:
+    """The user-code lines of the report: which modules' source differs (the diff follows the report)."""
+    modules = sorted(set().union(*(r.code for r in runs)))
+    if not modules:
+        return ["user code: none logged (built-in rewards only, or runs from before it was logged)"]
+    differing = differing_code(runs)
+    if not differing:
+        return [f"user code: the same in every run ({', '.join(modules)})"]
+    return [f"user code differs: {', '.join(differing)} (unified diff below)"]
+
+
+def code_diff(client, runs: list[RunData], modules: list[str]) -> str:
+    """A unified diff of each differing module's source files between the first run and each other run, read from
+    the runs' `code/` artifacts (tasks/lineage.py `log_code`)."""
+    import difflib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        files: list[dict[str, list[str]]] = []
+        for i, run in enumerate(runs):
+            sources: dict[str, list[str]] = {}
+            try:
+                root = Path(client.download_artifacts(run.run_id, CODE_ARTIFACTS, str(Path(tmp) / str(i))))
+            except Exception:  # noqa: BLE001 - no code artifacts: an older run, or built-ins only
+                root = None
+            for path in sorted(root.rglob("*.py")) if root else ():
+                sources[str(path.relative_to(root))] = path.read_text(errors="replace").splitlines(keepends=True)
+            files.append(sources)
+    wanted = [m.replace(".", "/") for m in modules]
+    out = []
+    for run, sources in zip(runs[1:], files[1:]):
+        for name in sorted(set(files[0]) | set(sources)):
+            if not any(name.startswith(w + "/") or name.removesuffix(".py") == w for w in wanted):
+                continue
+            out += difflib.unified_diff(files[0].get(name, []), sources.get(name, []),
+                                        f"{runs[0].name}/{name}", f"{run.name}/{name}")
+    return "".join(out)
 
 
 # ---------------------------------------------------------------- loading (MLflow + run folders)
@@ -370,7 +418,9 @@ def to_run_data(client, run, experiments: dict[str, str], artifacts_dir: Path, f
     info, data = run.info, run.data
     out = RunData(run_id=info.run_id, name=info.run_name or info.run_id,
                   experiment=experiments.get(info.experiment_id, info.experiment_id), status=shown_status(run),
-                  start_ms=info.start_time, end_ms=info.end_time, metrics=dict(data.metrics))
+                  start_ms=info.start_time, end_ms=info.end_time, metrics=dict(data.metrics),
+                  code={k.removeprefix(CODE_TAG_PREFIX): v for k, v in data.tags.items()
+                        if k.startswith(CODE_TAG_PREFIX)})
     wanted = HISTORIES if full else (("eval/accuracy",) if "eval/accuracy_base" not in data.metrics else ())
     for key in wanted:
         if key in data.metrics:
@@ -475,5 +525,8 @@ def compare_command(refs: list[str], artifacts_dir: str, plot: str | None = None
     client = open_client(artifacts_dir)
     runs = resolve_runs(client, refs, Path(artifacts_dir))
     report = compare_report(runs, int(time.time() * 1000))
+    differing = differing_code(runs)
+    if differing:
+        report += "\n\n" + (code_diff(client, runs, differing) or "(no source logged to diff)").rstrip("\n")
     path = plot_curves(runs, Path(plot) if plot else default_plot_path(Path(artifacts_dir), runs))
     return f"{report}\n\nplot: {path}"

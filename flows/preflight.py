@@ -56,12 +56,14 @@ class Report:
     """What the run will do that the config does not spell out (SFT on or off, a download)."""
     splits: dict[str, list[dict]] | None = None
     """The first transformed rows of each split of your own data; None for the demo task's."""
+    functions: list[str] = field(default_factory=list)
+    """Every `module.fn` of user code the config names that imported (the run logs their modules' source)."""
 
     def problem(self, key: str, message: str) -> None:
         self.problems.append(f"{key}: {message}")
 
 
-_PASSED: set[tuple] = set()  # (config hash, sys.path) of configs that passed in this process
+_PASSED: dict[tuple, Report] = {}  # (config hash, sys.path) -> report, of configs that passed in this process
 
 
 def check(cfg: PipelineConfig, config_path: str | Path) -> Report:
@@ -69,11 +71,11 @@ def check(cfg: PipelineConfig, config_path: str | Path) -> Report:
     (same config, same sys.path) is not checked again (the CLI checks before the flow does)."""
     key = (cfg.hash(), tuple(sys.path))
     if key in _PASSED:
-        return Report()
+        return _PASSED[key]
     report = inspect_config(cfg, config_path)
     if report.problems:
         raise PreflightError(report.problems)
-    _PASSED.add(key)
+    _PASSED[key] = report
     return report
 
 
@@ -388,6 +390,8 @@ def _function(dotted: str, key: str, report: Report, where: str):
         what = "has no function" if fn is None else "has a non-callable"
         report.problem(key, f"module {module_name!r} ({getattr(module, '__file__', '?')}) {what} {fn_name!r}{hint}")
         return None
+    if dotted not in report.functions:
+        report.functions.append(dotted)
     return fn
 
 

@@ -92,8 +92,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     previous = lineage.client.get_run(resume) if resume else None
     if previous is not None:  # its user modules are found where the first attempt found them (its config's folder)
         add_code_dirs(json.loads(previous.data.tags.get(CODE_DIRS_TAG) or "[]"))
-    if purpose == "train":  # before any stage: what the run would trip on (flows/preflight.py); exit 2
-        preflight.check(cfg, config_path)
+    checked = preflight.check(cfg, config_path) if purpose == "train" else None  # before any stage; exit 2
     if resume:
         run_name = previous.info.run_name
         run_dir = root / "runs" / run_name
@@ -111,6 +110,8 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
                                   **({"posttrain.config_changed": ", ".join(changed)} if changed else {})})
         if changed:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        if checked:
+            lineage.log_code(resume, checked.functions)
         return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
     run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
     base, n = run_name, 1
@@ -139,6 +140,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
     if purpose == "train":
         OPENED.append((run_name, root))
+        lineage.log_code(parent, checked.functions)
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
 
 

@@ -26,6 +26,7 @@ MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch request
 # The MLflow UI opens an experiment in the view its kind names: its runs, metric charts and models ("Model
 # training"), not the GenAI traces view it infers for an experiment without the tag.
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+CODE_ARTIFACTS, CODE_TAG_PREFIX = "code", "code."  # a run's user code: its source files, each module's digest
 
 
 def tracking_uri(artifacts_root: Path) -> str:
@@ -256,6 +257,27 @@ class Lineage:
                     self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         self.parent_id: str | None = None
         self._logged: set[tuple[str, int]] = set()  # (metric, step) the parent had before a resume
+
+    def log_code(self, run_id: str, functions: list[str]) -> dict[str, str]:
+        """The source of the user code a run calls (reward functions, transforms, rollout_func): each local module
+        of each `module.fn` (and the local modules it imports) as artifacts under code/, and each named module's
+        digest as tag `code.<module>` (what `posttrain compare` diffs). Installed packages are not logged.
+        Returns {module: digest}."""
+        from stages.runtime.imports import local_modules, source_digest
+
+        digests: dict[str, str] = {}
+        for module in dict.fromkeys(name.rpartition(".")[0] for name in functions):
+            digest = source_digest(module)
+            if digest is None:
+                continue
+            digests[module] = digest
+            for name, path in local_modules(module).items():
+                relative = Path(*name.split("."))
+                folder = relative if Path(path).name == "__init__.py" else relative.parent
+                self.client.log_artifact(run_id, str(path), artifact_path=str(Path(CODE_ARTIFACTS) / folder))
+        if digests:
+            self.set_tags(run_id, {f"{CODE_TAG_PREFIX}{module}": digest for module, digest in digests.items()})
+        return digests
 
     def start(self, run_name: str, tags: dict[str, str], config: dict, config_yaml: Path) -> str:
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)

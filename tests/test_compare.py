@@ -187,3 +187,35 @@ def test_a_run_whose_process_died_shows_killed_and_a_live_one_running(tmp_path, 
     row = {line.split()[0]: line.split()[2] for line in capsys.readouterr().out.splitlines() if line.startswith("cmp-")}
     assert row == {"cmp-killed": "KILLED", "cmp-live": "RUNNING"}
     assert lineage.client.get_experiment(lineage.experiment_id).tags[EXPERIMENT_KIND] == MODEL_TRAINING
+
+
+def test_compare_shows_the_diff_of_a_reward_module_that_changed(tmp_path, monkeypatch, capsys):
+    """Each run logs its user modules' source (code/ artifacts, tag code.<module>); compare of two runs whose
+    reward module differs says which and prints the unified diff (issue 44 item 6)."""
+    import sys
+
+    from stages.runtime import imports
+
+    root = tmp_path / "artifacts"
+    code = tmp_path / "code"
+    code.mkdir()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(code)])
+    lineage = Lineage(root, "cmp")
+    ids = []
+    for name, body in (("cmp-a", "    return [1.0 for _ in completions]\n"),
+                       ("cmp-b", "    return [0.5 for _ in completions]\n")):
+        (code / "myrewards.py").write_text("def reward(prompts, completions, **kwargs):\n" + body)
+        imports._digests.clear()
+        run_dir = root / "runs" / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.yaml").write_text("name: cmp\n")
+        run_id = lineage.start(name, {"artifact_root": str(root), "posttrain.purpose": "train"}, {"name": "cmp"},
+                               run_dir / "config.yaml")
+        assert set(lineage.log_code(run_id, ["myrewards.reward", "accuracy"])) == {"myrewards"}
+        lineage.finish("FINISHED")
+        ids.append(run_id)
+    assert main(["compare", "cmp-a", "cmp-b", "--artifacts", str(root), "--plot", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "user code differs: myrewards" in out
+    assert "--- cmp-a/myrewards.py" in out and "+++ cmp-b/myrewards.py" in out
+    assert "-    return [1.0 for _ in completions]" in out and "+    return [0.5 for _ in completions]" in out

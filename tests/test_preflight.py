@@ -132,6 +132,24 @@ def test_new_user_config_validates_fails_fast_when_broken_and_runs(new_user, pre
     assert "round 2/2:" in shown.stdout and "cached" in shown.stdout
     assert "Task run '" not in shown.stdout + shown.stderr and "View at http" not in shown.stdout + shown.stderr
 
+    # the reward edited: the next run rescores, and compare names the module and shows the diff (issue 44 item 6)
+    rewards = new_user.parent / "own_rewards.py"
+    rewards.write_text(rewards.read_text().replace("1.0 if gold in", "1.0 if gold.strip() in"))
+    edited = posttrain_pipeline(str(new_user), quiet=True)
+    assert main(["compare", results["run_name"], edited["run_name"], "--artifacts",
+                 str(new_user.parent.parent / "artifacts")]) == 0
+    out = capsys.readouterr().out
+    assert "user code differs: own_rewards" in out
+    assert "-    return [1.0 if gold in" in out and "+    return [1.0 if gold.strip() in" in out
+
+    # a reward that raises stops the run at its first score stage, one message naming it
+    from stages.scoring.reward_workers import RewardFunctionError
+
+    rewards.write_text(rewards.read_text().replace('"""1.0 where', 'raise KeyError("answer")\n    """1.0 where'))
+    with pytest.raises(RewardFunctionError, match=r"own_rewards.correct.*score.max_error_rate") as failed:
+        posttrain_pipeline(str(new_user), quiet=True)
+    assert "KeyError" in str(failed.value) and len(str(failed.value).splitlines()) == 1
+
 
 def test_sft_runs_only_where_the_config_asks(tmp_path):
     def sft(text: str):
