@@ -119,7 +119,7 @@ def pipeline_command(args) -> int:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2
     if args.command == "validate":  # the resolved config, then what a run would trip on (flows/preflight.py)
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        print(yaml.safe_dump(cfg.run_config(), sort_keys=False), end="")
         report = preflight.inspect_config(cfg, args.config)
         for note in report.notes:
             print(f"note: {note}", file=sys.stderr)

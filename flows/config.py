@@ -277,28 +277,42 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"rollout.prefetch_depth {why}")
         return self
 
+    def unread_sections(self) -> dict[str, str]:
+        """{section: why} of the sections the chosen method reads nothing of: a DPO-family run reads no
+        rollout/score/grpo/ebft/reward_model; a round-based run no dpo, ebft only under rl: ebft, and the reward
+        model's sections only with score.reward_funcs: [reward_model]; rl: reward_model none of the policy's
+        (REWARD_MODEL_RUN_UNREAD). A value set there is an error; a run's saved config.yaml leaves them out."""
+        if self.rl == "reward_model":
+            return {name: "rl: reward_model (it trains, evaluates and registers a reward model only)"
+                    for name in REWARD_MODEL_RUN_UNREAD}
+        if self.rl in DPO_FAMILY:
+            return {name: f"rl: {self.rl} (one preference-optimization stage, no rounds)" for name in DPO_RUN_UNREAD}
+        trains_reward_model = "reward_model" in self.score.reward_funcs
+        return {"dpo": f"rl: {self.rl} (the DPO family's section)",
+                **({} if self.rl == "ebft" else {"ebft": f"rl: {self.rl} (rl: ebft's section)"}),
+                **({} if trains_reward_model else {name: f"rl: {self.rl} without reward_model in "
+                                                   "score.reward_funcs (nothing trains a reward model)"
+                                                   for name in REWARD_MODEL_INPUTS})}
+
+    def run_config(self) -> dict:
+        """The config as a run saves and logs it (runs/<run>/config.yaml, MLflow params): every field of the
+        sections the method reads, without the unread ones (set there, a value would be an error on resume)."""
+        dumped = self.model_dump(mode="json")
+        for name in self.unread_sections():
+            dumped.pop(name, None)
+        return dumped
+
     def _method_reads_its_sections(self) -> None:
-        """A value set in a section the chosen method reads nothing of is an error naming it (a DPO-family run
-        reads no rollout/score/grpo/ebft/reward_model; a round-based run no dpo, ebft only under rl: ebft, and
-        the reward model's sections only with score.reward_funcs: [reward_model]). `seed` is left out: the
-        top-level seed sets every section's."""
+        """A field set in a section the method reads nothing of (`unread_sections`) is an error naming it, whether
+        or not its value is the default. `seed` is left out: the top-level seed sets every section's."""
         if self.rl == "reward_model":
             return  # _reward_model_run_reads_its_sections
-        trains_reward_model = self.rl not in DPO_FAMILY and "reward_model" in self.score.reward_funcs
-        if self.rl in DPO_FAMILY:
-            unread = {name: f"rl: {self.rl} (one preference-optimization stage, no rounds)" for name in DPO_RUN_UNREAD}
-        else:
-            unread = {"dpo": f"rl: {self.rl} (the DPO family's section)",
-                      **({} if self.rl == "ebft" else {"ebft": f"rl: {self.rl} (rl: ebft's section)"}),
-                      **({} if trains_reward_model else {name: f"rl: {self.rl} without reward_model in "
-                                                         "score.reward_funcs (nothing trains a reward model)"
-                                                         for name in REWARD_MODEL_INPUTS})}
-        for name, why in unread.items():
-            section = getattr(self, name)
-            ignored = [f"{name}.{k}" for k in not_default(section, type(section).model_fields) if k != "seed"]
+        for name, why in self.unread_sections().items():
+            ignored = [f"{name}.{k}" for k in set_fields(getattr(self, name)) if k != "seed"]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)}: not read under {why}; remove "
                                  f"{'them' if len(ignored) > 1 else 'it'}")
+        trains_reward_model = self.rl not in DPO_FAMILY and "reward_model" in self.score.reward_funcs
         if self.preferences is not None and self.rl not in DPO_FAMILY and not trains_reward_model:
             raise ValueError(f"preferences: not read under rl: {self.rl} without reward_model in score.reward_funcs "
                              "(nothing trains a reward model); remove it")
@@ -312,8 +326,7 @@ class PipelineConfig(BaseModel):
             raise ValueError("sft.enabled: rl: reward_model trains the reward model from model.path, with no SFT "
                              "stage; remove it (to start from an SFT model, give its folder as model.path)")
         self.sft = self.sft.model_copy(update={"enabled": False})
-        ignored = [f"{name}.{k}" for name in REWARD_MODEL_RUN_UNREAD
-                   for k in not_default(getattr(self, name), type(getattr(self, name)).model_fields)
+        ignored = [f"{name}.{k}" for name in REWARD_MODEL_RUN_UNREAD for k in set_fields(getattr(self, name))
                    if k != "seed" and not (name == "sft" and k == "enabled")]
         if ignored:
             raise ValueError(f"{', '.join(ignored)}: not read under rl: reward_model (it trains, evaluates and "
@@ -503,6 +516,11 @@ def _numbers(value, key: str = ""):
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             yield from _numbers(item, f"{key}.{index}")
+
+
+def set_fields(section: BaseModel) -> list[str]:
+    """The fields of `section` a config set (even to the default value) or that differ from their default."""
+    return sorted(set(section.model_fields_set) | set(not_default(section, type(section).model_fields)))
 
 
 def not_default(section: BaseModel, names) -> list[str]:

@@ -57,7 +57,7 @@ def resume_command(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    changed = config_differences(yaml.safe_load(saved.read_text()), cfg.model_dump(mode="json"))
+    changed = config_differences(yaml.safe_load(saved.read_text()), cfg.run_config())
     if changed and not args.allow_config_change:
         print(f"error: resume {run.info.run_name}: the overrides change the config: {', '.join(changed)}; "
               "pass --allow-config-change to resume anyway", file=sys.stderr)

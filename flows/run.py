@@ -98,18 +98,17 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         run_dir = root / "runs" / run_name
         if purpose == "train":
             OPENED.append((run_name, root))
-        changed = config_differences(yaml.safe_load((run_dir / "config.yaml").read_text()),
-                                     cfg.model_dump(mode="json"))
+        changed = config_differences(yaml.safe_load((run_dir / "config.yaml").read_text()), cfg.run_config())
         if changed and not allow_config_change:
             raise ConfigError(f"resume {run_name}: the config differs from the run's in {', '.join(changed)}; "
                               "resume with the run's own config, or pass --allow-config-change")
-        lineage.resume(resume, cfg.model_dump(mode="json"), run_dir / "config.yaml")
+        lineage.resume(resume, cfg.run_config(), run_dir / "config.yaml")
         if not process_alive(previous.data.tags.get("posttrain.pid", "")):
             crash_flow_run(previous.data.tags.get("prefect.flow_run_id", ""), flow_run_id)
         lineage.set_tags(resume, {"prefect.flow_run_id": flow_run_id, "git_commit": git_commit(),
                                   **({"posttrain.config_changed": ", ".join(changed)} if changed else {})})
         if changed:
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.run_config(), sort_keys=False))
         if checked:
             lineage.log_code(resume, checked.functions)
         return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
@@ -124,7 +123,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
             n += 1
             run_name = f"{base}-{n}"
     resolved = run_dir / "config.yaml"
-    resolved.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    resolved.write_text(yaml.safe_dump(cfg.run_config(), sort_keys=False))
     tags = {
         "prefect.flow_run_id": flow_run_id,
         "git_commit": git_commit(),
@@ -137,7 +136,7 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         "posttrain.host": socket.gethostname(),  # with the pid: `posttrain runs` shows a run whose process died KILLED
         CODE_DIRS_TAG: json.dumps(code_dirs(config_path)),
     }
-    parent = lineage.start(run_name, tags, cfg.model_dump(mode="json"), resolved)
+    parent = lineage.start(run_name, tags, cfg.run_config(), resolved)
     if purpose == "train":
         OPENED.append((run_name, root))
         lineage.log_code(parent, checked.functions)

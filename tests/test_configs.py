@@ -209,6 +209,7 @@ def test_train_section_typos_and_batch_split(tmp_path):
      "max_staleness 2 caps the lag at 2"),
     # a section the method reads nothing of
     (["dpo.rl_beta=0.3"], r"dpo.rl_beta: not read under rl: grpo \(the DPO family's section\)"),
+    (["dpo.rl_beta=0.1"], r"dpo.rl_beta: not read under rl: grpo"),  # set, even to its default (issue 44 item 8)
     (["ebft.ce_coef=0.1"], r"ebft.ce_coef: not read under rl: grpo \(rl: ebft's section\)"),
     (["reward_model.learning_rate=0.01"], "reward_model.learning_rate: not read under rl: grpo without reward_model "
                                           "in score.reward_funcs"),
@@ -230,13 +231,13 @@ def test_options_the_method_reads_still_load(tiny_config):
 
 
 def test_a_saved_config_of_an_atropos_run_loads_back(tmp_path):
-    """A run's saved config.yaml lists every field at its value: defaults are not 'options set'."""
+    """A run's saved config.yaml (run_config: every field of the sections the method reads) loads back."""
     import yaml
 
     cfg = load_config(CONFIGS[0])  # configs/atropos.yaml
     assert cfg.rollout.source == "atropos"
     saved = tmp_path / "config.yaml"
-    saved.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    saved.write_text(yaml.safe_dump(cfg.run_config()))
     assert load_config(saved).model_dump() == cfg.model_dump()
 
 
@@ -269,7 +270,7 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
             cfg.rollout.engine) == (4, 24, 0.9, "vllm")
     assert (cfg.score.reward_funcs, cfg.score.reward_weights, cfg.score.scale_rewards) == \
         (["accuracy", "format"], [1.0, 0.2], "none")
-    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the saved translation round-trips
+    assert PipelineConfig.model_validate(cfg.run_config()) == cfg  # the saved translation round-trips
 
     vllm = tmp_path / "axolotl_vllm.yaml"  # axolotl's vllm: section and TRL's colocate keys
     vllm.write_text("rl: grpo\nvllm:\n  device: auto\n  tensor_parallel_size: 2\n  dtype: bfloat16\n"
@@ -445,7 +446,7 @@ def test_axolotl_doc_examples_load_or_name_what_is_not_honoured(tmp_path, name):
         # without the refused keys, the rest of the example loads
         path.write_text(_without(lines, refused_lines))
     cfg = load_config(path)
-    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the translation round-trips
+    assert PipelineConfig.model_validate(cfg.run_config()) == cfg  # the translation round-trips
     for dotted, value in AXOLOTL_DOC_TRANSLATIONS.get(name, {}).items():
         section, field = dotted.split(".")
         assert getattr(getattr(cfg, section), field) == value, dotted

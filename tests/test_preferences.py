@@ -732,7 +732,7 @@ def test_an_axolotl_kto_config_reads_kto_rows(tmp_path, out_dir):
     path = _file(tmp_path, KTO_SAMPLES["chatml.argilla"][1])
     cfg = PipelineConfig.model_validate({"rl": "kto", "datasets": [{"path": path, "type": "chatml.argilla"}]})
     assert cfg.preferences.namespace == "kto" and cfg.dpo.rl == "kto"
-    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # the saved translation round-trips
+    assert PipelineConfig.model_validate(cfg.run_config()) == cfg  # the saved translation round-trips
     summary = preferences.run(cfg.preferences, out_dir)
     assert summary["train"]["kinds"] == {"unpaired": 2}
 
