@@ -14,8 +14,8 @@ event `posttrain.data.added` (resource `posttrain.data.<name>`, label `posttrain
 with `data.version: <version>` (or `latest`) trains on those rows in place of the config's train split and
 evaluates on the config's own eval split, so every version is measured on the same held-out prompts.
 
-**Deployments.** `deploy` registers `flows/pipeline.py:posttrain_pipeline` for the config on a process
-work pool, run from this project folder (like prefect.yaml), with the config's `schedule` as a cron
+**Deployments.** `deploy` registers `flows.pipeline.posttrain_pipeline` (a module path) for the config on a process
+work pool, run in the folder `deploy` was called from (like prefect.yaml), with the config's `schedule` as a cron
 schedule and a DeploymentEventTrigger: each `posttrain.data.added` event for the config's name starts a
 run with `overrides: {"data.version": <the event's version>}`.
 
@@ -40,10 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parents[1]
 POOL = "posttrain"
 DATA_EVENT = "posttrain.data.added"
-ENTRYPOINT = "flows/pipeline.py:posttrain_pipeline"
+ENTRYPOINT = "flows.pipeline.posttrain_pipeline"  # a module path: the flow is found wherever posttrain is installed
 VERSION_CHARS = 12  # sha256 prefix that names a data version
 
 
@@ -378,8 +377,9 @@ def deploy(config_path: str | Path, name: str | None = None, pool: str = POOL) -
     if not api:
         raise RetrainError("deploy: no Prefect server configured; start one (`posttrain server`) and set "
                            "PREFECT_API_URL, e.g. http://127.0.0.1:4200/api")
+    folder = Path.cwd()  # the flow runs here (the deployment's pull step), as `posttrain run` would
     path = Path(config_path).resolve()
-    config_param = str(path.relative_to(PROJECT)) if path.is_relative_to(PROJECT) else str(path)
+    config_param = str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
     deployment = name or f"{cfg.name}-retrain"
     schedules = [Cron(cfg.schedule.cron, timezone=cfg.schedule.timezone)] if cfg.schedule else []
     trigger = DeploymentEventTrigger(
@@ -392,7 +392,7 @@ def deploy(config_path: str | Path, name: str | None = None, pool: str = POOL) -
     )
     when = f"cron {cfg.schedule.cron!r} ({cfg.schedule.timezone}) and " if cfg.schedule else ""
     try:
-        deployment_id = flow.from_source(str(PROJECT), ENTRYPOINT).deploy(
+        deployment_id = flow.from_source(str(folder), ENTRYPOINT).deploy(
             name=deployment, work_pool_name=pool, schedules=schedules, triggers=[trigger],
             parameters={"config_path": config_param, "overrides": {}},
             description=f"Retraining for {config_param}: {when}on every {DATA_EVENT} event for "

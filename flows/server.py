@@ -6,11 +6,12 @@ Starts `prefect server start --host 127.0.0.1 --port N` with PREFECT_HOME=<artif
 (its SQLite database is <artifacts>/prefect-server/prefect.db, its log server.log beside it) and
 PREFECT_SERVER_UI_API_URL=http://127.0.0.1:N/api (the UI on port N calls the API on port N),
 waits until /api/health answers, creates the process work pool if it is missing, starts
-`prefect worker start --pool posttrain --type process` in the project folder with PREFECT_API_URL
-pointing at the server, prints the UI address and the commands to deploy (prefect.yaml) and run,
-and stops both on Ctrl-C or SIGTERM. Runs the worker picks up execute with this Python (the
-worker's), in the folder prefect.yaml's pull step names, so relative `artifacts_dir` and config
-paths resolve there, as with `posttrain run`.
+`prefect worker start --pool posttrain --type process` in the folder it is started in (yours, or this
+project's) with PREFECT_API_URL pointing at the server, prints the UI address and the commands to deploy
+(prefect.yaml where the folder has one, else `posttrain deploy CONFIG`) and run, and stops both on Ctrl-C or
+SIGTERM. Runs the worker picks up execute with this Python (the worker's), in the folder the deployment's pull
+step names (where it was deployed from), so relative `artifacts_dir` and config paths resolve there, as with
+`posttrain run`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parents[1]
 POOL = "posttrain"
 
 
@@ -88,7 +88,7 @@ def stop(process: subprocess.Popen | None, name: str, grace_s: float = 15.0) -> 
     print(f"posttrain server: {name} (pid {process.pid}) did not stop", file=sys.stderr)
 
 
-def environments(home: Path, base_url: str) -> tuple[dict, dict]:
+def environments(home: Path, base_url: str, folder: Path) -> tuple[dict, dict]:
     """(server env, worker env). Both get PREFECT_HOME=home, so the server's database, profiles and
     local result storage live under the artifacts folder, not ~/.prefect. Settings inherited from the
     caller that point at some other server (API and UI URLs, API key) are dropped, then pinned to
@@ -105,9 +105,33 @@ def environments(home: Path, base_url: str) -> tuple[dict, dict]:
     base.setdefault("PREFECT_CLIENT_MAX_RETRIES", "7")  # flow runs ride out a locked database (flows/cli.py)
     server = {**base, "PREFECT_SERVER_UI_API_URL": api_url}
     venv_bin = str(Path(sys.executable).parent)
-    worker = {**base, "PREFECT_API_URL": api_url, "PWD": str(PROJECT),
+    worker = {**base, "PREFECT_API_URL": api_url, "PWD": str(folder),
               "PATH": venv_bin + os.pathsep + base.get("PATH", "")}
     return server, worker
+
+
+def ready_message(folder: Path, base_url: str, api_url: str, pool: str) -> str:
+    """What to do next: deploy with the folder's prefect.yaml (this project's, or a copy of it beside your
+    configs), else with `posttrain deploy CONFIG`; then run a deployment."""
+    env_prefix = f"PREFECT_API_URL={api_url}"
+    bin_dir = Path(sys.executable).parent
+    prefect, posttrain = (shlex.quote(str(bin_dir / name)) for name in ("prefect", "posttrain"))
+    if (folder / "prefect.yaml").exists():
+        deploy = (f"Deploy with {folder / 'prefect.yaml'}, then run one (from {folder}):\n"
+                  f"  {env_prefix} {prefect} deploy --name quickstart --name dpo --name rm_grpo\n"
+                  f"  {env_prefix} {prefect} deployment run 'posttrain/quickstart' --param "
+                  f"overrides={shlex.quote(json.dumps({'grpo.rounds': 1}))} --watch")
+    else:
+        deploy = (f"Deploy a config of this folder, then run it (from {folder}):\n"
+                  f"  {env_prefix} {posttrain} deploy CONFIG.yaml --pool {pool}\n"
+                  f"  {env_prefix} {prefect} deployment run 'posttrain/<config name>-retrain' --watch")
+    return f"""
+posttrain server: ready.
+  UI:      {base_url}
+  API:     {api_url}
+  worker:  pool {pool!r} (process), runs flows in {folder}
+{deploy}
+Ctrl-C stops the worker and the server."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -133,7 +157,8 @@ def serve(args: argparse.Namespace) -> int:
     home.mkdir(parents=True, exist_ok=True)
     base_url = f"http://127.0.0.1:{args.port}"
     api_url = f"{base_url}/api"
-    server_env, worker_env = environments(home, base_url)
+    folder = Path.cwd()  # the worker runs here; deployments made from here run here (their pull step)
+    server_env, worker_env = environments(home, base_url, folder)
     server_log = home / "server.log"
     with socket.socket() as probe:  # else the health check could pass against whatever holds the port
         if probe.connect_ex(("127.0.0.1", args.port)) == 0:
@@ -151,7 +176,7 @@ def serve(args: argparse.Namespace) -> int:
             server = subprocess.Popen(
                 prefect_command("server", "start", "--host", "127.0.0.1", "--port", str(args.port),
                                 "--analytics-off"),
-                env=server_env, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                env=server_env, cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         print(f"posttrain server: starting Prefect server on {base_url} (home {home}, log {server_log})",
               flush=True)
         wait_until(lambda: api_get(f"{api_url}/health") is True, args.startup_timeout,
@@ -159,28 +184,17 @@ def serve(args: argparse.Namespace) -> int:
 
         if api_get(f"{api_url}/work_pools/{args.pool}") is None:
             created = subprocess.run(prefect_command("work-pool", "create", args.pool, "--type", "process"),
-                                     env=worker_env, cwd=PROJECT, capture_output=True, text=True)
+                                     env=worker_env, cwd=folder, capture_output=True, text=True)
             if created.returncode != 0 and api_get(f"{api_url}/work_pools/{args.pool}") is None:
                 raise RuntimeError(f"could not create work pool {args.pool!r}:\n{created.stdout}{created.stderr}")
             print(f"posttrain server: created process work pool {args.pool!r}", flush=True)
 
         worker = subprocess.Popen(prefect_command("worker", "start", "--pool", args.pool, "--type", "process"),
-                                  env=worker_env, cwd=PROJECT, start_new_session=True)
+                                  env=worker_env, cwd=folder, start_new_session=True)
         wait_until(lambda: api_post(f"{api_url}/work_pools/{args.pool}/workers/filter", {}), args.startup_timeout,
                    f"worker for pool {args.pool!r}", worker)
 
-        env_prefix = f"PREFECT_API_URL={api_url}"
-        prefect = shlex.quote(str(Path(sys.executable).with_name("prefect")))
-        overrides = shlex.quote(json.dumps({"grpo.rounds": 1}))
-        print(f"""
-posttrain server: ready.
-  UI:      {base_url}
-  API:     {api_url}
-  worker:  pool {args.pool!r} (process), runs flows in {PROJECT}
-Deploy the shipped configs in prefect.yaml, then run one (from {PROJECT}):
-  {env_prefix} {prefect} deploy --name quickstart --name dpo --name rm_grpo
-  {env_prefix} {prefect} deployment run 'posttrain/quickstart' --param overrides={overrides} --watch
-Ctrl-C stops the worker and the server.""", flush=True)
+        print(ready_message(folder, base_url, api_url, args.pool), flush=True)
 
         while True:
             for process, name in ((server, "Prefect server"), (worker, "worker")):

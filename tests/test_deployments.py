@@ -138,7 +138,7 @@ def test_deploy_all_and_run_quickstart_through_worker(server, tmp_path):
     assert "Flow run finished successfully in 'Completed'" in ran.stdout, ran.stdout
 
     dep, runs, tasks = asyncio.run(read_run(server.api_url, "posttrain/quickstart"))
-    assert dep.work_pool_name == "posttrain" and dep.entrypoint == "flows/pipeline.py:posttrain_pipeline"
+    assert dep.work_pool_name == "posttrain" and dep.entrypoint == "flows.pipeline.posttrain_pipeline"
     assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
     assert len(runs) == 1 and runs[0].state.is_completed(), runs
     assert runs[0].parameters["config_path"] == "configs/quickstart.yaml"
@@ -164,3 +164,14 @@ def test_deploy_all_and_run_quickstart_through_worker(server, tmp_path):
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", server.port)) != 0, "the Prefect server still answers"
     print(f"deployments test: {time.monotonic() - started:.0f} s")
+
+
+def test_the_server_tells_how_to_deploy_from_the_folder_it_serves(tmp_path):
+    """`posttrain server` serves the folder it is started in (issue 44 item 8): with a prefect.yaml there (this
+    project, or a copy beside your configs) it says `prefect deploy`, else `posttrain deploy CONFIG`."""
+    from flows.server import ready_message
+
+    own = ready_message(tmp_path, "http://127.0.0.1:4200", "http://127.0.0.1:4200/api", "posttrain")
+    assert f"runs flows in {tmp_path}" in own and "posttrain deploy CONFIG.yaml --pool posttrain" in own
+    shipped = ready_message(ROOT, "http://127.0.0.1:4200", "http://127.0.0.1:4200/api", "posttrain")
+    assert f"Deploy with {ROOT / 'prefect.yaml'}" in shipped and "deploy --name quickstart" in shipped

@@ -224,7 +224,7 @@ def test_data_add_is_content_addressed_idempotent_and_announced(prefect_harness,
 
 
 def test_deploy_has_the_cron_schedule_and_a_data_trigger_that_starts_runs(prefect_harness, tiny_config, tmp_path,
-                                                                          capsys):
+                                                                          capsys, monkeypatch):
     from prefect import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
@@ -235,6 +235,7 @@ def test_deploy_has_the_cron_schedule_and_a_data_trigger_that_starts_runs(prefec
     config = tmp_path / "scheduled.yaml"
     config.write_text(tiny_config.read_text().replace("name: test-tiny", "name: sched-tiny")
                       + "schedule: {cron: '30 2 * * 1-5', timezone: Europe/Berlin}\n")
+    monkeypatch.chdir(tmp_path)  # your own folder: the deployment runs there, the config named relative to it
     with get_client(sync_client=True) as client:
         try:
             client.create_work_pool(WorkPoolCreate(name="posttrain-test", type="process"))
@@ -252,9 +253,9 @@ def test_deploy_has_the_cron_schedule_and_a_data_trigger_that_starts_runs(prefec
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("30 2 * * 1-5", "Europe/Berlin",
                                                                                      True)
     assert deployment.work_pool_name == "posttrain-test" and deployment.entrypoint == retrain.ENTRYPOINT
-    assert deployment.parameters == {"config_path": str(config), "overrides": {}}
+    assert deployment.parameters == {"config_path": "scheduled.yaml", "overrides": {}}
     assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory":
-                                      {"directory": str(retrain.PROJECT)}}]
+                                      {"directory": str(tmp_path)}}]
     trigger = automation.trigger
     assert trigger.expect == {"posttrain.data.added"} and trigger.posture == "Reactive"
     assert trigger.match.root == {"prefect.resource.id": "posttrain.data.sched-tiny"}
@@ -280,7 +281,7 @@ def test_deploy_has_the_cron_schedule_and_a_data_trigger_that_starts_runs(prefec
         if triggered or time.monotonic() > deadline:
             break
         time.sleep(1.0)
-    assert [r.parameters for r in triggered] == [{"config_path": str(config),
+    assert [r.parameters for r in triggered] == [{"config_path": "scheduled.yaml",
                                                   "overrides": {"data.version": record["version"]}}]
 
 
