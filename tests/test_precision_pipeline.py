@@ -47,11 +47,29 @@ def _check_bf16_run(root: Path, summary: dict, device_type: str) -> None:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
 
 
+def _gpu_flow_check_reads(root: Path, summary: dict) -> None:
+    """benchmarks/gpu_flow_check.py (what a GPU lease reads back, issue 48) reads a run as the code writes it."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        check = importlib.import_module("gpu_flow_check")
+    finally:
+        sys.path.pop(0)
+    placed = check.stage_placements(root)
+    assert {p["precision"] for stage in ("sft", "optimize") for p in placed[stage]} == {"bf16"}
+    exported = check.exported_model(Path(summary["exported_model"]), check.eval_prompts(root, 1))
+    assert exported["file_dtypes"] == ["torch.bfloat16"] and exported["loaded_on"] == [["cpu", "torch.bfloat16"]]
+    assert len(exported["answers"]) == 1
+
+
 def test_a_bf16_run_on_cpu_records_and_keeps_its_precision(prefect_harness, tiny_config, tmp_path):
     from flows.pipeline import posttrain_pipeline
 
     summary = posttrain_pipeline(str(tiny_config), OVERRIDES, quiet=True)
     _check_bf16_run(tmp_path / "artifacts", summary, "cpu")
+    _gpu_flow_check_reads(tmp_path / "artifacts", summary)
     fp32 = posttrain_pipeline(str(tiny_config), [o for o in OVERRIDES if "precision" not in o], quiet=True)
     reused = {row["stage"] for row in fp32["stages"]} - set(computed(fp32))
     assert reused == {"demo_data", "transform", "base_model", "preferences"}  # nothing that ran a model in bf16

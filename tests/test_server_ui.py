@@ -51,12 +51,13 @@ print(ui_check())
 def test_environments_point_ui_and_worker_at_the_chosen_port(monkeypatch, tmp_path):
     for name in ("PREFECT_API_URL", "PREFECT_UI_API_URL", "PREFECT_UI_URL"):  # a user's other server
         monkeypatch.setenv(name, "http://127.0.0.1:4200/api")
-    server_env, worker_env = environments(tmp_path, "http://127.0.0.1:4311")
+    server_env, worker_env = environments(tmp_path, "http://127.0.0.1:4311", tmp_path / "own-task")
     assert server_env["PREFECT_SERVER_UI_API_URL"] == "http://127.0.0.1:4311/api"
     assert server_env["PREFECT_UI_URL"] == worker_env["PREFECT_UI_URL"] == "http://127.0.0.1:4311"
     assert "PREFECT_API_URL" not in server_env and "PREFECT_UI_API_URL" not in server_env
     assert worker_env["PREFECT_API_URL"] == "http://127.0.0.1:4311/api"
     assert "PREFECT_UI_API_URL" not in worker_env and "PREFECT_SERVER_UI_API_URL" not in worker_env
+    assert worker_env["PWD"] == str(tmp_path / "own-task")  # the worker runs in the folder the server serves
 
 
 @pytest.mark.slow
