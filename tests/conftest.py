@@ -10,6 +10,22 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # prefect_te
 
 import pytest
 
+# Fixtures that mark a test as end to end (`slow`): a whole flow on the Prefect harness, a Ray cluster.
+# `make test-fast` leaves them out (-m "not slow"); `make test` runs everything.
+END_TO_END_FIXTURES = {"prefect_harness", "ray_home"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark end-to-end tests `slow`, and group tests for pytest-xdist (`make test`: `-n 2 --dist loadgroup`): a
+    file's tests stay on one worker (its module-scoped fixtures are built once), except that every test starting
+    Ray goes to one worker, so two Ray clusters never compete for the 2 cores (and a dashboard port) at once."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & END_TO_END_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        group = "ray" if "ray_home" in fixtures else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(name=group))
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():
