@@ -23,8 +23,9 @@ def pytest_collection_modifyitems(config, items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & END_TO_END_FIXTURES:
             item.add_marker(pytest.mark.slow)
-        group = "ray" if "ray_home" in fixtures else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(name=group))
+        if item.get_closest_marker("xdist_group") is None:  # a test may name its group (a Ray cluster of its own)
+            group = "ray" if "ray_home" in fixtures else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(name=group))
 
 
 @pytest.fixture(scope="session")

@@ -178,6 +178,7 @@ def test_kubernetes_worker_renders_the_job(request):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group(name="ray")  # its own Ray cluster: never beside another (tests/conftest.py)
 def test_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_path):
     pytest.importorskip("ray")
     from mlflow import MlflowClient
