@@ -90,6 +90,7 @@ def logged_steps(path: Path) -> list[int]:
 @pytest.mark.parametrize("make_inputs", [sft_inputs, preference_inputs("dpo", "PreferenceOptimizationConfig"),
                                          preference_inputs("reward_model", "RewardModelConfig")],
                          ids=["sft", "dpo", "reward_model"])
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_inputs):
     spec = make_inputs(tmp_path)
 

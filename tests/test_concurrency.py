@@ -172,6 +172,7 @@ def hammer_one_store(tmp_path, monkeypatch, lock_first_use: bool, procs: int = 4
             assert len(client.get_metric_history(child.info.run_id, "loss")) == steps
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_four_processes_write_one_mlflow_store(tmp_path, monkeypatch):
     """Fresh store, first use under `store_lock`, then 4 processes write at once: no 'database is
     locked' (MLflow's 20 s sqlite busy timeout covers it) and nothing lost."""

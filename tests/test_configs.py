@@ -108,6 +108,7 @@ def test_cli_overrides_may_follow_options(capsys):
         main(["run", str(CONFIGS[0]), "--no-such-flag"])
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
     """`posttrain run` on prompts with a bad row: exit 2 and the row named, without Prefect's traceback;
     `--debug` shows it."""

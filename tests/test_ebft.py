@@ -152,6 +152,7 @@ def tiny_policy(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_tiny_run_raises_the_feature_matching_reward(tiny_policy):
     """Rollout -> EBFT score (features of the frozen starting policy) -> GRPO optimize, 8 rounds: the mean
     feature-matching reward rises and the feature distance to the reference falls (measured: reward -2.6 ->

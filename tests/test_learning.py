@@ -188,6 +188,7 @@ def test_broken_rollout_func_is_named(tiny_policy, fn, message):
     assert not (d / "rollouts.parquet").exists()
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_rollout_worker_process_writes_what_the_flow_process_writes(tiny_policy):
     """rollout.worker_process: same rollouts table (same seeds, same re-rolled prompts), progress
     forwarded, worker errors and a killed worker surface as clear errors, and the next call starts a

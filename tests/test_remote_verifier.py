@@ -152,6 +152,7 @@ def test_whole_service_reward_is_the_weighted_sum(tmp_path, served):
             == [r["reward"] for r in read_scored(tmp_path / "local")])
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_function_hanging_inside_the_server_costs_only_its_samples(tmp_path, served):
     """The server's own worker pool times the function out (reward_timeout_s 3 there) on the samples of
     prompt `hang-1`; those, and only those, get the client's reward_on_error and the server's reason."""
@@ -222,6 +223,7 @@ def flaky(tmp_path):
     stop(proc)
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_hang_and_500_cost_only_their_samples(tmp_path, flaky):
     url, _ = flaky
     rollouts = write_rollouts(tmp_path / "rollouts.parquet", num_prompts=4,

@@ -53,6 +53,7 @@ def store(tmp_path, monkeypatch):
     return lineage, root / "mlflow.db"
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_a_write_outlasts_a_lock_longer_than_mlflows_busy_timeout_then_a_stuck_lock_names_the_file(
         store, monkeypatch):
     lineage, db = store
@@ -116,6 +117,7 @@ def test_runs_and_resume_read_through_the_retrying_client(store):
     assert [r.info.run_name for r in compare.search_parent_runs(client)] == ["busy-run"]
 
 
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
 def test_run_defaults_and_two_first_temporary_servers_print_no_error(tmp_path):
     """What `posttrain run` sets before Prefect loads, then two runs' temporary servers started at once on a new
     artifacts folder, up and idle for a while: one migrates the new database while the other waits (no
