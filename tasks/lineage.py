@@ -266,15 +266,17 @@ class Lineage:
         from stages.runtime.imports import local_modules, source_digest
 
         digests: dict[str, str] = {}
+        files: dict[str, str] = {}  # module name -> file, each logged once (two modules may import a third)
         for module in dict.fromkeys(name.rpartition(".")[0] for name in functions):
             digest = source_digest(module)
             if digest is None:
                 continue
             digests[module] = digest
-            for name, path in local_modules(module).items():
-                relative = Path(*name.split("."))
-                folder = relative if Path(path).name == "__init__.py" else relative.parent
-                self.client.log_artifact(run_id, str(path), artifact_path=str(Path(CODE_ARTIFACTS) / folder))
+            files.update(local_modules(module))
+        for name, path in files.items():
+            relative = Path(*name.split("."))
+            folder = relative if Path(path).name == "__init__.py" else relative.parent
+            self.client.log_artifact(run_id, str(path), artifact_path=str(Path(CODE_ARTIFACTS) / folder))
         if digests:
             self.set_tags(run_id, {f"{CODE_TAG_PREFIX}{module}": digest for module, digest in digests.items()})
         return digests
