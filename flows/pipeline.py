@@ -19,6 +19,7 @@ from prefect import flow
 
 from flows.recipes import RECIPES, WHOLE_RUNS, evaluator, method
 from flows.run import eval_metrics, open_run, prepare_policy, save_results
+from stages.runtime.distributed import warm_ranks
 from tasks.lineage import ui_command
 from tasks.stage_tasks import export_task
 
@@ -43,8 +44,15 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
     MLflow run id of an unfinished run to continue (see `open_run` for when that happens by itself)."""
     ctx, parent, run_dir = open_run(config_path, overrides, quiet, resume=resume,
                                     allow_config_change=allow_config_change)
-    if ctx.config.rl in WHOLE_RUNS:  # rl: reward_model trains no policy
-        return WHOLE_RUNS[ctx.config.rl](ctx, parent, run_dir)
+    with warm_ranks():  # train.num_processes > 1: SFT and every optimize round on the same torchrun ranks
+        if ctx.config.rl in WHOLE_RUNS:  # rl: reward_model trains no policy
+            return WHOLE_RUNS[ctx.config.rl](ctx, parent, run_dir)
+        return train_policy(ctx, parent, run_dir, quiet)
+
+
+def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
+    """The run of a method that trains a policy: prepare it, evaluate, train by the method's recipe, export,
+    evaluate again, register and promote; return the results."""
     cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
     root = Path(cfg.artifacts_dir).resolve()
     run_name = run_dir.name

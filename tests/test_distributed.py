@@ -149,28 +149,6 @@ def assert_equal_runs(first: Path, one: dict, second: Path, two: dict, strategy:
         assert held == (1.0 if strategy == "ddp" else pytest.approx(0.5, abs=0.05)), (name, held)  # sharded
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_grpo_two_processes_equal_one(tiny, one_process, tmp_path, strategy):
-    """ddp: replicas, gradients summed. fsdp: weights, gradients and optimizer state sharded (FSDP2), with
-    filler passes for a rank short of micro-batches (grpo_odd's step 1, the pre-pass of round 0 whose pi_old
-    comes from the rollouts) and a plain forward per micro-batch instead of the shared prompt pass."""
-    root, scored = tiny
-    first, one = one_process
-    events = []
-    progress = []
-    two = distributed.launch("test_distributed:run_grpo_cases",
-                             dict(root=str(root), scored=str(scored), out=str(tmp_path / "two")),
-                             distributed.TrainConfig(num_processes=2, strategy=strategy), "optimize (test)",
-                             on_metrics=lambda m, step: events.append((step, m)),
-                             on_step=lambda done, total: progress.append((done, total)))
-    assert_equal_runs(first, one, tmp_path / "two", two, strategy)
-    assert one["dapo_skip"][0]["trained_rows"] < 32 and one["dapo_kl_skip"][0]["skipped_batches"] > 0
-    assert one["grpo_odd"][0]["optimizer_steps"] == 2  # steps of 3 and 1 micro-batches
-    # the parent received rank 0's step metrics and progress as they happened
-    assert len(events) == sum(len(r["steps"]) for runs in one.values() for r in runs)
-    assert progress and progress[-1][0] == progress[-1][1]
-
-
 def crash_on_rank_1(out: str, on_metrics=None, on_step=None, group=None) -> dict:
     """Rank 0 writes into the stage's folder; rank 1 dies by SIGKILL while rank 0 waits in a collective."""
     import torch.distributed as dist
@@ -252,6 +230,50 @@ def test_error_on_a_rank_is_quoted():
     assert "ValueError: grpo.loss_type: a bad value" in message
 
 
+def rank_pids(on_metrics=None, on_step=None, group=None) -> dict:
+    """Every rank's process id, in rank order."""
+    import torch.distributed as dist
+
+    pids = [None] * group.world_size
+    dist.all_gather_object(pids, os.getpid())
+    return {"pids": pids}
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def gone(pids: list[int], timeout_s: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(running(pid) for pid in pids)
+
+
+def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
+    """Inside warm_ranks() (a pipeline run) a launch runs on the last launch's ranks; a failed job takes its ranks
+    down (the next launch starts new ones) and leaving the scope ends them. Outside it each launch has its own."""
+    train = distributed.TrainConfig(num_processes=2)
+    with distributed.warm_ranks():
+        first = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
+        assert len(set(first)) == 2 and os.getpid() not in first
+        assert distributed.launch("test_distributed:rank_pids", {}, train, "optimize r0")["pids"] == first
+        with pytest.raises(distributed.DistributedError, match="optimize r1: training on 2 processes failed"):
+            distributed.launch("test_distributed:raise_on_rank_0", {}, train, "optimize r1")
+        assert gone(first)
+        again = distributed.launch("test_distributed:rank_pids", {}, train, "optimize r1")["pids"]
+        assert set(again).isdisjoint(first) and all(running(pid) for pid in again)
+    assert gone(again)
+    alone = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
+    assert gone(alone) and set(alone).isdisjoint(again)
+
+
 def test_fsdp_with_a_factored_optimizer_or_chunked_logps_is_a_config_error():
     from flows.config import PipelineConfig
 
@@ -301,34 +323,6 @@ def sft_on_ranks(root: str, out: str, work: str, kill_at: int | None = None, on_
                    on_metrics=report, work_dir=Path(work), group=group)
 
 
-def test_sft_two_processes_equal_one_and_resume(tmp_path):
-    from test_checkpoints import sft_inputs, weights
-
-    sft_inputs(tmp_path)
-    for name in ("one", "two", "resumed"):
-        (tmp_path / name).mkdir()
-    one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
-    train = distributed.TrainConfig(num_processes=2)
-    kwargs = {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")}
-    logged = []
-    two = distributed.launch("test_distributed:sft_on_ranks", kwargs, train, "sft",
-                             on_metrics=lambda m, step: logged.append(step))
-    assert two["steps"] == one["steps"] == 30 and two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
-    assert logged and max(logged) == 30
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
-    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
-
-    # killed on 2 processes, rerun on 2 processes: continues from the complete checkpoint of step 18
-    resumed = {**kwargs, "out": str(tmp_path / "resumed"), "work": str(tmp_path / "work-resumed")}
-    with pytest.raises(distributed.DistributedError, match="sft: training on 2 processes failed"):
-        distributed.launch("test_distributed:sft_on_ranks", {**resumed, "kill_at": SFT_KILL_AT}, train, "sft")
-    assert (tmp_path / "work-resumed" / "checkpoint-18" / "_complete").is_file()
-    again = distributed.launch("test_distributed:sft_on_ranks", resumed, train, "sft")
-    assert again["resumed_from_step"] == 18 and again["reused_tokenized_dataset"]
-    w3 = weights(tmp_path / "resumed")
-    assert max(float((w2[k] - w3[k]).abs().max()) for k in w2) < 1e-5
-
-
 def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
     """An HF Trainer stage on Ray Train workers: Trainer runs DDP over the process group Ray Train set up."""
     from test_checkpoints import sft_inputs, weights
@@ -365,24 +359,85 @@ def preference_stage(module: str, root: str, out: str, rl: str = "dpo", on_metri
     return stage.run(config, Path(root) / "model", Path(root) / "prefs", Path(out), on_metrics=on_metrics, group=group)
 
 
-@pytest.mark.parametrize("module,rl", [("dpo", "dpo"), ("dpo", "kto"), ("dpo", "orpo"), ("dpo", "simpo"),
-                                       ("reward_model", None)])
-def test_preference_stages_two_processes_equal_one(tmp_path, module, rl):
-    from conftest import tiny_preference_model
-    from test_checkpoints import weights
+@pytest.fixture(scope="class")
+def warm():
+    """One warm_ranks() scope for a class's tests, as a pipeline run has: their launches share torchrun ranks."""
+    with distributed.warm_ranks():
+        yield
 
-    tiny_preference_model(tmp_path, num_train=96, num_eval=4)
-    for name in ("one", "two"):
-        (tmp_path / name).mkdir()
-    one = preference_stage(module, str(tmp_path), str(tmp_path / "one"), rl or "dpo")
-    two = distributed.launch("test_distributed:preference_stage",
-                             {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two"), "rl": rl or "dpo"},
-                             distributed.TrainConfig(num_processes=2), module)
-    assert two["steps"] == one["steps"] == (48 if rl == "kto" else 24)  # kto: each pair is two rows
-    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
-    assert [step for step, _ in two["eval_history"]] == [step for step, _ in one["eval_history"]] == \
-        ([10, 20, 30, 40] if rl == "kto" else [10, 20])  # eval_steps on two ranks: at the same steps
-    assert [value for _, value in two["eval_history"]] == pytest.approx([value for _, value in one["eval_history"]])
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
-    assert w1.keys() == w2.keys()
-    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+@pytest.mark.usefixtures("warm")
+class TestOnWarmRanks:
+    """2 processes equal 1 for every training stage, on the ranks a pipeline run reuses: each launch runs on the
+    last one's processes (GRPO cases, SFT, the DPO family, the reward model, in turn), and a killed rank's
+    launch is followed by fresh ones."""
+
+    @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+    def test_grpo_two_processes_equal_one(self, tiny, one_process, tmp_path, strategy):
+        """ddp: replicas, gradients summed. fsdp: weights, gradients and optimizer state sharded (FSDP2), with
+        filler passes for a rank short of micro-batches (grpo_odd's step 1, the pre-pass of round 0 whose pi_old
+        comes from the rollouts) and a plain forward per micro-batch instead of the shared prompt pass."""
+        root, scored = tiny
+        first, one = one_process
+        events = []
+        progress = []
+        two = distributed.launch("test_distributed:run_grpo_cases",
+                                 dict(root=str(root), scored=str(scored), out=str(tmp_path / "two")),
+                                 distributed.TrainConfig(num_processes=2, strategy=strategy), "optimize (test)",
+                                 on_metrics=lambda m, step: events.append((step, m)),
+                                 on_step=lambda done, total: progress.append((done, total)))
+        assert_equal_runs(first, one, tmp_path / "two", two, strategy)
+        assert one["dapo_skip"][0]["trained_rows"] < 32 and one["dapo_kl_skip"][0]["skipped_batches"] > 0
+        assert one["grpo_odd"][0]["optimizer_steps"] == 2  # steps of 3 and 1 micro-batches
+        # the parent received rank 0's step metrics and progress as they happened
+        assert len(events) == sum(len(r["steps"]) for runs in one.values() for r in runs)
+        assert progress and progress[-1][0] == progress[-1][1]
+
+    def test_sft_two_processes_equal_one_and_resume(self, tmp_path):
+        from test_checkpoints import sft_inputs, weights
+
+        sft_inputs(tmp_path)
+        for name in ("one", "two", "resumed"):
+            (tmp_path / name).mkdir()
+        one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
+        train = distributed.TrainConfig(num_processes=2)
+        kwargs = {"root": str(tmp_path), "out": str(tmp_path / "two"), "work": str(tmp_path / "work-two")}
+        logged = []
+        two = distributed.launch("test_distributed:sft_on_ranks", kwargs, train, "sft",
+                                 on_metrics=lambda m, step: logged.append(step))
+        assert two["steps"] == one["steps"] == 30 and two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+        assert logged and max(logged) == 30
+        w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+        assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+        # killed on 2 processes, rerun on 2 processes: continues from the complete checkpoint of step 18
+        resumed = {**kwargs, "out": str(tmp_path / "resumed"), "work": str(tmp_path / "work-resumed")}
+        with pytest.raises(distributed.DistributedError, match="sft: training on 2 processes failed"):
+            distributed.launch("test_distributed:sft_on_ranks", {**resumed, "kill_at": SFT_KILL_AT}, train, "sft")
+        assert (tmp_path / "work-resumed" / "checkpoint-18" / "_complete").is_file()
+        again = distributed.launch("test_distributed:sft_on_ranks", resumed, train, "sft")
+        assert again["resumed_from_step"] == 18 and again["reused_tokenized_dataset"]
+        w3 = weights(tmp_path / "resumed")
+        assert max(float((w2[k] - w3[k]).abs().max()) for k in w2) < 1e-5
+
+    @pytest.mark.parametrize("module,rl", [("dpo", "dpo"), ("dpo", "kto"), ("dpo", "orpo"), ("dpo", "simpo"),
+                                           ("reward_model", None)])
+    def test_preference_stages_two_processes_equal_one(self, tmp_path, module, rl):
+        from conftest import tiny_preference_model
+        from test_checkpoints import weights
+
+        tiny_preference_model(tmp_path, num_train=96, num_eval=4)
+        for name in ("one", "two"):
+            (tmp_path / name).mkdir()
+        one = preference_stage(module, str(tmp_path), str(tmp_path / "one"), rl or "dpo")
+        two = distributed.launch("test_distributed:preference_stage",
+                                 {"module": module, "root": str(tmp_path), "out": str(tmp_path / "two"), "rl": rl or "dpo"},
+                                 distributed.TrainConfig(num_processes=2), module)
+        assert two["steps"] == one["steps"] == (48 if rl == "kto" else 24)  # kto: each pair is two rows
+        assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+        assert [step for step, _ in two["eval_history"]] == [step for step, _ in one["eval_history"]] == \
+            ([10, 20, 30, 40] if rl == "kto" else [10, 20])  # eval_steps on two ranks: at the same steps
+        assert [value for _, value in two["eval_history"]] == pytest.approx([value for _, value in one["eval_history"]])
+        w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+        assert w1.keys() == w2.keys()
+        assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5

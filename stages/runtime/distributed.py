@@ -1,7 +1,7 @@
 """Training across processes (`train.num_processes`): a stage function run data-parallel on N ranks.
 
 `launch("stages.training.grpo:run", kwargs, train, label, ...)` runs the function under torchrun
-(`python -m torch.distributed.run --nproc_per_node N -m stages.runtime.distributed <spec>`) as a child of
+(`python -m torch.distributed.run --nproc_per_node N -m stages.runtime.distributed <folder>`) as a child of
 the flow's process and waits for it. Every rank calls the function with the same kwargs plus
 `group=Group(rank, world_size, strategy)`; the function splits the work by rank and sums gradients
 across ranks itself (stages/training/grpo.py), or lets HF Trainer run DDP over the process group
@@ -10,6 +10,11 @@ dpo.py, reward_model.py; each rank takes micro_batch_size / world_size rows).
 Rank 0 alone writes the output folder, and streams `on_metrics` / `on_step` as JSON lines to a file
 the parent tails while it waits, so MLflow step metrics and the progress bar work as in one process;
 its return value comes back as JSON. Backend: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Warm ranks: inside `warm_ranks()` (a pipeline run, flows/pipeline.py) the ranks outlive a launch and run the
+next one of the same shape: SFT and every optimize round share one torchrun, which imports and joins the process
+group once. Each launch is a job folder (`job-<k>/spec.pkl`) the ranks wait for; rank 0 writes its result there
+once every rank has finished it.
 
 Failure handling: torchrun stops every rank when one fails; a non-zero exit raises `DistributedError`
 naming the stage and quoting the workers' log. The children run in a session of their own, which the
@@ -29,6 +34,7 @@ two launchers by `train.backend` (tasks/stage_tasks.py `LAUNCHERS`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -285,59 +291,140 @@ def _root_cause(scratch: Path, log_path: Path) -> str:
             f"log {log_path}:\n{_tail(log_path, 15)}")
 
 
-def launch(target: str, kwargs: dict, train: TrainConfig, label: str,
-           on_metrics: Callable[[dict, int], None] | None = None,
-           on_step: Callable[[int, int], None] | None = None, poll_s: float = 0.2) -> dict:
-    """Run `target` ("module:function") on train.num_processes ranks with torchrun and return rank 0's
-    return value. `kwargs` are pickled to the ranks (configs, paths); each rank gets them plus
-    `group`, and rank 0 also those of `on_metrics` / `on_step` given here, whose calls reach them.
-    Raises DistributedError, naming `label`, if any rank fails. `train.backend: ray` runs the ranks as Ray Train
-    workers on a cluster's nodes instead (stages/runtime/ray_training.py `launch_on_ray`, the same contract)."""
-    if train.backend != "torchrun":
-        raise ValueError(f"train.backend {train.backend!r}: this launcher runs torchrun ranks; "
-                         "tasks/stage_tasks.py LAUNCHERS has the one for each backend")
-    n = train.num_processes
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-ranks-"))
-    spec, events, result, log_path = (scratch / "spec.pkl", scratch / "events.jsonl", scratch / "result.json",
-                                      scratch / "workers.log")
-    threads = _threads_per_rank(n)
-    spec.write_bytes(pickle.dumps({"target": target, "kwargs": kwargs, "strategy": train.strategy,
-                                   "events": str(events), "result": str(result), "threads": threads,
-                                   "parent_pid": os.getpid(),
-                                   "callbacks": [name for name, fn in (("on_metrics", on_metrics), ("on_step", on_step))
-                                                 if fn is not None]}))
-    events.touch()
-    rendezvous = (["--standalone"] if train.master_port is None else
-                  ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(train.master_port)])
-    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(n),
-               "-m", "stages.runtime.distributed", str(spec)]
-    path = [p for p in sys.path if p]  # the ranks import what this process imports (stages, user reward code)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    _running.add(proc)
-    try:
+class _Ranks:
+    """torchrun's launcher and its train.num_processes ranks, started once and running the jobs written into
+    `folder` one at a time (job-0, job-1, ...) until `close()`; `key` says which launches may share them."""
+
+    def __init__(self, train: TrainConfig, key: tuple):
+        self.key, self.jobs, self.n = key, 0, train.num_processes
+        self.folder = Path(tempfile.mkdtemp(prefix="posttrain-ranks-"))
+        self.log_path = self.folder / "workers.log"
+        threads = _threads_per_rank(self.n)
+        (self.folder / "ranks.json").write_text(json.dumps({"threads": threads, "parent_pid": os.getpid()}))
+        rendezvous = (["--standalone"] if train.master_port is None else
+                      ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(train.master_port)])
+        command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(self.n),
+                   "-m", "stages.runtime.distributed", str(self.folder)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(key[-1]), "OMP_NUM_THREADS": str(threads),
+               "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        _running.add(self.proc)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, target: str, kwargs: dict, strategy: str, label: str, on_metrics, on_step, poll_s: float) -> dict:
+        """Run one job on every rank and return rank 0's return value; DistributedError if a rank failed (the
+        ranks are then gone)."""
+        job = self.folder / f"job-{self.jobs}"
+        self.jobs += 1
+        job.mkdir()
+        events, result = job / "events.jsonl", job / "result.json"
+        events.touch()
+        callbacks = [name for name, fn in (("on_metrics", on_metrics), ("on_step", on_step)) if fn is not None]
+        (job / "spec.tmp").write_bytes(pickle.dumps({"target": target, "kwargs": kwargs, "strategy": strategy,
+                                                     "callbacks": callbacks}))
+        (job / "spec.tmp").replace(job / "spec.pkl")  # the ranks wait for this name: it appears whole
         with open(events) as stream:
             pending = ""
             while True:
-                done = proc.poll() is not None
+                done = result.exists() or not self.alive()
                 *lines, pending = (pending + stream.read()).split("\n")  # a line still being written waits
                 for line in lines:
                     deliver(json.loads(line), on_metrics, on_step)
                 if done:
                     break
                 time.sleep(poll_s)
-        if proc.returncode != 0 or not result.exists():
-            raise DistributedError(f"{label}: training on {n} processes failed (torchrun exit code {proc.returncode})"
-                                   f"; {_root_cause(scratch, log_path)}")
-    except BaseException:
-        _kill_group(proc)
-        raise
+        if not result.exists():
+            self.proc.wait()
+            raise DistributedError(f"{label}: training on {self.n} processes failed (torchrun exit code "
+                                   f"{self.proc.returncode}); {_root_cause(job, self.log_path)}")
+        return json.loads(result.read_text())
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Let the ranks leave the process group and exit; killed if they have not after grace_s."""
+        (self.folder / "close").touch()
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc)
+        self.kill()
+
+    def kill(self) -> None:
+        _kill_group(self.proc)
+        _running.discard(self.proc)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_idle: dict[tuple, _Ranks] = {}  # warm ranks between two launches of a warm_ranks() scope
+_warm_scopes = 0
+_warm_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_ranks():
+    """Within this scope (one pipeline run), `launch` keeps its ranks alive for the next launch of the same
+    shape: SFT and every optimize round run on the same processes, which import torch, transformers and
+    the stage code and join the process group once (~10 s a launch on CPU; on a GPU also CUDA and NCCL's
+    setup), not once a stage. On leaving the scope the ranks exit. Outside one, each launch starts its own."""
+    global _warm_scopes
+    with _warm_lock:
+        _warm_scopes += 1
+    try:
+        yield
     finally:
-        _running.discard(proc)
-    value = json.loads(result.read_text())
-    shutil.rmtree(scratch, ignore_errors=True)
+        with _warm_lock:
+            _warm_scopes -= 1
+            leaving = list(_idle.values()) if _warm_scopes == 0 else []
+            if _warm_scopes == 0:
+                _idle.clear()
+        for ranks in leaving:
+            ranks.close()
+
+
+def _take_ranks(train: TrainConfig) -> _Ranks:
+    """The idle warm ranks of this shape, else new ones."""
+    key = (train.num_processes, train.master_port, tuple(p for p in sys.path if p))  # ranks import what we import
+    with _warm_lock:
+        ranks = _idle.pop(key, None)
+    if ranks is not None and ranks.alive():
+        return ranks
+    if ranks is not None:
+        ranks.kill()
+    return _Ranks(train, key)
+
+
+def _give_back(ranks: _Ranks) -> None:
+    """Keep the ranks for the next launch inside a warm_ranks() scope, else let them exit."""
+    with _warm_lock:
+        keep = _warm_scopes > 0 and ranks.key not in _idle
+        if keep:
+            _idle[ranks.key] = ranks
+    if not keep:
+        ranks.close()
+
+
+def launch(target: str, kwargs: dict, train: TrainConfig, label: str,
+           on_metrics: Callable[[dict, int], None] | None = None,
+           on_step: Callable[[int, int], None] | None = None, poll_s: float = 0.2) -> dict:
+    """Run `target` ("module:function") on train.num_processes ranks with torchrun and return rank 0's
+    return value. `kwargs` are pickled to the ranks (configs, paths); each rank gets them plus
+    `group`, and rank 0 also those of `on_metrics` / `on_step` given here, whose calls reach them.
+    Raises DistributedError, naming `label`, if any rank fails. Inside `warm_ranks()` the ranks of the last
+    launch run this one too. `train.backend: ray` runs the ranks as Ray Train workers on a cluster's nodes
+    instead (stages/runtime/ray_training.py `launch_on_ray`, the same contract)."""
+    if train.backend != "torchrun":
+        raise ValueError(f"train.backend {train.backend!r}: this launcher runs torchrun ranks; "
+                         "tasks/stage_tasks.py LAUNCHERS has the one for each backend")
+    ranks = _take_ranks(train)
+    try:
+        value = ranks.run(target, kwargs, train.strategy, label, on_metrics, on_step, poll_s)
+    except BaseException:
+        ranks.kill()
+        raise
+    _give_back(ranks)
     return value
 
 
@@ -374,38 +461,68 @@ def deliver(event: dict, on_metrics, on_step) -> None:
         on_step(event["done"], event["total"])
 
 
-def _main(spec_path: str) -> None:
-    """One rank: join the process group, run the target, rank 0 streams events and writes the result."""
+def _next_job(folder: Path, k: int) -> dict | None:
+    """Wait for the parent's k-th job (None once it asks the ranks to close)."""
+    spec = folder / f"job-{k}" / "spec.pkl"
+    while not spec.exists():
+        if (folder / "close").exists():
+            return None
+        time.sleep(0.05)
+    return pickle.loads(spec.read_bytes())
+
+
+def _run_job(job: dict, job_dir: Path, rank: int, world: int) -> None:
+    """One job on this rank; rank 0 streams its events and, once every rank is done, writes its result."""
     import torch
     import torch.distributed as dist
 
-    spec = pickle.loads(Path(spec_path).read_bytes())
-    torch.set_num_threads(spec["threads"])
-    threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    stream = open(job_dir / "events.jsonl", "a") if rank == 0 else None
+
+    def emit(event: dict) -> None:
+        stream.write(json.dumps(event, default=float) + "\n")
+        stream.flush()
+
+    try:
+        value = run_rank(job, Group(rank, world, job["strategy"]), emit if rank == 0 else None)
+        dist.all_reduce(torch.zeros(1))  # a CPU tensor (gloo): every rank has finished this job
+        if rank == 0:
+            temp = job_dir / "result.tmp"
+            temp.write_text(json.dumps(value, default=str))
+            temp.replace(job_dir / "result.json")
+    except BaseException:  # for the parent's message; torchrun then stops the other ranks
+        (job_dir / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def _main(folder: str) -> None:
+    """One rank: join the process group, then run the parent's jobs in order until it writes `close`."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    root = Path(folder)
+    setup = json.loads((root / "ranks.json").read_text())
+    torch.set_num_threads(setup["threads"])
+    threading.Thread(target=_watch_parent, args=(setup["parent_pid"],), daemon=True).start()
     # one group for both kinds of tensor: collectives on CPU tensors use gloo, on CUDA tensors NCCL (each rank
     # on its LOCAL_RANK's GPU, the one stages/runtime/devices.py places its models on)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    group = Group(dist.get_rank(), dist.get_world_size(), spec["strategy"])
-    emit = None
-    if group.rank == 0:
-        stream = open(spec["events"], "a")
-
-        def emit(event: dict) -> None:
-            stream.write(json.dumps(event, default=float) + "\n")
-            stream.flush()
-
-    try:
-        value = run_rank(spec, group, emit)
-        if group.rank == 0:
-            temp = Path(spec["result"] + ".tmp")
-            temp.write_text(json.dumps(value, default=str))
-            temp.replace(spec["result"])
-    except BaseException:  # for the parent's message; torchrun then stops the other ranks
-        Path(spec["result"]).with_name(f"rank{group.rank}.error").write_text(traceback.format_exc())
-        raise
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = 0
+    while (job := _next_job(root, k)) is not None:
+        _run_job(job, root / f"job-{k}", rank, world)
+        k += 1
+        gc.collect()  # the job's models and optimizer state, before the next job loads its own
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     _main(sys.argv[1])
