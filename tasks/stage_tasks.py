@@ -59,6 +59,11 @@ def artifact_key(store: ArtifactStore, stage: str, call: Call, section: dict | N
     return store.key(stage, code_version(call.module, schemas), section, inputs)
 
 
+DATA_STAGES = frozenset({"demo_data", "transform", "preferences"})
+"""Stages that only read and write tables, first in a run and never beside another stage: they compute without
+`import_eagerly`."""
+
+
 def in_process(function: Callable[..., dict], kwargs: dict) -> dict:
     """materialize's default runner: the call, here."""
     return function(**kwargs)
@@ -81,7 +86,8 @@ def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = Non
     if damage:  # e.g. a file deleted by hand: recompute this stage only
         ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
     started = ctx.reporter.start(label)
-    import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
+    if stage not in DATA_STAGES:  # a bad row is reported without first importing transformers (~6 s)
+        import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in call.inputs.items()}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 

@@ -142,7 +142,7 @@ _IMPORT_LOCK = threading.Lock()
 def import_eagerly(trainers: bool = False) -> None:
     """Resolve transformers' and peft's lazy imports once per process, one thread at a time (~9 s here). Two
     threads resolving the same lazy attribute at once (an async rollout beside an optimize step)
-    can fail with "cannot import name 'AutoTokenizer' from 'transformers'". Called before a stage
+    can fail with "cannot import name 'AutoTokenizer' from 'transformers'". Called before a model stage
     computes (tasks/stage_tasks.py), so a fully cached run never pays for these imports; `posttrain resume`
     calls it with `trainers` (TRL's too) while the Prefect server boots, since a resumed run computes."""
     if trainers:
