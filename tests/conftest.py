@@ -70,12 +70,28 @@ export: {{model_name: test-tiny}}
 """
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_store(tmp_path_factory):
+    """An MLflow sqlite store with its tables and nothing else, made once (MLflow's migrations take ~2 s a store)."""
+    from tasks.lineage import create_store_whole
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    create_store_whole(f"sqlite:///{path}")
+    return path
+
+
 @pytest.fixture
-def tiny_config(tmp_path, tiny_config_text, monkeypatch):
-    """tiny_config_text written to a file, with MLflow on the sqlite store under its artifacts."""
+def tiny_config(tmp_path, tiny_config_text, monkeypatch, empty_mlflow_store):
+    """tiny_config_text written to a file, with MLflow on the sqlite store under its artifacts (a copy of
+    `empty_mlflow_store`: what the run would create first; tests/test_resume.py and test_concurrency.py create
+    stores the run's way)."""
+    import shutil
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     path = tmp_path / "tiny.yaml"
     path.write_text(tiny_config_text)
+    (tmp_path / "artifacts").mkdir(exist_ok=True)
+    shutil.copyfile(empty_mlflow_store, tmp_path / "artifacts" / "mlflow.db")
     return path
 
 
