@@ -6,14 +6,17 @@ torchrun (stages/runtime/distributed.py) on 1 and on 2 processes, on 2 processes
 (optimize only: the HF Trainer stages run ddp), and on 2 Ray Train workers of a local Ray instance
 (`train.backend: ray`, stages/runtime/ray_training.py). Reports wall time (the launcher's start and the ranks'
 imports included), the time inside the stage function (rank 0's), the loss, the trainable weights each
-rank holds (fsdp: a shard), and max |weight difference| against the in-process run.
+rank holds (fsdp: a shard), and max |weight difference| against the in-process run. `--warm`: every launch
+inside one `warm_ranks()` scope, as a pipeline run has: the first torchrun launch starts the ranks, the later ones
+(every way and repeat after it) run on them.
 
-    .venv/bin/python benchmarks/train_processes.py [--rows 512] [--sft-rows 1024] [--repeat 2]
+    .venv/bin/python benchmarks/train_processes.py [--rows 512] [--sft-rows 1024] [--repeat 2] [--warm]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -128,8 +131,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512, help="rollouts in the optimize round (16 per prompt)")
     parser.add_argument("--sft-rows", type=int, default=1024, help="SFT rows (one epoch)")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each way; the fastest is reported")
+    parser.add_argument("--warm", action="store_true", help="every launch inside one warm_ranks() scope")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="train_processes-") as tmp:
+    from stages.runtime import distributed
+
+    with (tempfile.TemporaryDirectory(prefix="train_processes-") as tmp,
+          distributed.warm_ranks() if args.warm else contextlib.nullcontext()):
         root = setup(Path(tmp), args.rows, args.sft_rows)
         rows = (measure("optimize", optimize, root, "loss", args.repeat, list(WAYS))
                 + measure("sft", sft, root, "train_loss", args.repeat,
