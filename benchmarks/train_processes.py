@@ -100,7 +100,7 @@ WAYS = {"in-process": None, "torchrun 1": dict(num_processes=1), "torchrun 2": d
 
 def measure(name: str, function, root: Path, loss_key: str, repeat: int, ways: list[str]) -> list[dict]:
     """Each way `repeat` times, interleaved (the host is shared: the fastest of the repeats is reported)."""
-    from stages.runtime import distributed
+    from stages.runtime import distributed, ray_training
 
     results = {how: {"stage": name, "how": how, "walls": []} for how in ways}
     for attempt in range(repeat):
@@ -111,7 +111,8 @@ def measure(name: str, function, root: Path, loss_key: str, repeat: int, ways: l
             if WAYS[how] is None:
                 summary = function(str(root), str(out))
             else:
-                summary = distributed.launch(f"train_processes:{function.__name__}",
+                launch = ray_training.launch_on_ray if WAYS[how].get("backend") == "ray" else distributed.launch
+                summary = launch(f"train_processes:{function.__name__}",
                                              {"root": str(root), "out": str(out)},
                                              distributed.TrainConfig(**WAYS[how]), name)
             r["walls"].append(time.perf_counter() - started)

@@ -258,7 +258,8 @@ def gone(pids: list[int], timeout_s: float = 30.0) -> bool:
 
 def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
     """Inside warm_ranks() (a pipeline run) a launch runs on the last launch's ranks; a failed job takes its ranks
-    down (the next launch starts new ones) and leaving the scope ends them. Outside it each launch has its own."""
+    down (the next launch starts new ones), so does a sys.path entry they lack (Ray adds some when it starts), and
+    leaving the scope ends them. Outside it each launch has its own."""
     train = distributed.TrainConfig(num_processes=2)
     with distributed.warm_ranks():
         first = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
@@ -269,9 +270,13 @@ def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
         assert gone(first)
         again = distributed.launch("test_distributed:rank_pids", {}, train, "optimize r1")["pids"]
         assert set(again).isdisjoint(first) and all(running(pid) for pid in again)
-    assert gone(again)
+        with pytest.MonkeyPatch.context() as patch:  # a folder this process can import from and the ranks cannot
+            patch.syspath_prepend(str(Path(__file__).parent / "no-such-folder"))
+            newer = distributed.launch("test_distributed:rank_pids", {}, train, "optimize r2")["pids"]
+        assert set(newer).isdisjoint(again) and gone(again)
+    assert gone(newer)
     alone = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
-    assert gone(alone) and set(alone).isdisjoint(again)
+    assert gone(alone) and set(alone).isdisjoint(newer)
 
 
 def test_fsdp_with_a_factored_optimizer_or_chunked_logps_is_a_config_error():

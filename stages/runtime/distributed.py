@@ -295,8 +295,8 @@ class _Ranks:
     """torchrun's launcher and its train.num_processes ranks, started once and running the jobs written into
     `folder` one at a time (job-0, job-1, ...) until `close()`; `key` says which launches may share them."""
 
-    def __init__(self, train: TrainConfig, key: tuple):
-        self.key, self.jobs, self.n = key, 0, train.num_processes
+    def __init__(self, train: TrainConfig, key: tuple, path: tuple[str, ...]):
+        self.key, self.path, self.jobs, self.n = key, path, 0, train.num_processes
         self.folder = Path(tempfile.mkdtemp(prefix="posttrain-ranks-"))
         self.log_path = self.folder / "workers.log"
         threads = _threads_per_rank(self.n)
@@ -305,7 +305,7 @@ class _Ranks:
                       ["--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(train.master_port)])
         command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(self.n),
                    "-m", "stages.runtime.distributed", str(self.folder)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(key[-1]), "OMP_NUM_THREADS": str(threads),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -385,15 +385,17 @@ def warm_ranks():
 
 
 def _take_ranks(train: TrainConfig) -> _Ranks:
-    """The idle warm ranks of this shape, else new ones."""
-    key = (train.num_processes, train.master_port, tuple(p for p in sys.path if p))  # ranks import what we import
+    """The idle warm ranks of this shape, if they can import what this process can (its sys.path then: Ray, for
+    one, adds entries when it starts), else new ones (the old ones exit)."""
+    key = (train.num_processes, train.master_port)
+    path = tuple(p for p in sys.path if p)  # the ranks import what this process imports (stages, user code)
     with _warm_lock:
         ranks = _idle.pop(key, None)
-    if ranks is not None and ranks.alive():
+    if ranks is not None and ranks.alive() and set(path) <= set(ranks.path):
         return ranks
     if ranks is not None:
-        ranks.kill()
-    return _Ranks(train, key)
+        ranks.close()
+    return _Ranks(train, key, path)
 
 
 def _give_back(ranks: _Ranks) -> None:
