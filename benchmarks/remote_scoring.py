@@ -33,13 +33,15 @@ from score_workers import make_jobs  # noqa: E402  (same directory)
 def start_server(reward: str, workers: int, port: int) -> subprocess.Popen:
     import httpx
 
+    from stages.runtime.http import client
+
     config = Path(tempfile.mkdtemp()) / "rewards.yaml"
     config.write_text(f"score:\n  reward_funcs: [{reward}]\n  reward_num_workers: {workers}\n")
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-rewards", str(config), "--port", str(port)],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"})
     for _ in range(600):
         try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            client().get(f"http://127.0.0.1:{port}/health", timeout=1)
             return proc
         except httpx.HTTPError:
             time.sleep(0.2)

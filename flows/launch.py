@@ -100,6 +100,8 @@ def start_temporary_prefect_server() -> Callable[[], None] | None:
     def wait_until_ready(timeout_s: float = 120.0, attempts: int = 3) -> None:
         import httpx
 
+        from stages.runtime.http import client
+
         nonlocal server
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -116,7 +118,7 @@ def start_temporary_prefect_server() -> Callable[[], None] | None:
                 server = launch()
                 continue
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if client().get(f"{url}/health", timeout=2).status_code == 200:
                     first_start.done()
                     return
             except httpx.HTTPError:

@@ -25,6 +25,7 @@ from cluster import free_port
 from flows.cli import main
 from flows.config import ConfigError, load_config
 from stages.data.schemas import ROLLOUTS
+from stages.runtime.http import client
 from stages.scoring import reward_pools, score
 from stages.scoring.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
 from stages.scoring.score import ScoreConfig
@@ -73,7 +74,7 @@ def start_server(argv: list[str], url: str, env: dict | None = None, timeout_s: 
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read()}")
         try:
-            httpx.get(f"{url}/health", timeout=1)
+            client().get(f"{url}/health", timeout=1)
             return proc
         except httpx.HTTPError:
             time.sleep(0.2)

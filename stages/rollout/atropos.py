@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 from stages.rollout.rollout import AtroposOptions
 from stages.runtime.bearer import authorized, named_token, server_token
+from stages.runtime.http import client
 
 log = logging.getLogger("posttrain.atropos")
 
@@ -63,9 +64,7 @@ def is_local(url: str) -> bool:
 # ---- the API: start, register, pull ---------------------------------------------------------------------
 
 def _get(url: str, timeout: float = 5.0):
-    import httpx
-
-    resp = httpx.get(url, timeout=timeout)
+    resp = client().get(url, timeout=timeout)
     resp.raise_for_status()
     return resp.json()
 
@@ -127,7 +126,7 @@ def register(opts: AtroposOptions, body: dict) -> int:
     import httpx
 
     try:
-        resp = httpx.post(f"{opts.api_url}/register", json=body, timeout=30)
+        resp = client().post(f"{opts.api_url}/register", json=body, timeout=30)
         resp.raise_for_status()
     except httpx.HTTPError as e:
         raise AtroposError(f"rollout.atropos.api_url: registering with {opts.api_url}/register failed ({e}); is "

@@ -78,13 +78,15 @@ def wait_until_healthy(url: str, process, timeout_s: float = 600.0, log_path=Non
 
     import httpx
 
+    from stages.runtime.http import client
+
     tail = (lambda: "\n" + Path(log_path).read_text(errors="replace")[-4000:]) if log_path else (lambda: "")
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             raise VLLMServerError(f"vllm serve for {url} exited ({process.returncode}){tail()}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if client().get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
