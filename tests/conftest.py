@@ -54,9 +54,13 @@ def ray_home(tmp_path_factory):
 @pytest.fixture
 def tiny_config_text(tmp_path):
     """A whole pipeline small enough for a test: ~1 minute on 2 cores."""
+    return tiny_text(tmp_path / "artifacts")
+
+
+def tiny_text(artifacts) -> str:
     return f"""
 name: test-tiny
-artifacts_dir: {tmp_path / 'artifacts'}
+artifacts_dir: {artifacts}
 demo_data: {{num_sft: 300, num_train: 64, num_eval: 24}}
 model: {{hidden_size: 64, num_attention_heads: 1, num_key_value_heads: 1, intermediate_size: 128,
         num_hidden_layers: 2, vocab_size: 300}}
@@ -80,18 +84,46 @@ def empty_mlflow_store(tmp_path_factory):
     return path
 
 
+WARM_STAGES = ("demo_data", "transform", "base_model", "sft")
+"""The stages a tiny run starts with, before any round (~10 s of CPU in a test process)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_warm_store(prefect_harness, tmp_path_factory, empty_mlflow_store):
+    """An artifacts folder holding tiny_config_text's WARM_STAGES, computed once per test process."""
+    import shutil
+
+    from flows.pipeline import prepare_policy_flow
+
+    root = tmp_path_factory.mktemp("tiny-warm")
+    (root / "artifacts").mkdir()
+    shutil.copyfile(empty_mlflow_store, root / "artifacts" / "mlflow.db")
+    (root / "tiny.yaml").write_text(tiny_text(root / "artifacts"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        prepare_policy_flow(str(root / "tiny.yaml"), quiet=True)
+    return root / "artifacts"
+
+
 @pytest.fixture
-def tiny_config(tmp_path, tiny_config_text, monkeypatch, empty_mlflow_store):
+def tiny_config(tmp_path, tiny_config_text, monkeypatch, empty_mlflow_store, request):
     """tiny_config_text written to a file, with MLflow on the sqlite store under its artifacts (a copy of
     `empty_mlflow_store`: what the run would create first; tests/test_resume.py and test_concurrency.py create
-    stores the run's way)."""
+    stores the run's way). A test on the Prefect harness also finds WARM_STAGES there (copies of
+    `tiny_warm_store`'s, which its run reuses where its config gives them the same keys), unless it is marked
+    `first_run` (it asserts what a run computes from nothing)."""
     import shutil
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     path = tmp_path / "tiny.yaml"
     path.write_text(tiny_config_text)
-    (tmp_path / "artifacts").mkdir(exist_ok=True)
-    shutil.copyfile(empty_mlflow_store, tmp_path / "artifacts" / "mlflow.db")
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    shutil.copyfile(empty_mlflow_store, artifacts / "mlflow.db")
+    if "prefect_harness" in request.fixturenames and request.node.get_closest_marker("first_run") is None:
+        warm = request.getfixturevalue("tiny_warm_store")
+        for stage in WARM_STAGES:
+            shutil.copytree(warm / stage, artifacts / stage, ignore=shutil.ignore_patterns(".*"))
     return path
 
 

@@ -15,6 +15,7 @@ from tasks.store import MANIFEST
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.first_run  # asserts that a first run computes every stage
 def test_pipeline_end_to_end_then_cached_then_heals(prefect_harness, tiny_config, tmp_path):
     from flows.pipeline import posttrain_pipeline
 

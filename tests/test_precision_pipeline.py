@@ -64,6 +64,7 @@ def _gpu_flow_check_reads(root: Path, summary: dict) -> None:
     assert len(exported["answers"]) == 1
 
 
+@pytest.mark.first_run  # reads every stage's manifest: the warm fp32 ones would be there too
 def test_a_bf16_run_on_cpu_records_and_keeps_its_precision(prefect_harness, tiny_config, tmp_path):
     from flows.pipeline import posttrain_pipeline
 
