@@ -39,3 +39,14 @@ def test_one_http_client_per_process():
     for t in threads:
         t.join()
     assert all(c is client() for c in seen)
+
+
+def test_loading_a_config_imports_no_torch():
+    """`posttrain validate` and a config error answer without torch (~3 s); so does a data stage."""
+    check = ("import sys\nfrom flows.config import load_config\n"
+             "for name in sys.argv[1:]:\n    load_config(name)\n"
+             "assert 'torch' not in sys.modules, 'imported torch'")
+    configs = sorted(str(p) for p in (ROOT / "configs").glob("*.yaml"))
+    out = subprocess.run([sys.executable, "-c", check, *configs], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]

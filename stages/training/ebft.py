@@ -312,25 +312,25 @@ class FeatureNetwork:
         self.normalize_layers = normalize_layers  # strided (axolotl's): each layer L2-normalized per token
         self.special = set(self.tokenizer.all_special_ids)
 
-    @torch.no_grad()
     def embed(self, sequences: list[list[int]], prompt_lengths: list[int], method: str) -> torch.Tensor:
         """Pooled features (B, len(layers) * hidden) of token sequences (prompt + completion)."""
-        out = []
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        body = getattr(self.model, "model", self.model)  # the transformer without lm_head (axolotl does the same)
-        for start in range(0, len(sequences), self.batch_size):
-            chunk = sequences[start : start + self.batch_size]
-            width = max(len(s) for s in chunk)
-            ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=self.model.device)
-            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.model.device)
-            hidden = body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
-            layers = [hidden[i].float() for i in self.layers]
-            if self.normalize_layers:  # no layer outweighs the others by its norm
-                layers = [F.normalize(h, p=2, dim=-1) for h in layers]
-            features = torch.cat(layers, dim=-1)
-            lengths = torch.tensor(prompt_lengths[start : start + self.batch_size], device=self.model.device)
-            out.append(pool(features, method, mask, lengths))
-        return torch.cat(out).cpu()
+        with torch.no_grad():  # (not a decorator: that would import torch when a config is loaded)
+            out = []
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            body = getattr(self.model, "model", self.model)  # the transformer without lm_head (axolotl does the same)
+            for start in range(0, len(sequences), self.batch_size):
+                chunk = sequences[start : start + self.batch_size]
+                width = max(len(s) for s in chunk)
+                ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk], device=self.model.device)
+                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in chunk], device=self.model.device)
+                hidden = body(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+                layers = [hidden[i].float() for i in self.layers]
+                if self.normalize_layers:  # no layer outweighs the others by its norm
+                    layers = [F.normalize(h, p=2, dim=-1) for h in layers]
+                features = torch.cat(layers, dim=-1)
+                lengths = torch.tensor(prompt_lengths[start : start + self.batch_size], device=self.model.device)
+                out.append(pool(features, method, mask, lengths))
+            return torch.cat(out).cpu()
 
     def reference_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
