@@ -121,10 +121,16 @@ def tiny_config(tmp_path, tiny_config_text, monkeypatch, empty_mlflow_store, req
     artifacts.mkdir(exist_ok=True)
     shutil.copyfile(empty_mlflow_store, artifacts / "mlflow.db")
     if "prefect_harness" in request.fixturenames and request.node.get_closest_marker("first_run") is None:
-        warm = request.getfixturevalue("tiny_warm_store")
-        for stage in WARM_STAGES:
-            shutil.copytree(warm / stage, artifacts / stage, ignore=shutil.ignore_patterns(".*"))
+        copy_warm_stages(request.getfixturevalue("tiny_warm_store"), artifacts)
     return path
+
+
+def copy_warm_stages(warm, artifacts) -> None:
+    """Copy tiny_warm_store's WARM_STAGES into an artifacts folder (without the store's dot files)."""
+    import shutil
+
+    for stage in WARM_STAGES:
+        shutil.copytree(warm / stage, artifacts / stage, ignore=shutil.ignore_patterns(".*"))
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from conftest import copy_warm_stages
+
 pytestmark = pytest.mark.slow
 
 POSTTRAIN = str(Path(sys.executable).parent / "posttrain")
@@ -78,16 +80,17 @@ def history(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, flo
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
 
 
-def test_killed_run_resumes_to_the_same_result(tiny_config_text, tmp_path):
+def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(tiny_config_text)
     common = [f"grpo.rounds={ROUNDS}", "--quiet"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for artifacts in (straight, killed):  # both start after SFT; the kills come in the rounds and the export
+        copy_warm_stages(tiny_warm_store, artifacts)
 
-    straight = tmp_path / "straight"
     done = posttrain("run", str(config), f"artifacts_dir={straight}", *common, env_root=straight)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    killed = tmp_path / "killed"
     args = ["run", str(config), f"artifacts_dir={killed}", *common]
     code, output = run_until(killed, "rollout", 1, *args, sig=signal.SIGINT)  # Ctrl-C while round 1 samples
     (run_name,) = [p.name for p in (killed / "runs").iterdir()]
