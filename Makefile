@@ -41,9 +41,9 @@ test: $(STAMP) $(SMOLLM2) bytecode
 test-fast: $(STAMP) bytecode
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
 
-# This project's modules compiled once (stale ones only): with PYTHONDONTWRITEBYTECODE set, as on the CI machines,
-# Python never writes them, and every process the suite starts (~hundreds) would compile what it imports anew
-# (~0.6 s of CPU for the flow's modules).
+# This project's modules compiled once (stale ones only): with PYTHONDONTWRITEBYTECODE set, as on this
+# project's machines, Python never writes them, and every process the suite starts would compile what it
+# imports anew (~0.9 s of CPU for the flow's modules).
 bytecode: $(STAMP)
 	$(VENV)/bin/python -m compileall -q stages flows tasks tests benchmarks
 
