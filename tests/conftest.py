@@ -126,7 +126,8 @@ def tiny_config(tmp_path, tiny_config_text, monkeypatch, empty_mlflow_store, req
 
 
 def copy_warm_stages(warm, artifacts) -> None:
-    """Copy tiny_warm_store's WARM_STAGES into an artifacts folder (without the store's dot files)."""
+    """Copy the WARM_STAGES of an artifacts folder (tiny_warm_store's, or test_demo_learns' prepared quickstart)
+    into another (without the store's dot files)."""
     import shutil
 
     for stage in WARM_STAGES:

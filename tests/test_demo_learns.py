@@ -3,11 +3,10 @@ the best constant answer by a clear margin, with varied answers. Fails when the 
 policy that answers one thing to every prompt (the failure issue 12 measured: "9" to all prompts, scored
 0.594 because 9 was the most common gold answer)."""
 
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import computed
+from conftest import computed, copy_warm_stages
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +19,6 @@ SHORT_QUICKSTART = ["sft.num_train_epochs=3", "grpo.rounds=8", "demo_data.num_ev
 # processes (gloo). The same bar: issue 14's "reaches the same accuracy bar". (SFT on 2 processes equals SFT on
 # one, 1e-5: tests/test_distributed.py; here both runs start from one SFT.)
 SCALED_OUT = ["score.backend=ray", "train.num_processes=2"]
-PREPARED_STAGES = ("demo_data", "transform", "base_model", "sft")
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +39,7 @@ def test_trained_policy_beats_the_constant_answer(prepared, tmp_path, monkeypatc
     from flows.pipeline import posttrain_pipeline
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    for stage in PREPARED_STAGES:
-        shutil.copytree(prepared / stage, tmp_path / "artifacts" / stage, ignore=shutil.ignore_patterns(".*"))
+    copy_warm_stages(prepared, tmp_path / "artifacts")  # the stages up to SFT (conftest.WARM_STAGES)
     extra = []
     if where != "one process":
         pytest.importorskip("ray")
