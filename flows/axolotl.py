@@ -7,8 +7,16 @@ there; one it does not honour is an error naming it; `posttrain validate` shows 
 from __future__ import annotations
 
 import logging
+import math
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel
+
+from stages.rollout.rollout import RolloutConfig
+from stages.training.grpo import GRPOConfig
 
 AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transform", "test_datasets"),
                 "val_set_size": ("transform", "val_set_size"), "base_model": ("model", "path"),
@@ -57,6 +65,11 @@ AXOLOTL_TRAINING_KEYS = ("learning_rate", "micro_batch_size", "gradient_accumula
                          *AXOLOTL_DPO_KEYS)
 """axolotl's top-level training keys: the method's trainer section (grpo, dpo for the DPO family, reward_model)
 gets them."""
+LENGTH_KEYS = ("max_steps", "num_epochs", "sequence_len")
+"""axolotl's training-length keys that, under a round method (grpo, gdpo, ebft), `move_training_length` turns
+into grpo.rounds, rollout.prompts_per_round and rollout.max_prompt_length."""
+LENGTH_TRL_KEYS = ("steps_per_generation", "generation_batch_size")
+"""The `trl:` keys that size TRL's generation batch (one posttrain round; `move_training_length`)."""
 AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
                       "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
@@ -122,7 +135,11 @@ def move_training_keys(data):
         data["artifacts_dir"] = output_dir
     # (their key, section, field, value) for each key of theirs that is one of ours
     moves = _vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})
-    moves += _trl_moves(data.pop("trl", None) or {})
+    trl = data.pop("trl", None) or {}
+    if isinstance(trl, dict) and trl.keys() & LENGTH_TRL_KEYS:  # TRL's generation batch: move_training_length's
+        data["trl"] = {k: trl[k] for k in LENGTH_TRL_KEYS if k in trl}
+        trl = {k: v for k, v in trl.items() if k not in LENGTH_TRL_KEYS}
+    moves += _trl_moves(trl)
     rl = data.get("rl")
     trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
     moves += _training_moves(data, trainer)
@@ -283,7 +300,7 @@ def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
         else:
             raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
                              f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
-                             "log_completions); set "
+                             "log_completions, steps_per_generation, generation_batch_size); set "
                              "the posttrain key instead or remove it")
     return moves
 
@@ -294,6 +311,8 @@ def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, objec
     trainer, or a value posttrain does not build, is an error naming it."""
     moves = []
     for key in [k for k in AXOLOTL_TRAINING_KEYS if k in data]:
+        if trainer == "grpo" and key in LENGTH_KEYS:
+            continue  # left for move_training_length, which reads the sections these moves fill
         value = data.pop(key)
         field = {"optimizer": "optim", "lr_scheduler": "lr_scheduler_type",
                  "num_epochs": "num_train_epochs"}.get(key, key)
@@ -308,17 +327,10 @@ def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, objec
             raise ValueError(f"{key}: a DPO-family loss option (rl: dpo, ipo, kto, orpo, simpo); rl is "
                              f"{data.get('rl', 'grpo')!r}: remove it")
         if key == "sequence_len":
-            if trainer == "grpo":
-                raise ValueError("sequence_len: a GRPO run's lengths are rollout.max_completion_length (and the "
-                                 "vLLM engine's rollout.vllm.max_model_len); set those")
             field = "max_length"
         if key == "eval_steps" and trainer == "grpo":
             raise ValueError("eval_steps: a GRPO/EBFT run measures held-out accuracy between rounds: set "
                              "eval.every_rounds (every N rounds) instead")
-        if key in ("num_epochs", "max_steps") and trainer == "grpo":
-            raise ValueError(f"{key}: GRPO here runs grpo.rounds rounds of rollout -> score -> optimize "
-                             "(each grpo.gradient_accumulation_steps micro-batches per optimizer step); set "
-                             "grpo.rounds")
         moves.append((key, trainer, field, "none" if key == "adapter" and value is None else value))
     return moves
 
@@ -343,3 +355,274 @@ def section_dict(data: dict, section: str) -> dict | None:
     if isinstance(target, BaseModel):
         target = target.model_dump(exclude_unset=True)
     return target if isinstance(target, dict) else None
+
+
+# ---------------------------------------------------------------- training length (TRL's terms -> rounds)
+
+ROUND_RL = ("grpo", "gdpo", "ebft")
+"""The methods that run rounds (flows/config.py ROUND_METHODS), where TRL's lengths become rounds."""
+
+
+_NOTES: ContextVar[list[str] | None] = ContextVar("axolotl_translation_notes", default=None)
+"""The notes of the config being validated (`collecting_notes`)."""
+
+
+@contextmanager
+def collecting_notes():
+    """A list that `keep_notes` adds to while the config validates (PipelineConfig's `translation_notes`)."""
+    notes: list[str] = []
+    token = _NOTES.set(notes)
+    try:
+        yield notes
+    finally:
+        _NOTES.reset(token)
+
+
+def keep_notes(notes: list[str]) -> None:
+    """Add `notes` to the validating config's (nothing when no config is collecting them)."""
+    collected = _NOTES.get()
+    if collected is not None:
+        collected.extend(notes)
+
+
+@dataclass
+class RoundSettings:
+    """What sizes a round, as the config resolves it (`_round_settings`)."""
+
+    grpo: GRPOConfig
+    rollout: RolloutConfig
+    num_generations: int  # rollout.num_generations, or ebft.n_samples_per_prompt under rl: ebft
+    max_completion_length: int
+    strided: bool  # rl: ebft with ebft.mode strided
+    set_in_rollout: set[str]  # rollout keys the config sets
+    rounds_set: bool  # grpo.rounds is set
+
+
+def move_training_length(data) -> tuple[object, list[str]]:
+    """Under a round method (grpo, gdpo, ebft): axolotl's `max_steps` / `num_epochs` (TRL's optimizer steps /
+    passes over the prompts), `trl.steps_per_generation` / `trl.generation_batch_size` (TRL's generation batch) and
+    `sequence_len` (prompt + completion), popped from `data` and set as grpo.rounds, rollout.prompts_per_round and
+    rollout.max_prompt_length (rollout.atropos.max_token_len under Atropos). Returns (data, one note per choice,
+    saying what and why: `posttrain validate` prints them). Runs after the other moves: the batch settings are in
+    their sections then. A value it cannot honour is an error naming the key."""
+    if not isinstance(data, dict) or not data.keys() & {*LENGTH_KEYS, "trl"}:
+        return data, []
+    data = dict(data)
+    given = {k: data.pop(k) for k in LENGTH_KEYS if k in data}
+    trl = data.pop("trl", None) or {}
+    given.update({f"trl.{k}": v for k, v in trl.items() if k in LENGTH_TRL_KEYS})
+    given = {k: v for k, v in given.items() if v is not None}  # `max_steps: null`: unset, as in axolotl
+    if data.get("rl", "grpo") not in ROUND_RL:
+        if given:
+            raise ValueError(f"{', '.join(given)}: TRL's GRPO generation batch; rl is {data.get('rl')!r}, which "
+                             "has none: remove it")
+        return data, []
+    settings = _round_settings(data)
+    if settings is None or not given:
+        return data, []  # a section's own error says what is wrong with it
+    notes = []
+    if "sequence_len" in given:
+        data, note = _sequence_len(data, given.pop("sequence_len"), settings)
+        notes.append(note)
+    if given:
+        data, note = _rounds_from_length(data, given, settings)
+        notes.append(note)
+    return data, notes
+
+
+def _round_settings(data: dict) -> RoundSettings | None:
+    """The grpo, rollout and ebft sections of `data` validated (grpo.rounds left out), with what sizes a round;
+    None when one does not validate (the whole config's validation then names what is wrong)."""
+    from pydantic import ValidationError
+
+    from stages.training.ebft import EBFTConfig
+
+    grpo, rollout, ebft = (section_dict(data, name) for name in ("grpo", "rollout", "ebft"))
+    if grpo is None or rollout is None or ebft is None:
+        return None
+    try:
+        grpo_cfg = GRPOConfig.model_validate({**grpo, "rounds": 1})  # rounds: this function's to choose
+        rollout_cfg, ebft_cfg = RolloutConfig.model_validate(rollout), EBFTConfig.model_validate(ebft)
+    except ValidationError:
+        return None
+    is_ebft = data.get("rl") == "ebft"
+    strided = is_ebft and ebft_cfg.mode == "strided"
+    generations = (ebft_cfg.n_samples_per_prompt if is_ebft and ebft_cfg.n_samples_per_prompt
+                   else rollout_cfg.num_generations)
+    length = ebft_cfg.generate_max_len if is_ebft and ebft_cfg.generate_max_len else (
+        8 if strided and "max_completion_length" not in rollout else rollout_cfg.max_completion_length)
+    return RoundSettings(grpo_cfg, rollout_cfg, generations, length, strided, set(rollout), "rounds" in grpo)
+
+
+def _whole(key: str, value, what: str) -> int:
+    """`value` as a positive whole number, else an error naming `key`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: {value!r}; expected a whole number >= 1 ({what})")
+    return value
+
+
+def _sequence_len(data: dict, value, s: RoundSettings) -> tuple[dict, str]:
+    """axolotl's sequence_len under GRPO: the longest prompt + completion in tokens. Prompts are cut on the left to
+    sequence_len - max_completion_length tokens (rollout.max_prompt_length, TRL's former left truncation), so that
+    every engine stays within it; under Atropos it is atropos.max_token_len (the same bound, registered)."""
+    length = _whole("sequence_len", value, "tokens of prompt + completion")
+    if s.rollout.source == "atropos":
+        data["rollout"] = _with_value(section_dict(data, "rollout"), "atropos.max_token_len", length,
+                                      "sequence_len", "rollout")
+        return data, (f"sequence_len: {length} (axolotl's key) -> rollout.atropos.max_token_len: {length} (the "
+                      "environments drop longer prompt + completion sequences)")
+    if s.strided or s.rollout.rollout_func:
+        where = "ebft.mode: strided writes blocks of documents" if s.strided else \
+            "rollout.rollout_func samples the prompts itself"
+        raise ValueError(f"sequence_len: {where}, so posttrain cannot bound prompt + completion there; remove it")
+    room = length - s.max_completion_length
+    if room < 1:
+        raise ValueError(f"sequence_len {length} leaves no room for a prompt beside max_completion_length "
+                         f"{s.max_completion_length} (sequence_len bounds prompt + completion); raise it")
+    given = s.rollout.max_prompt_length
+    if given is not None:
+        if given > room:
+            raise ValueError(f"sequence_len {length} and rollout.max_prompt_length {given}: with "
+                             f"max_completion_length {s.max_completion_length} that is {given + s.max_completion_length}"
+                             " tokens; set one of them (or max_prompt_length at most "
+                             f"{room})")
+        return data, (f"sequence_len: {length} (axolotl's key): rollout.max_prompt_length {given} + "
+                      f"max_completion_length {s.max_completion_length} already fit in it")
+    data["rollout"] = {**section_dict(data, "rollout"), "max_prompt_length": room}
+    return data, (f"sequence_len: {length} (axolotl's key) -> rollout.max_prompt_length: {room} (prompt + completion "
+                  f"<= {length} tokens: each prompt keeps its last {room} tokens beside max_completion_length "
+                  f"{s.max_completion_length}; the round's prompts_truncated_frac counts those cut)")
+
+
+def _round_size(given: dict, s: RoundSettings) -> tuple[int, int, str]:
+    """(prompts per round, TRL's generation batch in prompts, why): one round is one TRL generation batch of
+    micro_batch_size x steps_per_generation completions (steps_per_generation: TRL's default
+    gradient_accumulation_steps, or generation_batch_size / micro_batch_size); where steps_per_generation is a
+    divisor of gradient_accumulation_steps (and num_iterations is 1), the generation batches of one optimizer step,
+    all sampled from the same policy. Your rollout.prompts_per_round, where set, is the round."""
+    mbs, gas, mu, groups = (s.grpo.micro_batch_size, s.grpo.gradient_accumulation_steps, s.grpo.num_iterations,
+                            s.num_generations)
+    spg, gbs = given.get("trl.steps_per_generation"), given.get("trl.generation_batch_size")
+    if spg is not None and gbs is not None:
+        raise ValueError("trl.steps_per_generation and trl.generation_batch_size are the same setting (as in TRL); "
+                         "set one of them")
+    if gbs is not None:
+        if _whole("trl.generation_batch_size", gbs, "completions") % mbs:
+            raise ValueError(f"trl.generation_batch_size {gbs} is not a multiple of micro_batch_size {mbs} (TRL "
+                             "refuses it too); set a multiple")
+        spg = gbs // mbs
+    key = "trl.generation_batch_size" if gbs is not None else "trl.steps_per_generation"
+    spg = gas if spg is None else _whole("trl.steps_per_generation", spg, "micro-batches per generation")
+    if spg % gas and (gas % spg or mu > 1):
+        raise ValueError(f"{key}: a generation batch of {spg} micro-batches with gradient_accumulation_steps {gas}"
+                         f"{f' and num_iterations {mu}' if mu > 1 else ''} ends inside an optimizer step; posttrain "
+                         "trains whole rounds of whole steps: use a multiple of gradient_accumulation_steps")
+    if mbs * spg % groups:
+        raise ValueError(f"{key}: TRL's generation batch of micro_batch_size {mbs} x {spg} micro-batches = "
+                         f"{mbs * spg} completions is not a whole number of groups of num_generations {groups} "
+                         "(TRL refuses it too); change one of them")
+    batch = mbs * spg // groups
+    if "prompts_per_round" in s.set_in_rollout:
+        if given.keys() & {"trl.steps_per_generation", "trl.generation_batch_size"}:
+            raise ValueError(f"{key} and rollout.prompts_per_round both size a round; set one of them")
+        prompts = s.rollout.prompts_per_round
+        return prompts, batch, f"rollout.prompts_per_round {prompts} (yours)"
+    per_round = max(spg, gas) // spg  # generation batches per round: 1, or those of one optimizer step
+    why = (f"TRL's generation batch: micro_batch_size {mbs} x steps_per_generation {spg} = {mbs * spg} "
+           f"completions, {batch} prompt(s) x num_generations {groups}"
+           + (f"; {per_round} of them make one optimizer step" if per_round > 1 else ""))
+    return batch * per_round, batch, why
+
+
+def _rounds_from_length(data: dict, given: dict, s: RoundSettings) -> tuple[dict, str]:
+    """grpo.rounds (from max_steps or num_epochs) and rollout.prompts_per_round (`_round_size`) into `data`; the note
+    says how they were counted. max_steps that is not a whole number of rounds rounds up: TRL samples that last
+    generation batch too and stops part way through it; posttrain trains whole rounds."""
+    from stages.training.grpo import round_steps
+
+    length_keys = [k for k in ("max_steps", "num_epochs") if k in given]
+    if length_keys and s.rounds_set:
+        raise ValueError(f"{length_keys[0]} (axolotl's key) and grpo.rounds are the same setting (how long GRPO "
+                         "trains); set one of them")
+    processes = (section_dict(data, "train") or {}).get("num_processes", 1)
+    if processes != 1:
+        raise ValueError(f"{', '.join(given)}: with train.num_processes {processes} TRL's batches are per process, "
+                         "posttrain's grpo.micro_batch_size x gradient_accumulation_steps the whole step's: set "
+                         "grpo.rounds and rollout.prompts_per_round instead")
+    prompts, batch, why = _round_size(given, s)
+    steps = round_steps(s.grpo, prompts * s.num_generations)
+    if "prompts_per_round" not in s.set_in_rollout:
+        data["rollout"] = {**section_dict(data, "rollout"), "prompts_per_round": prompts}
+    per_round = (f"a round is {prompts} prompt(s) x {s.num_generations} completions = {steps} optimizer step(s) "
+                 f"(micro_batch_size {s.grpo.micro_batch_size} x gradient_accumulation_steps "
+                 f"{s.grpo.gradient_accumulation_steps} completions per step, x num_iterations {s.grpo.num_iterations})")
+    if not length_keys:
+        return data, f"{', '.join(given)} (axolotl's) -> rollout.prompts_per_round: {prompts} ({why}); {per_round}"
+    if "max_steps" in given:
+        max_steps = _whole("max_steps", given["max_steps"], "TRL's optimizer steps")
+        source = f"max_steps: {max_steps} (axolotl's key" + ("; num_epochs is not used: max_steps overrides it, "
+                                                             "as in TRL)" if "num_epochs" in given else ")")
+    else:
+        max_steps, source = _steps_of_epochs(data, given["num_epochs"], batch, s)
+    rounds = -(-max_steps // steps)
+    data["grpo"] = {**section_dict(data, "grpo"), "rounds": rounds}
+    exact = "" if rounds * steps == max_steps else (
+        f"; {max_steps} steps are not a whole number of rounds: {rounds} rounds take {rounds * steps} steps (TRL "
+        f"samples the last generation batch too and stops after {max_steps - (rounds - 1) * steps} of its {steps} "
+        "steps; posttrain trains whole rounds)")
+    return data, (f"{source} -> grpo.rounds: {rounds}, rollout.prompts_per_round: {prompts}: one round is one "
+                  f"generation batch ({why}); {per_round}{exact}")
+
+
+def _steps_of_epochs(data: dict, epochs, batch: int, s: RoundSettings) -> tuple[int, str]:
+    """(TRL's optimizer steps for `epochs` passes over the train split, how they were counted): each pass is
+    train prompts // batch generation batches (TRL drops the last partial one), each used for steps_per_generation
+    x num_iterations micro-batches, gradient_accumulation_steps of them per optimizer step (the last step of a pass
+    may have fewer), times epochs rounded up."""
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < float("inf"):
+        raise ValueError(f"num_epochs: {epochs!r}; expected a number > 0 (passes over the train prompts)")
+    count, where = _train_prompts(data)
+    batches = count // batch
+    if batches == 0:
+        raise ValueError(f"num_epochs: the train split's {count} prompts ({where}) are fewer than one generation "
+                         f"batch of {batch}; lower the batch or set max_steps")
+    spg = batch * s.num_generations // s.grpo.micro_batch_size
+    micro_steps = batches * spg * s.grpo.num_iterations
+    per_epoch = -(-micro_steps // s.grpo.gradient_accumulation_steps)
+    steps = math.ceil(epochs * per_epoch)
+    return steps, (f"num_epochs: {epochs:g} (axolotl's key: passes over the {count} train prompts of {where}, "
+                   f"{batches} generation batches of {batch} each, TRL's {per_epoch} optimizer steps per pass; "
+                   f"{steps} steps)")
+
+
+def _train_prompts(data: dict) -> tuple[int, str]:
+    """(rows of the train split the rounds draw from, where they were counted), for num_epochs: the demo task's
+    demo_data.num_train, or the rows of your local train files (less val_set_size's hold-out; rows the transform
+    or too_long_prompts leaves out are not subtracted). A hub dataset, a data version or Atropos: an error naming
+    num_epochs (its size is known only when the run reads it)."""
+    from stages.data import sources
+    from stages.data.demo_data import DemoDataConfig
+    from stages.data.transform import TransformConfig
+
+    later = "its size is known only once the run reads it; set max_steps instead"
+    if (section_dict(data, "rollout") or {}).get("source") == "atropos":
+        raise ValueError("num_epochs: rollout.source atropos has no prompt set to pass over; set max_steps instead")
+    if (section_dict(data, "data") or {}).get("version"):
+        raise ValueError(f"num_epochs: data.version trains on a registered data version: {later}")
+    transform = TransformConfig.model_validate(section_dict(data, "transform") or {})
+    if transform.paths:
+        if "train" not in transform.paths:
+            raise ValueError("num_epochs: transform.paths has no train split to pass over; add one or set max_steps")
+        path = Path(transform.paths["train"]).expanduser()
+        return sum(isinstance(r, dict) for r in sources.read_rows(path)), str(path)
+    if transform.datasets:
+        total = 0
+        for source in transform.datasets:
+            if sources.kind(source) == "hub":
+                raise ValueError(f"num_epochs: transform.datasets {source.path} is a hub dataset: {later}")
+            total += len(sources.load(source))
+        size = transform.val_set_size if not transform.test_datasets else None
+        held = (math.ceil(size * total) if size < 1 else int(size)) if size else 0
+        return total - held, "transform.datasets" + (f", less val_set_size's {held}" if held else "")
+    demo = DemoDataConfig.model_validate(section_dict(data, "demo_data") or {})
+    return demo.num_train * (demo.records_per_document or 1), "demo_data.num_train"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from stages.data.base_model import BaseModelConfig
@@ -172,6 +172,20 @@ class PipelineConfig(BaseModel):
     """Where training runs: `num_processes` data-parallel ranks (torchrun) for the optimize and SFT stages;
     not part of any stage's key (same weights up to float rounding)."""
 
+    _translation_notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def translation_notes(self) -> list[str]:
+        """What axolotl's length keys became and why (`_axolotl_training_length`); `posttrain validate` prints them."""
+        return list(self._translation_notes)
+
+    def __eq__(self, other) -> bool:
+        """Equal when every field is: the notes on how a config was written (`translation_notes`) do not count, so a
+        translated config equals its saved, re-loaded run config."""
+        return isinstance(other, PipelineConfig) and self.model_dump() == other.model_dump()
+
+    __hash__ = None  # as BaseModel's: mutable, not hashable
+
     @model_validator(mode="after")
     def _numbers_are_finite(self):
         """Every number in the config is finite: a field's own bounds may let inf through (`learning_rate > 0`),
@@ -214,6 +228,27 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"preferences.namespace: {prefs.get('namespace')!r} does not fit rl: "
                              f"{data.get('rl', 'grpo')} (it reads {wanted} rows); leave it out, it follows rl")
         return {**data, "preferences": {**prefs, "namespace": "kto"}} if wanted == "kto" else data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_training_length(cls, data):
+        """axolotl's max_steps / num_epochs / sequence_len and trl.steps_per_generation / generation_batch_size under
+        a round method into grpo.rounds, rollout.prompts_per_round and rollout.max_prompt_length, the notes on what
+        was chosen and why kept for `translation_notes` (flows/axolotl.py `move_training_length`). Defined before
+        the validators that move axolotl's other keys, so it runs after them (it reads the sections they fill)."""
+        data, notes = axolotl.move_training_length(data)
+        axolotl.keep_notes(notes)
+        return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _translation_notes_kept(cls, data, handler):
+        """The config with the notes the axolotl validators kept while it validated (`translation_notes`). A wrap
+        validator runs outside every `before` one."""
+        with axolotl.collecting_notes() as notes:
+            cfg = handler(data)
+        cfg._translation_notes = notes
+        return cfg
 
     @model_validator(mode="before")
     @classmethod

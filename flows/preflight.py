@@ -81,7 +81,7 @@ def check(cfg: PipelineConfig, config_path: str | Path) -> Report:
 
 def inspect_config(cfg: PipelineConfig, config_path: str | Path) -> Report:
     """Every check, its problems and notes collected (nothing raised)."""
-    report = Report()
+    report = Report(notes=cfg.translation_notes)  # what axolotl's length keys became (flows/axolotl.py)
     where = " or ".join(dict.fromkeys(code_dirs(config_path)))
     _model(cfg, report)
     _transform(cfg, report, where)

@@ -303,8 +303,8 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
      r"vllm.dtype \(axolotl's key\) and rollout.vllm.dtype are the same setting"),
     ("rl: grpo\nlearning_rate: 1.0e-5\ngrpo:\n  learning_rate: 2.0e-5\n",
      r"learning_rate \(axolotl's key\) and grpo.learning_rate are the same"),
-    ("rl: grpo\nnum_epochs: 2\n", r"num_epochs: GRPO here runs grpo.rounds"),
-    ("rl: grpo\nmax_steps: 30\n", r"max_steps: GRPO here runs grpo.rounds rounds"),
+    ("rl: grpo\nnum_epochs: 2\ngrpo:\n  rounds: 3\n", r"num_epochs \(axolotl's key\) and grpo.rounds are the same"),
+    ("rl: grpo\nmax_steps: 0\n", r"max_steps: 0; expected a whole number >= 1"),
     ("output_dir: a\nartifacts_dir: b\n", r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"),
 ], ids=["unknown_trl_key", "vllm_serve_keys", "vllm_mode_server", "vllm_data_parallel", "vllm_unknown",
         "vllm_conflict", "conflict", "num_epochs_grpo", "max_steps_grpo", "output_dir_conflict"])
@@ -377,7 +377,7 @@ AXOLOTL_DOC_EXAMPLES = {
         "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n"
         "val_set_size: 0.5\nsft:\n  enabled: false\n",  # added, as for grpo above: what posttrain's errors ask
         (r"trl.vllm_server_host, trl.vllm_server_port: where `axolotl vllm-serve`",
-         ["  vllm_server", "  vllm_sync_interval", "  use_data_producer", "max_steps", "sequence_len"])),
+         ["  vllm_server", "  vllm_sync_interval", "  use_data_producer"])),
     "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
         # own module: here raw documents are `type: text` (and, as above, an eval split and no SFT stage)
         "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
@@ -396,6 +396,8 @@ AXOLOTL_DOC_TRANSLATIONS = {
     "rlhf orpo": {"model.chat_template": "chatml"},
     "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
     "reward_modelling prm": {"reward_model.eval_steps": 100},
+    "ebft structured": {"grpo.rounds": 20, "rollout.prompts_per_round": 2,  # max_steps: 20 rounds of TRL's
+                        "rollout.max_prompt_length": 768},  # generation batch (2 x 4 completions); sequence_len 1024
     "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
                      "rollout.temperature": 0.6, "ebft.rl_coef": 1.0},
 }

@@ -483,6 +483,17 @@ class RoundPlan:
     steps_per_round: int  # optimizer steps over all num_iterations passes, skipped ones included
 
 
+def round_steps(cfg: GRPOConfig, rows: int) -> int:
+    """Optimizer steps a round of `rows` scored rows takes over its num_iterations passes, skipped ones included
+    (`plan_round`'s steps_per_round): micro_batch_size x gradient_accumulation_steps rows per step, the last step
+    of a pass taking what is left. flows/axolotl.py turns TRL's max_steps into rounds with it.
+
+    >>> round_steps(GRPOConfig(micro_batch_size=4, gradient_accumulation_steps=2, num_iterations=3), 20)
+    9
+    """
+    return -(-rows // (cfg.micro_batch_size * cfg.gradient_accumulation_steps)) * cfg.num_iterations
+
+
 def plan_round(cfg: GRPOConfig, rows: list[dict], round_index: int) -> RoundPlan:
     """Shuffle the round's rows, cut them into optimizer steps of gradient_accumulation_steps micro-batches and
     decide what each step computes and whether pi_old needs a pass of its own."""
