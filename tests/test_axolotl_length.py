@@ -167,7 +167,7 @@ def test_validate_shows_the_rounds_it_chose_and_why(tmp_path):
      r"TRL's generation batch of micro_batch_size 1 x 2 micro-batches = 2 completions is not a whole number of "
      r"groups of num_generations 4"),
     ("max_steps: 10\ntrain:\n  num_processes: 2\n", r"max_steps: with train.num_processes 2 TRL's batches are per"),
-    ("num_epochs: 1\ntransform:\n  datasets:\n    - path: org/some-hub-dataset\n",
+    ("num_epochs: 1\ntransform:\n  datasets:\n    - path: org/some-hub-dataset\n  val_set_size: 0.1\n",
      r"num_epochs: transform.datasets org/some-hub-dataset is a hub dataset"),
     ("sequence_len: 16\n", r"sequence_len 16 leaves no room for a prompt beside max_completion_length 16"),
     ("sequence_len: 64\nrollout:\n  max_prompt_length: 60\n",
