@@ -52,6 +52,12 @@ SCORE_WHERE_KEYS = ("reward_num_workers", "backend", "ray", "reward_timeout_s", 
 """score keys that say where and how reward functions run, not what they score."""
 PROMPT_SPLITS_OF_DATASETS = ("train", "eval")
 """The prompts splits transform.datasets makes."""
+NO_EVAL = ("a run whose rows are a train split only (no eval split: set transform.test_datasets or "
+           "val_set_size, or transform.paths.eval, to evaluate)")
+"""Why the eval section is unread where `runs_eval` is False with prompts."""
+NO_PROMPTS = ("rl: {rl} on your preferences and model.path with no prompt rows (it trains on the preferences and "
+              "measures held-out preference accuracy on their eval split)")
+"""Why the eval and transform sections are unread where `reads_prompts` is False."""
 
 
 class ScheduleConfig(BaseModel):
@@ -200,9 +206,14 @@ class PipelineConfig(BaseModel):
     def _sft_runs_where_asked(self):
         """sft.enabled unset: true where the prompts will have the split sft.split to warm-start on (the demo task
         makes one; so may a transform.paths entry of that name), false otherwise: your own data goes straight to the
-        method (DESIGN.md, "a config trains what it names"). rl: reward_model trains no policy (its own check)."""
+        method (DESIGN.md, "a config trains what it names"), and a run without prompts (`reads_prompts`) has
+        nothing to warm-start on. rl: reward_model trains no policy (its own check)."""
+        if self.sft.enabled and not self.reads_prompts:
+            raise ValueError(f"sft.enabled: the SFT warm start trains on the prompts' rows, and this rl: {self.rl} run "
+                             "on your preferences and model.path names none; remove it, or give the rows as "
+                             "transform.paths (with sft.split and sft.completion_field)")
         if self.sft.enabled is None and self.rl != "reward_model":
-            if self.transform.datasets:
+            if self.transform.datasets or not self.reads_prompts:
                 asked = False
             elif self.transform.paths:
                 asked = self.sft.split in self.transform.paths
@@ -320,10 +331,13 @@ class PipelineConfig(BaseModel):
         if self.rl == "reward_model":
             return {name: "rl: reward_model (it trains, evaluates and registers a reward model only)"
                     for name in REWARD_MODEL_RUN_UNREAD}
+        no_eval = {} if self.runs_eval else {"eval": NO_EVAL if self.reads_prompts else NO_PROMPTS.format(rl=self.rl)}
         if self.rl in DPO_FAMILY:
-            return {name: f"rl: {self.rl} (one preference-optimization stage, no rounds)" for name in DPO_RUN_UNREAD}
+            no_prompts = {} if self.reads_prompts else {"transform": NO_PROMPTS.format(rl=self.rl)}
+            return {**{name: f"rl: {self.rl} (one preference-optimization stage, no rounds)" for name in DPO_RUN_UNREAD},
+                    **no_eval, **no_prompts}
         trains_reward_model = "reward_model" in self.score.reward_funcs
-        return {"dpo": f"rl: {self.rl} (the DPO family's section)",
+        return {**no_eval, "dpo": f"rl: {self.rl} (the DPO family's section)",
                 **({} if self.rl == "ebft" else {"ebft": f"rl: {self.rl} (rl: ebft's section)"}),
                 **({} if trains_reward_model else {name: f"rl: {self.rl} without reward_model in "
                                                    "score.reward_funcs (nothing trains a reward model)"
@@ -399,6 +413,30 @@ class PipelineConfig(BaseModel):
         """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""
         return self.rl in ROUND_METHODS
 
+    @property
+    def reads_prompts(self) -> bool:
+        """Whether the run builds the prompts table (demo_data or your rows -> transform). False for a DPO-family
+        run on your own preferences and model (model.path) that names no prompt rows (transform.paths/datasets):
+        it trains on the preferences alone, with no demo data, SFT or prompt eval (axolotl's DPO runs)."""
+        return not (self.rl in DPO_FAMILY and self.preferences is not None and self.model.path
+                    and not (self.transform.paths or self.transform.datasets))
+
+    @property
+    def runs_eval(self) -> bool:
+        """Whether the run evaluates its policy on the eval split (base, eval.every_rounds, final, the champion):
+        the demo task's, a transform.paths split other than train, transform.datasets' test_datasets or
+        val_set_size, or any split eval.split names. False where your rows are a train split only (axolotl's and
+        TRL's GRPO examples: the run says so and reports its training metrics) and without prompts."""
+        if self.rl == "reward_model" or not self.reads_prompts:
+            return False
+        if "split" in self.eval.model_fields_set:
+            return True
+        if self.transform.datasets:
+            return bool(self.transform.test_datasets or self.transform.val_set_size)
+        if self.transform.paths:
+            return set(self.transform.paths) != {"train"}
+        return True
+
     @model_validator(mode="after")
     def _seed_reaches_every_section(self):
         if self.seed is not None:
@@ -413,7 +451,7 @@ class PipelineConfig(BaseModel):
         exists: the quickstart trains its tokenizer on the transform's output), so the stages that meet the
         tokenizer stop on it or leave it out, and their keys hold the choice. Only in sections the method reads
         (_method_reads_its_sections), so a saved config.yaml loads again."""
-        reads = (["rollout"] if self.uses_rounds else []) + (["eval"] if self.rl != "reward_model" else [])
+        reads = (["rollout"] if self.uses_rounds else []) + (["eval"] if self.runs_eval else [])
         for name in reads:
             section = getattr(self, name)
             if "too_long_prompts" not in section.model_fields_set:
@@ -459,7 +497,7 @@ class PipelineConfig(BaseModel):
                              "Set sft.enabled: false (the policy starts from the model as it is, as axolotl's RL "
                              "runs do), or sft.split: train to warm-start on the datasets' rows (with "
                              "sft.completion_field naming the target column, e.g. answer)")
-        if self.eval.split not in PROMPT_SPLITS_OF_DATASETS:
+        if self.runs_eval and self.eval.split not in PROMPT_SPLITS_OF_DATASETS:
             raise ValueError(f"eval.split is {self.eval.split!r}, but transform.datasets makes the prompts splits "
                              f"{splits} (eval: test_datasets or val_set_size); set eval.split: eval")
         return self

@@ -4,6 +4,8 @@ demo_data -> transform -> base_model -> sft -> eval(base)
   -> RECIPES[method] (flows/recipes/: GRPO/GDPO, EBFT or Atropos rounds of rollout -> score -> optimize,
      or one DPO-family stage)
   -> export -> eval(final) -> registered model, champion/challenger, summary
+(demo_data, sft and the evals only where the config asks for them: your own rows skip demo_data, a train
+split alone skips the evals and the promotion, a DPO-family run on your preferences skips the prompts.)
 
 Every stage is a cached artifact (tasks/store.py): running the same config again
 computes nothing. MLflow gets one parent run per pipeline run, a nested run per
@@ -52,7 +54,8 @@ def posttrain_pipeline(config_path: str, overrides: list[str] | dict | None = No
 
 def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
     """The run of a method that trains a policy: prepare it, evaluate, train by the method's recipe, export,
-    evaluate again, register and promote; return the results."""
+    evaluate again, register and promote; return the results. Without an eval split (`runs_eval`) the evals
+    and the promotion are left out, and the results say so."""
     cfg, lineage, reporter = ctx.config, ctx.lineage, ctx.reporter
     root = Path(cfg.artifacts_dir).resolve()
     run_name = run_dir.name
@@ -60,60 +63,44 @@ def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
                   f"watch it with: {ui_command(root)}")
     try:
         prompts, base, policy = prepare_policy(ctx, parent)
-        evaluate = evaluator(cfg, policy)  # the method's eval task (rl: ebft strided: raw documents' blocks)
-        base_eval = evaluate(ctx, policy, prompts, label="base")
-        lineage.log_metrics(parent, eval_metrics(base_eval.manifest["summary"]), step=0)
+        evaluate = evaluator(cfg, policy) if cfg.runs_eval else None  # the method's eval task, if any
+        base_eval = evaluate(ctx, policy, prompts, label="base") if evaluate else None
+        if base_eval:
+            lineage.log_metrics(parent, eval_metrics(base_eval.manifest["summary"]), step=0)
 
         trained = RECIPES[method(cfg)](ctx, parent, policy, prompts)
-        adapter, history, findings = trained.adapter, trained.history, trained.findings
-        lineage_keys = {"prompts": prompts.key, "base_model": base.key, "policy": f"{policy.stage}/{policy.key}",
-                        **trained.lineage}
-        exported = export_task(ctx, policy, adapter, lineage_keys, trained.metrics)
-        final_eval = evaluate(ctx, exported, prompts, label="final")
-        base_summary, final_summary = base_eval.manifest["summary"], final_eval.manifest["summary"]
-        base_acc, final_acc = base_summary["accuracy"], final_summary["accuracy"]
-        constant_baseline = final_summary.get("constant_baseline")  # same prompts as base: same baseline
-        lineage.log_metrics(parent, eval_metrics(final_summary), step=trained.steps)
-        lineage.log_metrics(parent, {"eval/accuracy_base": base_acc, "eval/accuracy_final": final_acc,
-                                     "eval/accuracy_gain": final_acc - base_acc,
-                                     **({"eval/gain_over_baseline": final_acc - constant_baseline}
-                                        if constant_baseline is not None else {})})
+        lineage_keys = {**({"prompts": prompts.key} if prompts else {}), "base_model": base.key,
+                        "policy": f"{policy.stage}/{policy.key}", **trained.lineage}
+        exported = export_task(ctx, policy, trained.adapter, lineage_keys, trained.metrics)
+        final_eval = evaluate(ctx, exported, prompts, label="final") if evaluate else None
+        scores = eval_results(lineage, parent, base_eval, final_eval, trained) if evaluate else training_results(trained)
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
         lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
                                   "exported_model": str(exported.path)})
         from flows import retrain
 
-        promotion = retrain.promote(ctx, parent, version, exported, final_eval, prompts,  # champion or challenger
-                                    evaluate=evaluate)
+        promotion = (retrain.promote(ctx, parent, version, exported, final_eval, prompts, evaluate=evaluate)
+                     if evaluate else retrain.not_ranked(ctx, parent, version))  # champion, challenger, or neither
         if not quiet:
             reporter.console.print(f"promotion: {promotion['reason']}", soft_wrap=True, markup=False)
         results = {
             "run_name": run_name,
             "mlflow_run_id": parent,
             "experiment": cfg.name,
-            "base_accuracy": base_acc,
-            "final_accuracy": final_acc,
-            "eval_prompts": final_summary["num_prompts"],
-            # a constant answer's accuracy on the same prompts, and how spread the predicted answers are
-            "constant_baseline": constant_baseline,
-            "baseline_answer": final_summary.get("baseline_answer"),
-            "gain_over_baseline": final_acc - constant_baseline if constant_baseline is not None else None,
-            **{f"{which}_{k}": summary.get(k) for which, summary in (("base", base_summary), ("final", final_summary))
-               for k in ("format_rate", "distinct_answers", "answer_entropy", "top_answer", "top_answer_frac",
-                         "constant_policy")},
+            **scores,
             "exported_model": str(exported.path),
             "registered_model_version": version,
             "promotion": promotion,
             "rounds_wall_s": trained.wall_s,
-            "health": findings,  # the rounds' out-of-range metrics (stages/evaluation/health.py)
-            "dropped_rows": prompts.manifest["summary"].get("dropped", {}),  # transform.on_bad_rows: drop: per split
-            "source_rows": prompts.manifest["summary"].get("sources", []),  # transform.datasets: rows per source
+            "health": trained.findings,  # the rounds' out-of-range metrics (stages/evaluation/health.py)
+            "dropped_rows": prompts.manifest["summary"].get("dropped", {}) if prompts else {},  # on_bad_rows: drop
+            "source_rows": prompts.manifest["summary"].get("sources", []) if prompts else [],  # rows per source
             **trained.results,  # the recipe's own (the DPO family: preference accuracy before and after)
             "stages": reporter.rows,
             "warnings": reporter.warnings,  # e.g. damaged artifact folders that were recomputed
             "mlflow_ui": ui_command(root),
         }
-        save_results(ctx, parent, run_dir, results, history)
+        save_results(ctx, parent, run_dir, results, trained.history)
     except BaseException:
         lineage.finish("FAILED")
         raise
@@ -121,3 +108,38 @@ def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
     if not quiet:
         reporter.summary(results)
     return results
+
+
+def eval_results(lineage, parent: str, base_eval, final_eval, trained) -> dict:
+    """The held-out accuracies base -> final and the final eval's metrics, logged to the parent run; the
+    run's results entries for them (with the constant baseline and the answers' spread)."""
+    base_summary, final_summary = base_eval.manifest["summary"], final_eval.manifest["summary"]
+    base_acc, final_acc = base_summary["accuracy"], final_summary["accuracy"]
+    constant_baseline = final_summary.get("constant_baseline")  # same prompts as base: same baseline
+    lineage.log_metrics(parent, eval_metrics(final_summary), step=trained.steps)
+    lineage.log_metrics(parent, {"eval/accuracy_base": base_acc, "eval/accuracy_final": final_acc,
+                                 "eval/accuracy_gain": final_acc - base_acc,
+                                 **({"eval/gain_over_baseline": final_acc - constant_baseline}
+                                    if constant_baseline is not None else {})})
+    return {
+        "held_out_eval": True,
+        "base_accuracy": base_acc,
+        "final_accuracy": final_acc,
+        "eval_prompts": final_summary["num_prompts"],
+        # a constant answer's accuracy on the same prompts, and how spread the predicted answers are
+        "constant_baseline": constant_baseline,
+        "baseline_answer": final_summary.get("baseline_answer"),
+        "gain_over_baseline": final_acc - constant_baseline if constant_baseline is not None else None,
+        **{f"{which}_{k}": summary.get(k) for which, summary in (("base", base_summary), ("final", final_summary))
+           for k in ("format_rate", "distinct_answers", "answer_entropy", "top_answer", "top_answer_frac",
+                     "constant_policy")},
+    }
+
+
+def training_results(trained) -> dict:
+    """A run without an eval split: no held-out accuracy; the training reward of the first and last rounds (on
+    train prompts, each under the policy of its round), which the summary shows instead."""
+    rewards = [row["train/reward_mean"] for row in trained.history if row.get("train/reward_mean") is not None]
+    return {"held_out_eval": False, "base_accuracy": None, "final_accuracy": None, "eval_prompts": 0,
+            "train_reward_first": rewards[0] if rewards else None,
+            "train_reward_last": rewards[-1] if rewards else None, "train_rounds": len(trained.history)}

@@ -213,6 +213,9 @@ def _transform(cfg: PipelineConfig, report: Report, where: str) -> None:
     """The transform on the first rows of each split of your own data (transform.paths or datasets)."""
     from stages.data import sources, transform
 
+    if not cfg.reads_prompts:  # a DPO-family run on your preferences: no transform stage
+        return
+
     tcfg = cfg.transform
     types = [("transform.type", tcfg.type)] + [
         (f"transform.{name}.{i}.type", s.type) for name in ("datasets", "test_datasets")
@@ -314,6 +317,13 @@ def _stages_read_the_splits(cfg: PipelineConfig, report: Report) -> None:
     have = sorted(splits) if splits is not None else list(_demo_splits())
     if cfg.rl == "reward_model":
         return
+    if not cfg.reads_prompts:
+        report.notes.append(f"prompts: none; rl: {cfg.rl} trains on your preferences from model.path (no demo data, "
+                            "SFT or prompt eval; held-out preference accuracy on the preferences' eval split)")
+        return
+    if not cfg.runs_eval:
+        report.notes.append("eval: none; your rows are a train split only, so the run reports training metrics "
+                            "(transform.test_datasets, val_set_size or transform.paths.eval add a held-out eval)")
     if cfg.sft.enabled:
         report.notes.append(f"sft: warm start on split {cfg.sft.split!r}, column {cfg.sft.completion_field!r}")
         if cfg.sft.split not in have:
@@ -337,6 +347,8 @@ def _stages_read_the_splits(cfg: PipelineConfig, report: Report) -> None:
     if cfg.uses_rounds and "train" not in splits and not cfg.transform.datasets:
         report.problem("transform.paths", f"no train split (the rounds sample its prompts; splits: {', '.join(have)}); "
                                           "add transform.paths.train")
+    if not cfg.runs_eval:
+        return
     if cfg.eval.split not in splits:
         report.problem("eval.split", f"the prompts have no split {cfg.eval.split!r} (they have {', '.join(have)}); "
                                      "add transform.paths.eval, or set eval.split to one of them")

@@ -346,6 +346,18 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts, evalu
     return {**result, "alias": alias, "reason": reason, "refused_by": refused_by}
 
 
+def not_ranked(ctx, parent: str, version: str) -> dict:
+    """A run without an eval split: its registered version gets no alias (nothing measured ranks it against the
+    champion); the promotion entry and the parent's tags say why."""
+    name = ctx.config.export.model_name
+    reason = (f"{name} v{version} is registered but not ranked: the run has no eval split to measure it on "
+              "(transform.test_datasets, val_set_size or transform.paths.eval make one)")
+    ctx.lineage.set_tags(parent, {"promotion": reason, "promotion.alias": "none"})
+    return {"model": name, "version": str(version), "metric": ctx.config.promotion.metric, "value": None,
+            "min_gain": ctx.config.promotion.min_gain, "champion_version": None, "champion_value": None,
+            "constant_baseline": None, "alias": None, "reason": reason, "refused_by": "no_eval_split"}
+
+
 def below_baseline(summary: dict) -> str | None:
     """Why an eval's model may not become champion, or None when it may: its accuracy must beat the constant
     baseline (the best a constant answer scores on the same prompts by the same verifier), and so be above 0.

@@ -152,10 +152,16 @@ def announce(ctx: RunContext, message: str, level: int) -> None:
 
 
 def prepare_policy(ctx: RunContext, parent: str) -> tuple:
-    """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts."""
+    """demo_data -> transform -> base_model -> sft: (prompts, base model, starting policy) artifacts; prompts
+    None for a run that reads none (`reads_prompts`: a DPO-family run on your preferences and model)."""
     from flows import retrain
 
     cfg = ctx.config
+    if not cfg.reads_prompts:
+        announce(ctx, f"rl: {cfg.rl} on your preferences and {cfg.model.path}: no prompts, SFT or prompt eval",
+                 logging.INFO)
+        base = base_model_task(ctx, None)
+        return None, base, retrain.starting_policy(ctx, parent) or base
     raw = None if cfg.transform.paths or cfg.transform.datasets else demo_data_task(ctx)
     prompts = transform_task(ctx, raw)
     for source in prompts.manifest["summary"].get("sources", []):  # transform.datasets: rows per source
@@ -177,7 +183,10 @@ def prepare_policy(ctx: RunContext, parent: str) -> tuple:
     champion = retrain.starting_policy(ctx, parent)  # promotion.start_from_champion: the champion's model
     policy = champion or (sft_task(ctx, base, prompts) if cfg.sft.enabled else base)
     prompts = retrain.data_version_prompts(ctx, parent, raw, prompts)  # data.version: its rows are the train split
-    for split in ("train", "eval"):
+    if not cfg.runs_eval:
+        announce(ctx, "eval: none, your rows are a train split only (transform.test_datasets, val_set_size or "
+                      "transform.paths.eval make one); the run reports its training metrics", logging.WARNING)
+    for split in [s for s in ("train", "eval") if f"{s}.parquet" in prompts.manifest["files"]]:
         meta = prompts.manifest["files"][f"{split}.parquet"]
         ctx.lineage.log_dataset(parent, f"prompts-{split}", prompts.file(f"{split}.parquet"), meta["sha256"],
                                 context="training" if split == "train" else "evaluation", rows=meta["rows"])

@@ -103,9 +103,26 @@ def headline(results: dict) -> list[str]:
             return [f"reward model ({results['reward_model_kind']}): no eval split, no accuracy measured"]
         return [f"reward_model/{results['accuracy_metric']}  before: {before:.3f}   after: {after:.3f}   "
                 f"({results['eval_rows']} held-out {'rows' if results['reward_model_kind'] == 'prm' else 'pairs'})"]
+    if results.get("held_out_eval") is False:
+        return no_eval_headline(results)
     return [f"eval/accuracy  base: {results['base_accuracy']:.3f}   final: {results['final_accuracy']:.3f}   "
             f"gain: {results['final_accuracy'] - results['base_accuracy']:+.3f}  "
             f"({results['eval_prompts']} held-out prompts)", *accuracy_notes(results)]
+
+
+def no_eval_headline(results: dict) -> list[str]:
+    """A run without an eval split: what it measured instead (training reward of the first and last rounds, or
+    the DPO family's held-out preference accuracy), and how to get a held-out accuracy."""
+    lines = ["eval: none (your rows are a train split only; transform.test_datasets, val_set_size or "
+             "transform.paths.eval give a held-out accuracy)"]
+    first, last = results.get("train_reward_first"), results.get("train_reward_last")
+    if first is not None:
+        lines.append(f"train/reward_mean  first round: {first:.3f}   last round: {last:.3f}   "
+                     f"({results.get('train_rounds')} rounds, on training prompts, not held out)")
+    before, after = results.get("preference_accuracy_base"), results.get("preference_accuracy_final")
+    if after is not None:
+        lines.append(f"eval/preference_accuracy  base: {before:.3f}   final: {after:.3f}   (held-out pairs)")
+    return lines
 
 
 BASELINE_MARGIN = 0.05

@@ -330,9 +330,8 @@ def test_axolotl_output_dir_max_steps_and_tracker_keys(tmp_path, caplog):
 
 
 # axolotl's documented example configs (docs/rlhf.qmd, docs/reward_modelling.qmd, docs/ebft.qmd), as written there,
-# with the paths changed to local files (and, for the two with a datasets list for prompts, an eval split and no SFT
-# stage, which posttrain's own errors ask for): each loads into what it means here, or fails naming the keys
-# posttrain does not honour and why, and loads without them.
+# with the paths changed to local files: each loads into what it means here, or fails naming the keys posttrain
+# does not honour and why, and loads without them (tests/test_own_data.py runs them to their starting policy).
 AXOLOTL_DOC_EXAMPLES = {
     "rlhf dpo": ("rl: dpo\ndatasets:\n  - path: {prefs}\n    split: train\n    type: chatml.intel\n"
                  "  - path: {prefs}\n    split: train\n    type: chatml\n", None),
@@ -359,8 +358,7 @@ AXOLOTL_DOC_EXAMPLES = {
                         ["    host", "    port", "    vllm_server"])),
     "rlhf grpo rewards": ("rl: grpo\n\ntrl:\n    beta: 0.001\n    max_completion_length: 256\n    use_vllm: True\n"
                           "    num_generations: 4\n    reward_funcs: [\"accuracy\"]\n    reward_weights: [1.0]\n"
-                          "datasets:\n  - path: {prompts}\n    type: question_answer\nval_set_size: 0.5\n"
-                          "sft:\n  enabled: false\n", None),
+                          "datasets:\n  - path: {prompts}\n    type: question_answer\n", None),
     "reward_modelling orm": ("base_model: {model}\nmodel_type: AutoModelForSequenceClassification\nnum_labels: 1\n"
                              "tokenizer_type: AutoTokenizer\n\nreward_model: true\nchat_template: gemma\ndatasets:\n"
                              "  - path: {prefs}\n    type: bradley_terry.chat_template\n\nval_set_size: 0.1\n"
@@ -374,18 +372,16 @@ AXOLOTL_DOC_EXAMPLES = {
         "datasets:\n  - path: {prompts}\n    type: question_answer\n    split: train[:500]\nadapter: lora\n"
         "lora_r: 16\nlora_alpha: 32\nlora_target_linear: true\nsequence_len: 1024\nmicro_batch_size: 2\n"
         "gradient_accumulation_steps: 4\nmax_steps: 20\nlearning_rate: 5.0e-6\nbf16: auto\n"
-        "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n"
-        "val_set_size: 0.5\nsft:\n  enabled: false\n",  # added, as for grpo above: what posttrain's errors ask
+        "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n",
         (r"trl.vllm_server_host, trl.vllm_server_port: where `axolotl vllm-serve`",
          ["  vllm_server", "  vllm_sync_interval", "  use_data_producer"])),
     "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
-        # own module: here raw documents are `type: text` (and, as above, an eval split and no SFT stage)
+        # own module: here raw documents are `type: text`
         "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
         "points\n  context_length: 8      # context window per block\n  generate_max_len: 8    # tokens generated "
         "per block\n  n_samples_per_prompt: 4  # independent rollouts per document\n  temperature: 0.6\n"
         "  rl_coef: 1.0           # RL loss weight\n  advantage_estimator: rloo  # rloo, group_norm, or reinforce\n"
-        "flash_attention: false\ndatasets:\n  - path: {prompts}\n    type: text\nval_set_size: 0.5\n"
-        "sft:\n  enabled: false\n", None),
+        "flash_attention: false\ndatasets:\n  - path: {prompts}\n    type: text\n", None),
     "reward_modelling prm": ("base_model: {model}\nmodel_type: AutoModelForTokenClassification\nnum_labels: 2\n\n"
                              "process_reward_model: true\ndatasets:\n  - path: {prefs}\n    type: stepwise_supervised\n"
                              "    split: train\n\nval_set_size: 0.1\neval_steps: 100\n", None),

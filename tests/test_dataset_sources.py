@@ -239,8 +239,6 @@ def test_axolotl_top_level_keys_move_into_their_sections():
     ({"base_model": "org/a", "model": {"path": "org/b"}}, r"base_model .* and model.path are the same setting"),
     ({"transform": {"datasets": [{"path": "a.jsonl"}], "paths": {"train": "a.jsonl"}, "val_set_size": 0.1}},
      r"transform: transform.datasets and transform.paths both name the rows"),
-    ({"datasets": [{"path": "a.jsonl"}]}, r"transform.datasets needs an eval split.*transform.test_datasets.*"
-                                          r"transform.val_set_size"),
     ({"datasets": [{"path": "a.jsonl"}], "val_set_size": 0.1, "test_datasets": [{"path": "b.jsonl"}]},
      r"test_datasets and transform.val_set_size both make the eval split"),
     ({"test_datasets": [{"path": "b.jsonl"}]}, r"transform.test_datasets needs transform.datasets"),

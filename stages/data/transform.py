@@ -10,7 +10,8 @@ through (reward functions receive them).
 
 Raw rows come from `transform.paths` (a local file per split), the demo task, or `transform.datasets`
 (axolotl's list of sources: hub datasets, local files and folders; stages/data/sources.py reads them): their
-rows, in order, are the train split, and `test_datasets` or `val_set_size` gives the eval split.
+rows, in order, are the train split, and `test_datasets` or `val_set_size` gives the eval split (without
+either, the prompts have a train split only and the run evaluates nothing held out).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class TransformConfig(BaseModel):
     datasets: list[DatasetSource] | None = None
     """Sources of the train split (axolotl's `datasets:`; instead of `paths`): hub datasets, local files or
     folders, each with its own name, split slice, data_files, revision, type and field names. Their rows, in
-    order, are the train split; the stage's summary counts each source's rows. The pipeline needs an eval
-    split too: set test_datasets or val_set_size. The prompts have two splits, train and eval, so SFT is off
+    order, are the train split; the stage's summary counts each source's rows. test_datasets or val_set_size
+    make an eval split the run evaluates on (base, final, eval.every_rounds); without either, as in axolotl's GRPO
+    examples, there is none and the run reports its training metrics. SFT is off
     unless asked for (axolotl's RL runs start from the model as it is); to warm-start, set sft.enabled: true with
     sft.split: train (the same rows) and sft.completion_field at the target column, e.g. answer."""
     test_datasets: list[DatasetSource] | None = None
@@ -87,10 +89,6 @@ class TransformConfig(BaseModel):
                              "transform.datasets (the train sources)")
         if self.datasets and self.test_datasets and holdout:
             raise ValueError("transform.test_datasets and transform.val_set_size both make the eval split; use one")
-        if self.datasets and not (self.test_datasets or holdout):
-            raise ValueError("transform.datasets needs an eval split too (the pipeline evaluates on it): set "
-                             "transform.test_datasets (sources of eval rows) or transform.val_set_size (a fraction "
-                             "or a count of the datasets' rows held out)")
         if holdout and self.val_set_size >= 1 and self.val_set_size != int(self.val_set_size):
             raise ValueError(f"transform.val_set_size {self.val_set_size:g}: a fraction below 1 or a whole row count")
         return self
@@ -252,6 +250,8 @@ def dataset_parts(cfg: TransformConfig) -> dict[str, list[Part]]:
     train = parts_of(cfg.datasets, "datasets")
     if cfg.test_datasets:
         return {"train": train, "eval": parts_of(cfg.test_datasets, "test_datasets")}
+    if not cfg.val_set_size:  # a train split only (axolotl's GRPO examples): the run has no held-out eval
+        return {"train": train}
     kept, held = hold_out(train, cfg.val_set_size, cfg.val_set_seed)
     return {"train": kept, "eval": held}
 
