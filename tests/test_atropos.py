@@ -112,12 +112,14 @@ def test_policy_server_answers_as_vllm_and_its_groups_become_rollouts_and_scores
 
 def test_policy_server_answers_atroposlib_vllm_server_clients(tmp_path):
     """An environment with `server_type: vllm`: atroposlib's own VLLMServer client calls the policy server's
-    /generate (token ids in, [{token_id: logprob}] out) and /v1/completions; the tokens are the policy's
-    samples of that prompt and the log-probs the engine's."""
+    /generate (token ids in, [{token_id: logprob}] out) and /v1/completions, directly and through its
+    ManagedServer (chat messages in, masked tokens and log-probs out, as gsm8k's environment trains on); the
+    tokens are the policy's samples of that prompt and the log-probs the engine's."""
     import asyncio
 
     pytest.importorskip("atroposlib")
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
     from transformers import AutoTokenizer
 
@@ -141,9 +143,30 @@ def test_policy_server_answers_atroposlib_vllm_server_clients(tmp_path):
         got_prompt, tokens, logprobs, finish = asyncio.run(client.tokens_and_logprobs_completion(
             model="policy", input_ids=prompt_ids, n=3, max_tokens=4, temperature=1.0))
         completion = asyncio.run(client.completion(model="policy", prompt=prompt, n=2, max_tokens=4, logprobs=0))
-        refused = __import__("httpx").post(f"{url}/generate", json={"prompt": {"prompt_token_ids": prompt_ids}})
+        managed = ManagedServer(client, tokenizer=tokenizer)  # what a `vllm` environment (gsm8k's) samples through
+        chat = asyncio.run(managed.chat_completion(messages=[{"role": "user", "content": "say 7"}], n=2, max_tokens=4,
+                                                   temperature=1.0))
+        nodes = list(managed.current_nodes)
+        httpx = __import__("httpx")
+        refused = httpx.post(f"{url}/generate", json={"prompt": {"prompt_token_ids": prompt_ids}})
+        auth = {"Authorization": "Bearer s3cret"}
+        native = httpx.post(f"{url}/generate", headers=auth, timeout=60,
+                            json={"prompt": prompt, "n": 1, "max_tokens": 3, "logprobs": 0}).json()
+        unhonoured = httpx.post(f"{url}/generate", headers=auth, timeout=60,
+                                json={"prompt": prompt, "max_tokens": 3, "stop": ["\n"], "seed": 3})
     finally:
         server.close()
+    # the example trainer's vllm_api_server's answer: texts, prompt, finish reasons, per-token log-probs, token ids
+    assert native["prompt"] == prompt and native["prompt_token_ids"] == tokenizer(prompt)["input_ids"]
+    assert [[int(next(iter(entry[0]))) for entry in out] for out in native["logprobs"]] == native["token_ids"]
+    assert len(native["text"]) == len(native["finish_reasons"]) == 1
+    # a sampling field it would not honour is an error naming it, not a sample that ignores it
+    assert unhonoured.status_code == 400 and "seed, stop: not honoured" in unhonoured.json()["error"]["message"]
+    assert len(chat.choices) == 2 and len(nodes) == 2
+    for node in nodes:  # prompt positions masked, each completion token with the engine's log-prob
+        completion_at = node.masked_tokens.index(next(t for t in node.masked_tokens if t != -100))
+        assert node.tokens[:completion_at] == prompt_ids and all(lp <= 0 for lp in node.logprobs[completion_at:])
+        assert node.logprobs[:completion_at] == [1.0] * completion_at
     assert got_prompt == prompt_ids and len(tokens) == len(logprobs) == len(finish) == 3
     for ids, lps, why in zip(tokens, logprobs, finish):
         assert 0 < len(ids) == len(lps) <= 4 and all(lp <= 0 for lp in lps) and why in ("stop", "length")

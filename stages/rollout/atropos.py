@@ -51,6 +51,10 @@ log = logging.getLogger("posttrain.atropos")
 
 MODEL_NAME = "policy"
 """The model name environments ask the policy server for (`--openai.model_name policy`)."""
+GENERATE_FIELDS = ("prompt", "n", "max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p",
+                   "logprobs", "stream", "model")
+"""The /generate request fields the policy server honours (vLLM's take every SamplingParams field): `model` is
+the one policy, `logprobs` 0 (the sampled token's), `stream` false."""
 
 
 class AtroposError(RuntimeError):
@@ -372,10 +376,21 @@ class PolicyServer:
         return self._tokenizer
 
     def generate(self, request: dict) -> dict:
-        """vLLM's native /generate as atroposlib's VLLMServer calls it (`server_type: vllm`): per completion
-        the sampled tokens as [{token_id: logprob}] entries, the finish reasons and texts."""
-        seed, version, generated = self._sample(self._token_prompt(request.get("prompt")), request)
+        """vLLM's native /generate as atroposlib's VLLMServer calls it (`server_type: vllm`) and Atropos' example
+        trainer's vllm_api_server answers it: per completion the sampled tokens as [{token_id: logprob}] entries,
+        the finish reasons and texts, the prompt and its token ids. The request's other fields are vLLM's
+        SamplingParams: one this server does not honour is an error naming it (GENERATE_FIELDS)."""
+        unhonoured = sorted(k for k in request if k not in GENERATE_FIELDS)
+        if unhonoured or request.get("stream") or (request.get("logprobs") or 0) > 0:
+            named = unhonoured or ["stream" if request.get("stream") else "logprobs"]
+            raise ValueError(f"{', '.join(named)}: not honoured by posttrain's policy server (/generate samples with "
+                             "n, max_tokens, temperature and top_p, and returns the sampled token's log-prob: "
+                             "logprobs 0, no stream); remove it from the environment's request")
+        prompt = self._token_prompt(request.get("prompt"))
+        seed, version, generated = self._sample(prompt, request)
         return {"text": [g["completion"] for g in generated],
+                "prompt": request["prompt"] if isinstance(request["prompt"], str)
+                else self.tokenizer().decode(prompt["prompt_token_ids"]),
                 "logprobs": [[[{str(t): float(lp)}] for t, lp in zip(g["completion_token_ids"], g["sampling_logprobs"])]
                              for g in generated],
                 "finish_reasons": [g["finish_reason"] for g in generated],
