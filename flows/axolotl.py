@@ -44,8 +44,18 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "vllm_tensor_parallel_size": ("rollout", "vllm.tensor_parallel_size"),
                     "vllm_enable_sleep_mode": ("rollout", "vllm.sleep_mode"),
                     "vllm_dtype": ("rollout", "vllm.dtype"), "vllm_max_model_len": ("rollout", "vllm.max_model_len"),
-                    "async_prefetch": ("rollout", "async_prefetch")}
+                    "async_prefetch": ("rollout", "async_prefetch"),
+                    "vllm_importance_sampling_correction": ("grpo", "vllm_importance_sampling_correction"),
+                    "vllm_importance_sampling_mode": ("grpo", "vllm_importance_sampling_mode"),
+                    "vllm_importance_sampling_cap": ("grpo", "vllm_importance_sampling_cap"),
+                    "off_policy_mask_threshold": ("grpo", "off_policy_mask_threshold"),
+                    "use_bias_correction_kl": ("grpo", "use_bias_correction_kl")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+ASYNC_TRL_KEYS = ("prefetch_depth", "use_data_producer", "vllm_lora_sync", "streaming_partial_batch")
+"""axolotl's async-GRPO `trl:` keys that `_async_moves` reads with the rest of the config (the engine, the adapter,
+async_prefetch); trl.vllm_sync_interval sizes the round (`move_training_length`)."""
+VLLM_ENGINES = ("vllm", "ray_vllm", "vllm_server")
+"""posttrain's rollout engines that are vLLM (where axolotl's vLLM weight-sync keys have a meaning)."""
 AXOLOTL_TRL_NO_OPS = {("vllm_device", "auto"), ("vllm_enable_prefix_caching", True), ("log_completions", True)}
 """`trl:` settings that say what posttrain does anyway: vLLM on the run's device, its prefix cache on, sample
 completions logged each round (tracking.completions_per_round)."""
@@ -68,8 +78,9 @@ gets them."""
 LENGTH_KEYS = ("max_steps", "num_epochs", "sequence_len")
 """axolotl's training-length keys that, under a round method (grpo, gdpo, ebft), `move_training_length` turns
 into grpo.rounds, rollout.prompts_per_round and rollout.max_prompt_length."""
-LENGTH_TRL_KEYS = ("steps_per_generation", "generation_batch_size")
-"""The `trl:` keys that size TRL's generation batch (one posttrain round; `move_training_length`)."""
+LENGTH_TRL_KEYS = ("steps_per_generation", "generation_batch_size", "vllm_sync_interval")
+"""The `trl:` keys that size TRL's generation batch (one posttrain round) and the weight pushes to vLLM between
+which a round's batches are sampled (`move_training_length`)."""
 AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the model's own (AutoTokenizer)"),
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
                       "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
@@ -139,6 +150,9 @@ def move_training_keys(data):
     if isinstance(trl, dict) and trl.keys() & LENGTH_TRL_KEYS:  # TRL's generation batch: move_training_length's
         data["trl"] = {k: trl[k] for k in LENGTH_TRL_KEYS if k in trl}
         trl = {k: v for k, v in trl.items() if k not in LENGTH_TRL_KEYS}
+    if isinstance(trl, dict) and trl.keys() & ASYNC_TRL_KEYS:
+        moves += _async_moves({k: trl[k] for k in ASYNC_TRL_KEYS if k in trl}, trl, data)
+        trl = {k: v for k, v in trl.items() if k not in ASYNC_TRL_KEYS}
     moves += _trl_moves(trl)
     rl = data.get("rl")
     trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
@@ -274,7 +288,7 @@ def _vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, object]]:
 
 def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
     """axolotl's `trl:` section as (their key, section, field, value) moves (AXOLOTL_TRL_KEYS, use_vllm,
-    vllm_lora_sync, log_completions); a vllm_mode other than colocate, or a key posttrain has no counterpart
+    log_completions); a vllm_mode other than colocate, or a key posttrain has no counterpart
     of, is an error naming it. The server keys (AXOLOTL_VLLM_SERVER_KEYS) are left to `_vllm_moves`."""
     moves = []
     for key, value in trl.items():
@@ -290,19 +304,108 @@ def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
         if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
             moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
             continue
-        if key == "vllm_lora_sync":  # axolotl: adapters to vLLM through files (true) or merged weights (false)
-            moves.append(("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged"))
-            continue
         if key == "use_vllm":
             moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
         elif key in AXOLOTL_TRL_KEYS:
             moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
         else:
             raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
-                             f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, vllm_lora_sync, "
-                             "log_completions, steps_per_generation, generation_batch_size); set "
+                             f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions, "
+                             f"{', '.join(ASYNC_TRL_KEYS + LENGTH_TRL_KEYS)}); set "
                              "the posttrain key instead or remove it")
     return moves
+
+
+def _async_moves(keys: dict, trl: dict, data: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's async-GRPO `trl:` keys (ASYNC_TRL_KEYS, in `keys`; `trl` is the whole section) as (their key,
+    section, field, value) moves, read against the engine (trl.use_vllm or rollout.engine), the adapter and
+    async_prefetch. A key that says what posttrain does anyway moves nothing and keeps a note saying why
+    (`posttrain validate` prints it); one posttrain cannot honour is an error naming it."""
+    rollout, grpo = section_dict(data, "rollout") or {}, section_dict(data, "grpo") or {}
+    engine = ("vllm" if trl["use_vllm"] else "transformers") if "use_vllm" in trl else \
+        rollout.get("engine", "transformers")
+    adapter = (data["adapter"] or "none") if "adapter" in data else grpo.get("adapter", "lora")
+    prefetching = trl.get("async_prefetch", rollout.get("async_prefetch", False))
+    moves, notes = [], []
+    if "use_data_producer" in keys:
+        # axolotl: GRPODataProducer, a producer object the trainer asks for each generation batch (with
+        # async_prefetch, in a background thread); replay, re-roll and reward workers are built on it
+        notes.append(f"trl.use_data_producer: {_yaml(keys['use_data_producer'])} (axolotl's key) is not needed "
+                     "here: each round's rollout stage is posttrain's data producer (replay, re-roll and reward "
+                     "workers work without it); generating ahead of training is trl.async_prefetch -> "
+                     f"rollout.async_prefetch, {'on' if prefetching else 'off'} in this config")
+    if "prefetch_depth" in keys:
+        moves += _prefetch_depth(keys["prefetch_depth"], prefetching, rollout, notes)
+    if "vllm_lora_sync" in keys:
+        moves += _lora_sync(keys["vllm_lora_sync"], engine, adapter, notes)
+    if "streaming_partial_batch" in keys:
+        if keys["streaming_partial_batch"]:
+            raise ValueError("trl.streaming_partial_batch: true is not built here: axolotl scores and cuts a "
+                             "generation batch a few groups at a time (trl.streaming_min_groups), so each "
+                             "micro-batch holds one chunk's groups; posttrain scores a round's completions once "
+                             "they are all sampled and draws every optimizer step from the whole round, shuffled. "
+                             "The memory it saves is bounded here already (pi_old runs one micro-batch at a time, "
+                             "rewards in score.reward_num_workers workers, score.reward_batch_size at a time). "
+                             "Remove it or set it to false")
+        notes.append(f"trl.streaming_partial_batch: {_yaml(keys['streaming_partial_batch'])} (axolotl's key): what "
+                     "posttrain does: a round's completions are scored together once sampled")
+    keep_notes(notes)
+    return moves
+
+
+def _yaml(value) -> str:
+    """`value` as YAML writes it (true, false, null), for the notes and errors."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _prefetch_depth(depth, prefetching: bool, rollout: dict, notes: list[str]) -> list[tuple]:
+    """axolotl's trl.prefetch_depth: generation batches its background thread (async_prefetch) samples ahead of
+    training, with no staleness cap: rollout.prefetch_depth, and rollout.max_staleness raised to it where
+    unset (posttrain's lag is the smaller of the two)."""
+    depth = _whole("trl.prefetch_depth", depth, "generation batches sampled ahead")
+    if not prefetching:
+        raise ValueError(f"trl.prefetch_depth: {depth}: how far trl.async_prefetch samples ahead, but async_prefetch "
+                         "is off here, so nothing is; set trl.async_prefetch: true or remove it")
+    staleness = rollout.get("max_staleness")
+    if staleness is not None and staleness < depth:
+        raise ValueError(f"trl.prefetch_depth {depth} and rollout.max_staleness {staleness}: posttrain samples at "
+                         f"most max_staleness rounds ahead; raise max_staleness or lower prefetch_depth")
+    moves = [("trl.prefetch_depth", "rollout", "prefetch_depth", depth)]
+    if staleness is None and depth > 1:  # posttrain's default cap, 1, would lower the lag axolotl asks for
+        moves.append(("trl.prefetch_depth", "rollout", "max_staleness", depth))
+        notes.append(f"trl.prefetch_depth: {depth} (axolotl's key) -> rollout.prefetch_depth: {depth}, "
+                     f"rollout.max_staleness: {depth} (axolotl caps the lag only by the depth): round r samples from "
+                     f"the policy of round r - {depth}")
+    return moves
+
+
+def _lora_sync(value, engine: str, adapter: str, notes: list[str]) -> list[tuple]:
+    """axolotl's trl.vllm_lora_sync: true sends vLLM the LoRA adapter (saved to files, loaded by vLLM's LoRA
+    kernels), false the adapter merged into the weights: rollout.vllm.lora_sync adapter / merged on the vllm and
+    ray_vllm engines; vllm_server always loads the round's adapter into the server. Under full fine-tuning the
+    weights go in whole (false is what posttrain does, true an error), as on any engine that is not vLLM."""
+    if not isinstance(value, bool):
+        raise ValueError(f"trl.vllm_lora_sync: {value!r}; use true or false")
+    if engine not in VLLM_ENGINES:
+        raise ValueError(f"trl.vllm_lora_sync: {_yaml(value)}: how a LoRA adapter reaches vLLM, but this run "
+                         f"samples with rollout.engine {engine}; set trl.use_vllm: true (or rollout.engine vllm) or "
+                         "remove it")
+    if adapter != "lora":
+        if value:
+            raise ValueError("trl.vllm_lora_sync: true sends vLLM a LoRA adapter, but this run trains the full model "
+                             "(adapter: none): its weights go into the engine whole each round; remove it")
+        notes.append("trl.vllm_lora_sync: false (axolotl's key): what posttrain does under full fine-tuning: the "
+                     "round's weights go into the engine whole")
+        return []
+    if engine == "vllm_server":
+        if not value:
+            raise ValueError("trl.vllm_lora_sync: false merges the adapter into the weights, but rollout.engine "
+                             "vllm_server loads each round's adapter into the server as it is; set it true, or use "
+                             "rollout.engine vllm to merge")
+        notes.append("trl.vllm_lora_sync: true (axolotl's key): what rollout.engine vllm_server does: each round's "
+                     "adapter is loaded into the server from its folder")
+        return []
+    return [("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged")]
 
 
 def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, object]]:
@@ -414,7 +517,8 @@ def move_training_length(data) -> tuple[object, list[str]]:
     given = {k: v for k, v in given.items() if v is not None}  # `max_steps: null`: unset, as in axolotl
     if data.get("rl", "grpo") not in ROUND_RL:
         if given:
-            raise ValueError(f"{', '.join(given)}: TRL's GRPO generation batch; rl is {data.get('rl')!r}, which "
+            what = "generation batch" + (" and its weight pushes to vLLM" if "trl.vllm_sync_interval" in given else "")
+            raise ValueError(f"{', '.join(given)}: TRL's GRPO {what}; rl is {data.get('rl')!r}, which "
                              "has none: remove it")
         return data, []
     settings = _round_settings(data)
@@ -550,6 +654,7 @@ def _rounds_from_length(data: dict, given: dict, s: RoundSettings) -> tuple[dict
                          "posttrain's grpo.micro_batch_size x gradient_accumulation_steps the whole step's: set "
                          "grpo.rounds and rollout.prompts_per_round instead")
     prompts, batch, why = _round_size(given, s)
+    prompts, pushes, why = _synced_round(given, prompts, why, s)
     steps = round_steps(s.grpo, prompts * s.num_generations)
     if "prompts_per_round" not in s.set_in_rollout:
         data["rollout"] = {**section_dict(data, "rollout"), "prompts_per_round": prompts}
@@ -566,12 +671,56 @@ def _rounds_from_length(data: dict, given: dict, s: RoundSettings) -> tuple[dict
         max_steps, source = _steps_of_epochs(data, given["num_epochs"], batch, s)
     rounds = -(-max_steps // steps)
     data["grpo"] = {**section_dict(data, "grpo"), "rounds": rounds}
+    last = max_steps - (rounds - 1) * steps
     exact = "" if rounds * steps == max_steps else (
         f"; {max_steps} steps are not a whole number of rounds: {rounds} rounds take {rounds * steps} steps (TRL "
-        f"samples the last generation batch too and stops after {max_steps - (rounds - 1) * steps} of its {steps} "
-        "steps; posttrain trains whole rounds)")
-    return data, (f"{source} -> grpo.rounds: {rounds}, rollout.prompts_per_round: {prompts}: one round is one "
-                  f"generation batch ({why}); {per_round}{exact}")
+        + (f"samples the last generation batch too and stops after {last} of its {steps} steps" if pushes == 1 else
+           f"stops {last} steps after its last weight push") + "; posttrain trains whole rounds)")
+    what = "one generation batch" if pushes == 1 else f"the {pushes} generation batches between two weight pushes"
+    return data, (f"{source} -> grpo.rounds: {rounds}, rollout.prompts_per_round: {prompts}: one round is {what} "
+                  f"({why}); {per_round}{exact}")
+
+
+def _synced_round(given: dict, prompts: int, why: str, s: RoundSettings) -> tuple[int, int, str]:
+    """(prompts per round, generation batches per round, why) under axolotl's trl.vllm_sync_interval N: it pushes
+    the trainer's weights to vLLM every N optimizer steps, checked when it samples a generation batch, and the
+    batches sampled in between come from the weights last pushed. posttrain loads the policy into the engine once
+    per round, so a round is the generation batches between two pushes: lcm(N, a batch's optimizer steps) steps.
+    Your rollout.prompts_per_round, where set, must be N steps. An engine that is not vLLM is an error naming it."""
+    from stages.training.grpo import round_steps
+
+    if "trl.vllm_sync_interval" not in given or given["trl.vllm_sync_interval"] is None:
+        return prompts, 1, why
+    n = _whole("trl.vllm_sync_interval", given["trl.vllm_sync_interval"], "optimizer steps between weight pushes")
+    if s.rollout.engine not in VLLM_ENGINES:
+        raise ValueError(f"trl.vllm_sync_interval: {n}: how often axolotl pushes the trainer's weights to vLLM, but "
+                         f"this run samples with rollout.engine {s.rollout.engine}, which gets each round's policy; "
+                         "set trl.use_vllm: true (or rollout.engine vllm) or remove it")
+    steps = round_steps(s.grpo, prompts * s.num_generations)
+    if "prompts_per_round" in s.set_in_rollout:
+        if steps != n:
+            raise ValueError(f"trl.vllm_sync_interval {n} and rollout.prompts_per_round {prompts}: posttrain loads the "
+                             f"policy into the engine once per round, and a round of {prompts} prompt(s) is {steps} "
+                             "optimizer step(s); set one of them")
+        return prompts, 1, f"{why}; trl.vllm_sync_interval {n}: the engine gets the policy once per round"
+    pushes = math.lcm(n, steps) // steps
+    if pushes > 1 and s.grpo.num_iterations > 1:
+        raise ValueError(f"trl.vllm_sync_interval {n} with num_iterations {s.grpo.num_iterations}: the {pushes} "
+                         "generation batches between two weight pushes would be one round here, which posttrain "
+                         f"passes over {s.grpo.num_iterations} times as a whole, where TRL repeats each batch before "
+                         f"sampling the next; set vllm_sync_interval to {steps} (a batch's optimizer steps) or "
+                         "num_iterations to 1")
+    at = (f"axolotl pushes the weights to vLLM every {n} optimizer step(s), when it samples a generation batch (every "
+          f"{steps} step(s) here)")
+    if pushes == 1:
+        return prompts, 1, f"{why}; trl.vllm_sync_interval {n}: the engine gets the policy once per round, as {at}"
+    lag = s.rollout.lag()
+    ahead = (f"; with rollout.async_prefetch a round samples from the policy {lag} round(s), {lag * pushes * steps} "
+             "steps, back, where axolotl's background thread runs trl.prefetch_depth generation batches ahead"
+             if lag else "")
+    return prompts * pushes, pushes, (f"{why}; trl.vllm_sync_interval {n}: {at}, so {pushes} batches sample from "
+                                      f"the same weights: a round is those {pushes} batches, {prompts * pushes} "
+                                      f"prompt(s), and the engine gets the policy once per round{ahead}")
 
 
 def _steps_of_epochs(data: dict, epochs, batch: int, s: RoundSettings) -> tuple[int, str]:

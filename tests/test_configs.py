@@ -374,7 +374,7 @@ AXOLOTL_DOC_EXAMPLES = {
         "gradient_accumulation_steps: 4\nmax_steps: 20\nlearning_rate: 5.0e-6\nbf16: auto\n"
         "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n",
         (r"trl.vllm_server_host, trl.vllm_server_port: where `axolotl vllm-serve`",
-         ["  vllm_server", "  vllm_sync_interval", "  use_data_producer"])),
+         ["  vllm_server"])),
     "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
         # own module: here raw documents are `type: text`
         "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
@@ -392,8 +392,9 @@ AXOLOTL_DOC_TRANSLATIONS = {
     "rlhf orpo": {"model.chat_template": "chatml"},
     "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
     "reward_modelling prm": {"reward_model.eval_steps": 100},
-    "ebft structured": {"grpo.rounds": 20, "rollout.prompts_per_round": 2,  # max_steps: 20 rounds of TRL's
-                        "rollout.max_prompt_length": 768},  # generation batch (2 x 4 completions); sequence_len 1024
+    "ebft structured": {"grpo.rounds": 7, "rollout.prompts_per_round": 6,  # max_steps 20 in rounds of the 3
+                        # generation batches (2 x 4 completions, one step each) between vllm_sync_interval 3's pushes
+                        "rollout.max_prompt_length": 768, "rollout.vllm.lora_sync": "adapter"},  # sequence_len 1024
     "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
                      "rollout.temperature": 0.6, "ebft.rl_coef": 1.0},
 }
@@ -447,7 +448,9 @@ def test_axolotl_doc_examples_load_or_name_what_is_not_honoured(tmp_path, name):
     cfg = load_config(path)
     assert PipelineConfig.model_validate(cfg.run_config()) == cfg  # the translation round-trips
     for dotted, value in AXOLOTL_DOC_TRANSLATIONS.get(name, {}).items():
-        section, field = dotted.split(".")
-        assert getattr(getattr(cfg, section), field) == value, dotted
+        target = cfg
+        for part in dotted.split("."):
+            target = getattr(target, part)
+        assert target == value, dotted
     if cfg.rl in ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model"):
         assert cfg.preferences.datasets and cfg.transform.datasets is None
