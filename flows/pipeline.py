@@ -73,14 +73,15 @@ def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
                         "policy": f"{policy.stage}/{policy.key}", **trained.lineage}
         exported = export_task(ctx, policy, trained.adapter, lineage_keys, trained.metrics)
         final_eval = evaluate(ctx, exported, prompts, label="final") if evaluate else None
-        scores = eval_results(lineage, parent, base_eval, final_eval, trained) if evaluate else training_results(trained)
+        scores = (eval_results(lineage, parent, base_eval, final_eval, trained) if evaluate
+                  else training_results(cfg, trained))
         version = lineage.register_model(parent, exported.path, cfg.export.model_name)
         lineage.set_tags(parent, {"registered_model": f"{cfg.export.model_name}/{version}",
                                   "exported_model": str(exported.path)})
         from flows import retrain
 
         promotion = (retrain.promote(ctx, parent, version, exported, final_eval, prompts, evaluate=evaluate)
-                     if evaluate else retrain.not_ranked(ctx, parent, version))  # champion, challenger, or neither
+                     if evaluate else retrain.not_ranked(ctx, parent, version, scores["no_eval_reason"]))
         if not quiet:
             reporter.console.print(f"promotion: {promotion['reason']}", soft_wrap=True, markup=False)
         results = {
@@ -136,10 +137,17 @@ def eval_results(lineage, parent: str, base_eval, final_eval, trained) -> dict:
     }
 
 
-def training_results(trained) -> dict:
-    """A run without an eval split: no held-out accuracy; the training reward of the first and last rounds (on
-    train prompts, each under the policy of its round), which the summary shows instead."""
+def training_results(cfg, trained) -> dict:
+    """A run without a prompt eval (`runs_eval` false): no held-out accuracy, and why; the training reward of the
+    first and last rounds (on train prompts, each under the policy of its round), which the summary shows
+    instead (a DPO-family run: its preference accuracy, in the recipe's results)."""
     rewards = [row["train/reward_mean"] for row in trained.history if row.get("train/reward_mean") is not None]
-    return {"held_out_eval": False, "base_accuracy": None, "final_accuracy": None, "eval_prompts": 0,
+    why = (f"rl: {cfg.rl} on your preferences alone has no prompts to evaluate on; held-out preference accuracy is "
+           "measured on the preferences' eval split (test_datasets or val_set_size) where it has pairs"
+           if not cfg.reads_prompts else
+           "your rows are a train split only; transform.test_datasets, val_set_size or transform.paths.eval give a "
+           "held-out accuracy")
+    return {"held_out_eval": False, "no_eval_reason": why, "base_accuracy": None, "final_accuracy": None,
+            "eval_prompts": 0,
             "train_reward_first": rewards[0] if rewards else None,
             "train_reward_last": rewards[-1] if rewards else None, "train_rounds": len(trained.history)}

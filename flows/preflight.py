@@ -254,8 +254,6 @@ def _transform(cfg: PipelineConfig, report: Report, where: str) -> None:
                 what = f"{key}.type" if source.type else "transform.type"
                 parts.setdefault(split, []).append((key, sources.describe(source), tcfg.model_copy(update=own), what,
                                                     rows))
-        if not tcfg.test_datasets and parts.get("train"):  # val_set_size holds out rows of the same sources
-            parts["eval"] = parts["train"]
     if not loaded_ok:
         return
     splits: dict[str, list[dict]] = {}
@@ -275,6 +273,8 @@ def _transform(cfg: PipelineConfig, report: Report, where: str) -> None:
                        "transform.on_bad_rows: drop" if tcfg.on_bad_rows == "fail" else "no row is usable")
                 report.problem(key, f"{src} row {index}: {reason}{more}; {fix}")
         splits[split] = good_rows
+    if tcfg.datasets and tcfg.val_set_size and "train" in splits:  # held out of the same rows: checked once
+        splits["eval"] = splits["train"]
     report.splits = splits
 
 

@@ -346,12 +346,12 @@ def promote(ctx, parent: str, version: str, exported, final_eval, prompts, evalu
     return {**result, "alias": alias, "reason": reason, "refused_by": refused_by}
 
 
-def not_ranked(ctx, parent: str, version: str) -> dict:
-    """A run without an eval split: its registered version gets no alias (nothing measured ranks it against the
-    champion); the promotion entry and the parent's tags say why."""
+def not_ranked(ctx, parent: str, version: str, why: str) -> dict:
+    """A run without a prompt eval: its registered version gets no alias (promotion.metric, measured on the eval
+    split's prompts, is not measured); the promotion entry and the parent's tags say why (`why`)."""
     name = ctx.config.export.model_name
-    reason = (f"{name} v{version} is registered but not ranked: the run has no eval split to measure it on "
-              "(transform.test_datasets, val_set_size or transform.paths.eval make one)")
+    reason = (f"{name} v{version} is registered but not ranked: {ctx.config.promotion.metric} on held-out prompts "
+              f"ranks versions, and this run measures none ({why})")
     ctx.lineage.set_tags(parent, {"promotion": reason, "promotion.alias": "none"})
     return {"model": name, "version": str(version), "metric": ctx.config.promotion.metric, "value": None,
             "min_gain": ctx.config.promotion.min_gain, "champion_version": None, "champion_value": None,

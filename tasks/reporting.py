@@ -111,10 +111,9 @@ def headline(results: dict) -> list[str]:
 
 
 def no_eval_headline(results: dict) -> list[str]:
-    """A run without an eval split: what it measured instead (training reward of the first and last rounds, or
-    the DPO family's held-out preference accuracy), and how to get a held-out accuracy."""
-    lines = ["eval: none (your rows are a train split only; transform.test_datasets, val_set_size or "
-             "transform.paths.eval give a held-out accuracy)"]
+    """A run without a prompt eval: why, and what it measured instead (training reward of the first and last
+    rounds, or the DPO family's held-out preference accuracy)."""
+    lines = [f"eval: no held-out prompts ({results.get('no_eval_reason')})"]
     first, last = results.get("train_reward_first"), results.get("train_reward_last")
     if first is not None:
         lines.append(f"train/reward_mean  first round: {first:.3f}   last round: {last:.3f}   "

@@ -106,10 +106,12 @@ grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1, skip_ze
     assert json.loads(next((artifacts / "transform").glob("*/_manifest.json")).read_text())["summary"]["train"] == 24
     assert results["held_out_eval"] is False and results["final_accuracy"] is None
     assert results["train_rounds"] == 2 and 0 <= results["train_reward_first"] <= 1
-    assert results["promotion"]["alias"] is None and "no eval split" in results["promotion"]["reason"]
+    assert results["promotion"]["alias"] is None and "registered but not ranked" in results["promotion"]["reason"]
+    assert "train split only" in results["promotion"]["reason"]
     shown = capsys.readouterr().out
-    assert "eval: none, your rows are a train split only" in shown
-    assert "train/reward_mean  first round:" in shown and "eval/accuracy" not in shown
+    assert "eval: none, your rows are a train split only" in shown  # at the start, and in the summary:
+    assert "eval: no held-out prompts (your rows are a train split only" in shown
+    assert "train/reward_mean  first round:" in shown and "eval/accuracy  base:" not in shown
 
     client = MlflowClient(f"sqlite:///{artifacts / 'mlflow.db'}")
     parent = client.get_run(results["mlflow_run_id"])
@@ -118,3 +120,22 @@ grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1, skip_ze
     assert client.get_metric_history(parent.info.run_id, "eval/accuracy") == []
     version = client.get_model_version("own-rows", results["registered_model_version"])
     assert not version.aliases  # registered, neither champion nor challenger
+
+
+def test_a_dpo_run_on_its_preferences_says_what_it_measured(own_model, tmp_path):
+    """A DPO-family run without prompts: its summary says why there is no prompt eval and shows the held-out
+    preference accuracy it measured, never "a train split only"."""
+    from flows.config import PipelineConfig
+    from flows.pipeline import training_results
+    from flows.rounds import Trained
+    from tasks.reporting import headline
+
+    _, prefs = write_rows(tmp_path)
+    cfg = PipelineConfig.model_validate({"rl": "dpo", "base_model": str(own_model), "val_set_size": 0.25,
+                                         "datasets": [{"path": str(prefs), "type": "chatml.intel"}]})
+    assert not cfg.reads_prompts and not cfg.runs_eval
+    trained = Trained(None, {}, 1.0, results={"preference_accuracy_base": 0.5, "preference_accuracy_final": 0.75})
+    lines = headline({**training_results(cfg, trained), **trained.results})
+    assert lines[0].startswith("eval: no held-out prompts (rl: dpo on your preferences alone")
+    assert "train split only" not in " ".join(lines)
+    assert lines[-1].startswith("eval/preference_accuracy  base: 0.500   final: 0.750")
