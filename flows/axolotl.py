@@ -49,7 +49,13 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "vllm_importance_sampling_mode": ("grpo", "vllm_importance_sampling_mode"),
                     "vllm_importance_sampling_cap": ("grpo", "vllm_importance_sampling_cap"),
                     "off_policy_mask_threshold": ("grpo", "off_policy_mask_threshold"),
-                    "use_bias_correction_kl": ("grpo", "use_bias_correction_kl")}
+                    "use_bias_correction_kl": ("grpo", "use_bias_correction_kl"),
+                    "replay_buffer_size": ("grpo", "replay_buffer_size"),
+                    "replay_recompute_logps": ("grpo", "replay_recompute_logps"),
+                    "reroll_start_fraction": ("grpo", "reroll_start_fraction"),
+                    "reroll_max_groups": ("grpo", "reroll_max_groups"),
+                    "skip_zero_advantage_batches": ("grpo", "skip_zero_advantage_batches"),
+                    "reward_num_workers": ("score", "reward_num_workers")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
 ASYNC_TRL_KEYS = ("prefetch_depth", "use_data_producer", "vllm_lora_sync", "streaming_partial_batch")
 """axolotl's async-GRPO `trl:` keys that `_async_moves` reads with the rest of the config (the engine, the adapter,
@@ -580,9 +586,11 @@ def _sequence_len(data: dict, value, s: RoundSettings) -> tuple[dict, str]:
             "rollout.rollout_func samples the prompts itself"
         raise ValueError(f"sequence_len: {where}, so posttrain cannot bound prompt + completion there; remove it")
     room = length - s.max_completion_length
-    if room < 1:
-        raise ValueError(f"sequence_len {length} leaves no room for a prompt beside max_completion_length "
-                         f"{s.max_completion_length} (sequence_len bounds prompt + completion); raise it")
+    if room < 1:  # axolotl's own GRPO example (sequence_len = max_completion_length): what axolotl does there
+        return data, (f"sequence_len: {length} (axolotl's key) is not above max_completion_length "
+                      f"{s.max_completion_length}, so it leaves no room to bound the prompts by: as in axolotl, whose "
+                      "GRPO passes no length to TRL, it cuts nothing (completions stop at max_completion_length); "
+                      "set it above max_completion_length to cut prompts to the rest")
     given = s.rollout.max_prompt_length
     if given is not None:
         if given > room:

@@ -63,6 +63,12 @@ def test_the_async_grpo_example_loads_as_written_but_for_streaming(tmp_path, cap
     ("use_bias_correction_kl", "false", "grpo.use_bias_correction_kl", False),
     ("vllm_lora_sync", "true", "rollout.vllm.lora_sync", "adapter"),
     ("vllm_lora_sync", "false", "rollout.vllm.lora_sync", "merged"),
+    ("replay_buffer_size", "16", "grpo.replay_buffer_size", 16),
+    ("replay_recompute_logps", "false", "grpo.replay_recompute_logps", False),
+    ("reroll_start_fraction", "0.5", "grpo.reroll_start_fraction", 0.5),
+    ("reroll_max_groups", "2", "grpo.reroll_max_groups", 2),
+    ("skip_zero_advantage_batches", "false", "grpo.skip_zero_advantage_batches", False),
+    ("reward_num_workers", "3", "score.reward_num_workers", 3),
 ])
 def test_keys_of_the_same_meaning_land_on_posttrains(tmp_path, key, value, field, expected):
     cfg = _config(tmp_path, f"{BATCH}trl:\n  use_vllm: true\n  {key}: {value}\n")

@@ -169,13 +169,12 @@ def test_validate_shows_the_rounds_it_chose_and_why(tmp_path):
     ("max_steps: 10\ntrain:\n  num_processes: 2\n", r"max_steps: with train.num_processes 2 TRL's batches are per"),
     ("num_epochs: 1\ntransform:\n  datasets:\n    - path: org/some-hub-dataset\n  val_set_size: 0.1\n",
      r"num_epochs: transform.datasets org/some-hub-dataset is a hub dataset"),
-    ("sequence_len: 16\n", r"sequence_len 16 leaves no room for a prompt beside max_completion_length 16"),
     ("sequence_len: 64\nrollout:\n  max_prompt_length: 60\n",
      r"sequence_len 64 and rollout.max_prompt_length 60: with max_completion_length 16 that is 76 tokens"),
     ("rl: dpo\ntrl:\n  steps_per_generation: 2\n", r"trl.steps_per_generation: TRL's GRPO generation batch; rl is"),
 ], ids=["max_steps_and_rounds", "num_epochs_and_rounds", "spg_and_prompts_per_round", "max_steps_not_whole",
         "num_epochs_negative", "spg_inside_a_step", "gbs_not_a_multiple", "gbs_not_whole_groups", "processes",
-        "num_epochs_hub", "sequence_len_no_room", "sequence_len_and_max_prompt_length", "spg_under_dpo"])
+        "num_epochs_hub", "sequence_len_and_max_prompt_length", "spg_under_dpo"])
 def test_lengths_posttrain_cannot_honour_are_one_line_errors(tmp_path, text, message):
     path = tmp_path / "axolotl.yaml"
     path.write_text(("" if text.startswith("rl:") else "rl: grpo\n") + text)
@@ -200,3 +199,12 @@ def load_config_text(tmp_path, text: str) -> PipelineConfig:
     path = tmp_path / "config.yaml"
     path.write_text(text)
     return load_config(path)
+
+
+def test_sequence_len_equal_to_the_completion_length_cuts_nothing_as_in_axolotl(tmp_path):
+    """axolotl's own GRPO example sets sequence_len = max_completion_length: no room to bound a prompt by, and
+    axolotl passes no length to TRL's GRPO, so it loads, cuts no prompt, and the note says so."""
+    cfg = load_config_text(tmp_path, "rl: grpo\nsequence_len: 16\ntrl:\n  max_completion_length: 16\n")
+    assert cfg.rollout.max_prompt_length is None
+    assert any("sequence_len: 16 (axolotl's key) is not above max_completion_length 16" in n and "cuts nothing" in n
+               for n in cfg.translation_notes)
