@@ -374,6 +374,11 @@ def _eval_needs_answers(cfg: PipelineConfig) -> bool:
 def _function(dotted: str, key: str, report: Report, where: str):
     """`module.fn` imported, or None with a problem naming what failed and where modules are looked for."""
     module_name, _, fn_name = dotted.rpartition(".")
+    if "/" in dotted:  # TRL's and axolotl's spelling of a reward model (a hub id or a folder)
+        report.problem(key, f"{dotted!r} is not a function: a reward model is named by its local folder here, "
+                            f"as reward_model:/path/to/model (a sequence-classification model; hub ids are not "
+                            f"downloaded for scoring: `huggingface-cli download {dotted}` and name the folder)")
+        return None
     if not module_name:
         report.problem(key, f"{dotted!r} is neither a built-in nor module.fn")
         return None
@@ -488,7 +493,7 @@ def _reward(name: str, key: str, report: Report, where: str) -> None:
 
 def _preferences(cfg: PipelineConfig, report: Report, where: str) -> None:
     """preferences: its files exist and are readable; a `module.fn` type imports."""
-    prefs = cfg.preferences
+    prefs, before = cfg.preferences, len(report.problems)
     for split, name in (prefs.paths or {}).items():
         _readable_file(Path(name).expanduser(), f"preferences.paths.{split}", report)
     types = [("preferences.type", prefs.type)] + [
@@ -501,3 +506,31 @@ def _preferences(cfg: PipelineConfig, report: Report, where: str) -> None:
         if isinstance(name, str) and name not in known and "." in name and not name.split(".")[0] in {
                 k.split(".")[0] for k in known}:
             _function(name, key, report, where)
+    if len(report.problems) == before:  # the files read and the types import: their first rows
+        _preference_rows(prefs, report)
+
+
+def _preference_rows(prefs, report: Report) -> None:
+    """The preferences' first rows of each local source through their type, as the preferences stage takes
+    them: the first bad row of each source named (row, field, reason). Hub datasets are left to the run."""
+    from stages.data import sources
+    from stages.data.preferences import _raw_parts, transform_rows
+
+    if any(sources.kind(s) == "hub" for s in (prefs.datasets or []) + (prefs.test_datasets or [])):
+        return
+    try:
+        parts = _raw_parts(prefs)
+    except (sources.SourceError, ValueError, OSError) as e:
+        report.problem("preferences", str(e))
+        return
+    named = set()  # a source held out (val_set_size) is in both splits: named once
+    for split_parts in parts.values():
+        for where, prefix, part_cfg, rows in split_parts:
+            _, bad = transform_rows(part_cfg, rows[:HEAD_ROWS], where, prefix)
+            if bad and where not in named and (prefs.on_bad_rows == "fail" or len(bad) == len(rows[:HEAD_ROWS])):
+                named.add(where)
+                _, index, field, reason = bad[0]
+                more = f" (and {len(bad) - 1} more of the first {len(rows[:HEAD_ROWS])} rows)" if len(bad) > 1 else ""
+                report.problem("preferences", f"{where} row {index}, field {field!r}: {reason}{more}; fix the rows "
+                                              "or pick the type that fits them (docs/methods/dpo.md lists each "
+                                              "type's fields)")

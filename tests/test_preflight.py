@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -182,3 +183,26 @@ def test_init_writes_a_task_that_validates_and_runs(tmp_path, monkeypatch, prefe
     assert "error:" not in capsys.readouterr().err
     results = posttrain_pipeline("my-task/config.yaml", quiet=True)
     assert {"score r0", "score r1", "eval final"} <= {row["stage"] for row in results["stages"]}
+
+
+def test_validate_reads_the_first_preference_rows_as_the_run_does(tmp_path, capsys):
+    """A DPO-family config whose rows lack the field its type reads: `posttrain validate` names the source, the
+    row and the field (the preferences stage would stop on it), once although val_set_size puts the source in
+    both splits; rows that fit pass."""
+    import json
+
+    rows = [{"instruction": f"{i}+1?", "completion": str(i + 1), "label": i % 2 == 0} for i in range(12)]
+    (tmp_path / "kto.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    from conftest import tiny_model
+
+    tiny_model(tmp_path, [f"{r['instruction']} {r['completion']}" for r in rows])
+    config = tmp_path / "kto.yaml"
+    config.write_text(f"rl: kto\nbase_model: {tmp_path / 'model'}\nval_set_size: 0.25\n"
+                      f"datasets:\n  - path: {tmp_path / 'kto.jsonl'}\n    type: chatml.argilla\n")
+    assert main(["validate", str(config)]) == 0
+    (tmp_path / "kto.jsonl").write_text("\n".join(json.dumps({"prompt" if k == "instruction" else k: v
+                                                              for k, v in r.items()}) for r in rows))
+    assert main(["validate", str(config)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"kto.jsonl \(split=train\) row \d+, field 'instruction': missing",
+                                          errors[0]), errors
