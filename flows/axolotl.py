@@ -68,9 +68,18 @@ completions logged each round (tracking.completions_per_round)."""
 AXOLOTL_VLLM_KEYS = {"tensor_parallel_size": "tensor_parallel_size", "gpu_memory_utilization": "gpu_memory_utilization",
                      "dtype": "dtype", "max_model_len": "max_model_len", "enforce_eager": "enforce_eager"}
 """axolotl's `vllm:` section keys that are `rollout.vllm` keys of the same name and meaning."""
-AXOLOTL_VLLM_SERVER_KEYS = ("vllm.host", "vllm.port", "vllm.serve_module", "vllm.worker_extension_cls",
-                            "trl.vllm_server_host", "trl.vllm_server_port", "trl.vllm_server_timeout")
-"""Where `axolotl vllm-serve` (TRL's weight-sync server) listens and what it runs: posttrain has no such server."""
+AXOLOTL_VLLM_SERVER_KEYS = ("vllm.host", "vllm.port", "trl.vllm_server_host", "trl.vllm_server_port",
+                            "trl.vllm_server_timeout")
+"""Where `axolotl vllm-serve` listens and where `axolotl train` finds it (the two-terminal workflow): here
+`posttrain vllm-serve` starts vLLM's OpenAI server there and the run generates on it (`_server_moves`:
+rollout.engine vllm_server, rollout.vllm.server_urls, serve_host, server_wait_s)."""
+TRL_SERVER_INTERNALS = {"serve_module": "the Python module axolotl runs as its server (TRL's weight-sync server, or "
+                                        "axolotl's LoRA variant of it)",
+                        "worker_extension_cls": "the vLLM worker class TRL's server loads to take weights over NCCL"}
+"""axolotl's `vllm:` keys that choose TRL's weight-sync server's code: refused, as posttrain vllm-serve runs vLLM's
+own OpenAI server and loads each round's LoRA adapter into it over HTTP (/v1/load_lora_adapter)."""
+ALL_INTERFACES = ("0.0.0.0", "::", "[::]")
+"""Listen addresses meaning every interface: the run on this machine connects to 127.0.0.1 instead."""
 AXOLOTL_DPO_KEYS = ("rl_beta", "orpo_alpha", "simpo_gamma", "cpo_alpha", "kto_desirable_weight",
                     "kto_undesirable_weight")
 """axolotl's top-level DPO-family loss keys: `dpo` keys of the same names (an error under another rl)."""
@@ -151,15 +160,18 @@ def move_training_keys(data):
                              "and the exported model go under it); set one of them")
         data["artifacts_dir"] = output_dir
     # (their key, section, field, value) for each key of theirs that is one of ours
-    moves = _vllm_moves(data.pop("vllm", None) or {}, data.get("trl") or {})
+    vllm = data.pop("vllm", None) or {}
+    moves = _vllm_moves(vllm)
+    server = _server_moves(vllm, data.get("trl") or {}, data) if isinstance(data.get("trl") or {}, dict) else []
+    moves += server
     trl = data.pop("trl", None) or {}
     if isinstance(trl, dict) and trl.keys() & LENGTH_TRL_KEYS:  # TRL's generation batch: move_training_length's
         data["trl"] = {k: trl[k] for k in LENGTH_TRL_KEYS if k in trl}
         trl = {k: v for k, v in trl.items() if k not in LENGTH_TRL_KEYS}
     if isinstance(trl, dict) and trl.keys() & ASYNC_TRL_KEYS:
-        moves += _async_moves({k: trl[k] for k in ASYNC_TRL_KEYS if k in trl}, trl, data)
+        moves += _async_moves({k: trl[k] for k in ASYNC_TRL_KEYS if k in trl}, trl, data, bool(server))
         trl = {k: v for k, v in trl.items() if k not in ASYNC_TRL_KEYS}
-    moves += _trl_moves(trl)
+    moves += _trl_moves(trl, bool(server))
     rl = data.get("rl")
     trainer = "reward_model" if rl == "reward_model" else "dpo" if rl in PREFERENCE_RL else "grpo"
     moves += _training_moves(data, trainer)
@@ -259,20 +271,21 @@ def device_settings(keys: dict) -> dict[str, tuple]:
     return out
 
 
-def _vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, object]]:
-    """axolotl's `vllm:` section as (their key, section, field, value) moves into rollout.vllm; the keys of
-    `axolotl vllm-serve`'s server (AXOLOTL_VLLM_SERVER_KEYS), and any other, are errors naming them."""
+def _vllm_moves(vllm: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's `vllm:` section as (their key, section, field, value) moves into rollout.vllm; the server's
+    address (AXOLOTL_VLLM_SERVER_KEYS) is `_server_moves`'; TRL's server internals (TRL_SERVER_INTERNALS) and any
+    other key are errors naming them."""
     if not isinstance(vllm, dict):
         raise ValueError(f"vllm: expected a mapping of vLLM settings, got {type(vllm).__name__}")
-    server = [k for k in AXOLOTL_VLLM_SERVER_KEYS
-              if (vllm if k.startswith("vllm.") else trl).get(k.split(".", 1)[1]) is not None]
-    if server:
-        raise ValueError(f"{', '.join(server)}: where `axolotl vllm-serve` (TRL's weight-sync server) listens; "
-                         "posttrain has no such server: rollout.engine vllm (what trl.use_vllm sets) runs vLLM in the "
-                         "run's own process and loads each round's weights itself; vllm_server talks to `vllm serve` "
-                         "OpenAI servers at rollout.vllm.server_url. Remove them")
+    for key, why in TRL_SERVER_INTERNALS.items():
+        if vllm.get(key) is not None:
+            raise ValueError(f"vllm.{key}: {vllm[key]!r} is {why}; posttrain vllm-serve runs vLLM's own OpenAI "
+                             "server instead and loads each round's LoRA adapter into it over HTTP "
+                             "(/v1/load_lora_adapter), so there is no such code to choose; remove it")
     moves = []
     for key, value in vllm.items():
+        if f"vllm.{key}" in AXOLOTL_VLLM_SERVER_KEYS or key in TRL_SERVER_INTERNALS:
+            continue  # _server_moves' / refused above
         if key in AXOLOTL_VLLM_KEYS:
             if value is not None:
                 moves.append((f"vllm.{key}", "rollout", f"vllm.{AXOLOTL_VLLM_KEYS[key]}", value))
@@ -292,18 +305,84 @@ def _vllm_moves(vllm: dict, trl: dict) -> list[tuple[str, str, str, object]]:
     return moves
 
 
-def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
+def _server_moves(vllm: dict, trl: dict, data: dict) -> list[tuple[str, str, str, object]]:
+    """axolotl's two-terminal workflow (`axolotl vllm-serve config.yaml`, then `axolotl train config.yaml`):
+    trl.vllm_mode: server, or where the server listens (AXOLOTL_VLLM_SERVER_KEYS), make the run generate on the
+    vLLM server `posttrain vllm-serve` starts: rollout.engine vllm_server at rollout.vllm.server_urls
+    [http://host:port] (trl.vllm_server_host/port, else vllm.host/port; 0.0.0.0 is this machine), vllm.host the
+    address that server listens on (rollout.vllm.serve_host), trl.vllm_server_timeout how long the run waits for
+    it (rollout.vllm.server_wait_s). [] when none is set. The server takes each round's LoRA adapter: under full
+    fine-tuning, or with trl.use_vllm false, trl.vllm_mode colocate or another rollout.engine, an error."""
+    given = [k for k in AXOLOTL_VLLM_SERVER_KEYS
+             if (vllm if k.startswith("vllm.") else trl).get(k.split(".", 1)[1]) is not None]
+    mode = trl.get("vllm_mode")
+    if not given and mode != "server":
+        return []
+    named = ", ".join(given) or "trl.vllm_mode: server"
+    if mode not in (None, "server"):
+        raise ValueError(f"{named}: where the run's vLLM server listens, but trl.vllm_mode is {mode!r} (vLLM in "
+                         "the run's own process); set trl.vllm_mode: server to generate on `posttrain vllm-serve`'s "
+                         "server, or remove them")
+    rollout, grpo = section_dict(data, "rollout") or {}, section_dict(data, "grpo") or {}
+    if trl.get("use_vllm") is False or ("use_vllm" not in trl and rollout.get("engine") != "vllm_server"):
+        raise ValueError(f"{named}: the vLLM server a run generates on, but trl.use_vllm is "
+                         f"{_yaml(trl.get('use_vllm'))} (the run would sample with transformers); set "
+                         "trl.use_vllm: true, or remove them")
+    if rollout.get("engine", "vllm_server") != "vllm_server":
+        raise ValueError(f"{named}: generating on a vLLM server is rollout.engine vllm_server, but rollout.engine is "
+                         f"{rollout['engine']!r}; set one of them")
+    adapter = (data["adapter"] or "none") if "adapter" in data else grpo.get("adapter", "lora")
+    if adapter != "lora":
+        raise ValueError(f"{named}: the vLLM server takes each round's policy as a LoRA adapter "
+                         f"(/v1/load_lora_adapter), but this run trains the full model (adapter: {adapter}), whose "
+                         "weights posttrain cannot push into a running server; set adapter: lora, or "
+                         "trl.vllm_mode: colocate (rollout.engine: vllm: vLLM in the run's process, the round's "
+                         "weights loaded into it)")
+    ports = {k: v for k, v in (("trl.vllm_server_port", trl.get("vllm_server_port")),
+                               ("vllm.port", vllm.get("port"))) if v is not None}
+    for key, port in ports.items():
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"{key}: {port!r}; use a TCP port number (e.g. 8000)")
+    if len(set(ports.values())) > 1:
+        raise ValueError("vllm.port (where posttrain vllm-serve listens) and trl.vllm_server_port (where the run "
+                         f"connects) differ: {ports['vllm.port']} and {ports['trl.vllm_server_port']}; set one of "
+                         "them")
+    hosts = {k: v for k, v in (("trl.vllm_server_host", trl.get("vllm_server_host")),
+                               ("vllm.host", vllm.get("host"))) if v is not None}
+    for key, host in hosts.items():
+        if not isinstance(host, str) or not host or "/" in host:
+            raise ValueError(f"{key}: {host!r}; use a host name or address (e.g. 127.0.0.1, or 0.0.0.0 for every "
+                             "interface)")
+    host = next(iter(hosts.values()), "127.0.0.1")
+    host = "127.0.0.1" if host in ALL_INTERFACES else f"[{host}]" if ":" in host and host[0] != "[" else host
+    port = next(iter(ports.values()), 8000)
+    source = next(iter(hosts), None) or next(iter(ports), None) or "trl.vllm_mode"
+    moves = [(source, "rollout", "engine", "vllm_server"),
+             (source, "rollout", "vllm.server_urls", [f"http://{host}:{port}"])]
+    if "vllm.host" in hosts:
+        moves.append(("vllm.host", "rollout", "vllm.serve_host", hosts["vllm.host"]))
+    if "trl.vllm_server_timeout" in given:
+        timeout = trl["vllm_server_timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"trl.vllm_server_timeout: {timeout!r}; use seconds to wait for the server (e.g. 300)")
+        moves.append(("trl.vllm_server_timeout", "rollout", "vllm.server_wait_s", float(timeout)))
+    return moves
+
+
+def _trl_moves(trl: dict, server: bool = False) -> list[tuple[str, str, str, object]]:
     """axolotl's `trl:` section as (their key, section, field, value) moves (AXOLOTL_TRL_KEYS, use_vllm,
-    log_completions); a vllm_mode other than colocate, or a key posttrain has no counterpart
-    of, is an error naming it. The server keys (AXOLOTL_VLLM_SERVER_KEYS) are left to `_vllm_moves`."""
+    log_completions); a vllm_mode other than colocate or server, or a key posttrain has no counterpart of, is an
+    error naming it. The server keys (AXOLOTL_VLLM_SERVER_KEYS, vllm_mode: server) are `_server_moves`';
+    `server`: they are set, and use_vllm means its rollout.engine vllm_server."""
     moves = []
     for key, value in trl.items():
         if f"trl.{key}" in AXOLOTL_VLLM_SERVER_KEYS:
-            continue  # refused by _vllm_moves
+            continue  # _server_moves'
         if key == "vllm_mode":
-            if value != "colocate":
-                raise ValueError(f"trl.vllm_mode: {value!r}: posttrain has no TRL vLLM server to connect to; "
-                                 "colocate (vLLM in the run's own process, rollout.engine: vllm) is what it runs")
+            if value not in ("colocate", "server"):
+                raise ValueError(f"trl.vllm_mode: {value!r}: use colocate (vLLM in the run's own process, "
+                                 "rollout.engine: vllm) or server (the server `posttrain vllm-serve` starts, "
+                                 "rollout.engine: vllm_server)")
             continue
         if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
             continue
@@ -311,7 +390,8 @@ def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
             moves.append(("trl.log_completions", "tracking", "completions_per_round", 0))
             continue
         if key == "use_vllm":
-            moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
+            if not (server and value):  # (with the server keys: _server_moves sets rollout.engine vllm_server)
+                moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
         elif key in AXOLOTL_TRL_KEYS:
             moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
         else:
@@ -322,14 +402,15 @@ def _trl_moves(trl: dict) -> list[tuple[str, str, str, object]]:
     return moves
 
 
-def _async_moves(keys: dict, trl: dict, data: dict) -> list[tuple[str, str, str, object]]:
+def _async_moves(keys: dict, trl: dict, data: dict, server: bool = False) -> list[tuple[str, str, str, object]]:
     """axolotl's async-GRPO `trl:` keys (ASYNC_TRL_KEYS, in `keys`; `trl` is the whole section) as (their key,
     section, field, value) moves, read against the engine (trl.use_vllm or rollout.engine), the adapter and
-    async_prefetch. A key that says what posttrain does anyway moves nothing and keeps a note saying why
-    (`posttrain validate` prints it); one posttrain cannot honour is an error naming it."""
+    async_prefetch (`server`: the server keys are set, the engine is vllm_server). A key that says what posttrain
+    does anyway moves nothing and keeps a note saying why (`posttrain validate` prints it); one posttrain cannot
+    honour is an error naming it."""
     rollout, grpo = section_dict(data, "rollout") or {}, section_dict(data, "grpo") or {}
-    engine = ("vllm" if trl["use_vllm"] else "transformers") if "use_vllm" in trl else \
-        rollout.get("engine", "transformers")
+    engine = "vllm_server" if server else ("vllm" if trl["use_vllm"] else "transformers") if "use_vllm" in trl \
+        else rollout.get("engine", "transformers")
     adapter = (data["adapter"] or "none") if "adapter" in data else grpo.get("adapter", "lora")
     prefetching = trl.get("async_prefetch", rollout.get("async_prefetch", False))
     moves, notes = [], []

@@ -3,7 +3,8 @@
   posttrain init FOLDER                          a new task that runs as it is: config, five rows, reward module
   posttrain run CONFIG [KEY.PATH=VALUE ...]     run the pipeline (e.g. grpo.rounds=2)
   posttrain validate CONFIG [KEY.PATH=VALUE ...]  print a config resolved and check what a run would trip on
-  posttrain serve-vllm CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy
+  posttrain vllm-serve CONFIG [--port N] [--print] start `vllm serve` for a config's starting policy (axolotl's
+                                                 spelling; serve-vllm is the same command)
   posttrain serve-rewards CONFIG [--host H] [--port N]  serve a config's reward functions at /verify
   posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
   posttrain compare RUN RUN... [--artifacts DIR] [--plot PATH]  runs side by side, plus a curves PNG
@@ -37,20 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="posttrain", description="Post-training pipeline (Prefect + MLflow).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run the pipeline"), ("validate", "validate a config and print it resolved"),
-                            ("serve-vllm", "build (or find cached) the config's starting policy and serve it with "
-                                           "`vllm serve --enable-lora`, for rollout.engine=vllm_server")):
-        p = sub.add_parser(name, help=help_text)
+                            ("vllm-serve", "build (or find cached) the config's starting policy and serve it with "
+                                           "vLLM's OpenAI server (`vllm serve`, LoRA enabled for a LoRA policy) "
+                                           "with the config's rollout.vllm settings, for rollout.engine "
+                                           "vllm_server: axolotl's two-terminal workflow")):
+        p = sub.add_parser(name, help=help_text, aliases=["serve-vllm"] if name == "vllm-serve" else [])
         p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
         p.set_defaults(handler=pipeline_command, extras_into="overrides")
-        if name in ("run", "serve-vllm"):
+        if name in ("run", "vllm-serve"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
             p.add_argument("--verbose", action="store_true",
                            help="also Prefect's own console lines (each task run's state, the flow run's link)")
             p.add_argument("--debug", action="store_true",
                            help="on a data, reward-function or file error, show the whole traceback")
-        if name == "serve-vllm":
-            p.add_argument("--port", type=int, default=None, help="default: the port of rollout.vllm.server_url")
+        if name == "vllm-serve":
+            p.add_argument("--port", type=int, default=None,
+                           help="default: the port of rollout.vllm.server_urls' first URL (or server_url)")
             p.add_argument("--print", dest="print_only", action="store_true",
                            help="print the command and environment instead of starting the server")
 
@@ -104,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if args.extras_into:
         getattr(args, args.extras_into).extend(extra)
+    if args.command == "serve-vllm":
+        args.command = "vllm-serve"  # one command, two spellings
     return args.handler(args)
 
 
 def pipeline_command(args) -> int:
-    """run / validate / serve-vllm: load the config, then act on it."""
+    """run / validate / vllm-serve: load the config, then act on it."""
     from flows.config import ConfigError, load_config
 
     from flows import preflight
@@ -148,7 +154,7 @@ def pipeline_command(args) -> int:
     from flows.pipeline import posttrain_pipeline  # (imports Prefect, which sets up its log handlers)
 
     def run() -> int:
-        if args.command == "serve-vllm":
+        if args.command == "vllm-serve":
             return serve_vllm(cfg, args)
         if server_ready:
             server_ready()
@@ -183,7 +189,11 @@ def compare_command(args) -> int:
 
 
 def serve_vllm(cfg, args) -> int:
-    """Materialize the starting policy, then replace this process with `vllm serve` for it."""
+    """`posttrain vllm-serve`: materialize the starting policy, then replace this process with vLLM's OpenAI
+    server for it (as `axolotl vllm-serve` starts TRL's for the config's base model): rollout.vllm's
+    tensor_parallel_size, gpu_memory_utilization, dtype, max_model_len and enforce_eager as its flags, listening
+    on rollout.vllm.serve_host (axolotl's vllm.host) at the port of the run's server URL (axolotl's vllm.port /
+    trl.vllm_server_port), LoRA enabled for a LoRA policy (grpo.adapter: lora) up to grpo.lora_r."""
     import shlex
     from urllib.parse import urlparse
 
@@ -193,10 +203,12 @@ def serve_vllm(cfg, args) -> int:
     from stages.runtime.devices import of
 
     model_dir = prepare_policy_flow(args.config, args.overrides, quiet=args.quiet)
-    port = args.port or urlparse(cfg.rollout.vllm.server_url).port or 8000
+    url = (cfg.rollout.vllm.server_urls or [cfg.rollout.vllm.server_url])[0]
+    port = args.port or urlparse(url).port or 8000
     devices = of(cfg.train)  # vllm.dtype auto: the dtype the run's trainer computes in
     options = {**vllm_options(cfg.rollout, devices), **engine_options(cfg.rollout, cfg.grpo.lora_r, devices)}
-    argv, env = serve_command(model_dir, port, cfg.grpo.lora_r, options)
+    argv, env = serve_command(model_dir, port, cfg.grpo.lora_r, options, host=cfg.rollout.vllm.serve_host,
+                              lora=cfg.grpo.adapter == "lora")
     print(" ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items()), shlex.join(argv), flush=True)
     if args.print_only:
         return 0

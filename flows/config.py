@@ -408,6 +408,17 @@ class PipelineConfig(BaseModel):
                              "(its gradient scaler would check each rank's shard alone); use bf16, or strategy ddp")
         return self
 
+    @model_validator(mode="after")
+    def _server_takes_adapters(self):
+        """rollout.engine vllm_server pushes each round's policy into the server as a LoRA adapter
+        (/v1/load_lora_adapter); a running vLLM server cannot be handed full weights from here."""
+        if self.uses_rounds and self.rollout.engine == "vllm_server" and self.grpo.adapter != "lora":
+            raise ValueError("rollout.engine: vllm_server loads each round's policy into the server as a LoRA "
+                             f"adapter, but grpo.adapter is {self.grpo.adapter!r} (full fine-tuning), whose weights "
+                             "posttrain cannot push into a running vLLM server; set grpo.adapter: lora, or "
+                             "rollout.engine: vllm (vLLM in the run's process, the round's weights loaded into it)")
+        return self
+
     @property
     def uses_rounds(self) -> bool:
         """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""

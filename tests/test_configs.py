@@ -293,9 +293,11 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("rl: grpo\ntrl:\n  use_liger_loss: true\n", r"trl.use_liger_loss: not an option posttrain has"),
-    ("rl: grpo\nvllm:\n  host: 0.0.0.0\n  port: 8000\ntrl:\n  use_vllm: true\n  vllm_server_host: 0.0.0.0\n",
-     r"vllm.host, vllm.port, trl.vllm_server_host: where `axolotl vllm-serve` \(TRL's weight-sync server\) listens"),
-    ("rl: grpo\ntrl:\n  use_vllm: true\n  vllm_mode: server\n", r"trl.vllm_mode: 'server': posttrain has no TRL vLLM"),
+    ("rl: grpo\nvllm:\n  serve_module: trl.scripts.vllm_serve\n",
+     r"vllm.serve_module: 'trl.scripts.vllm_serve' is the Python module axolotl runs as its server .*remove it"),
+    ("rl: grpo\nvllm:\n  worker_extension_cls: trl.scripts.vllm_serve.WeightSyncWorkerExtension\n",
+     r"vllm.worker_extension_cls: .* is the vLLM worker class TRL's server loads"),
+    ("rl: grpo\ntrl:\n  use_vllm: true\n  vllm_mode: remote\n", r"trl.vllm_mode: 'remote': use colocate .* or server"),
     ("rl: grpo\nvllm:\n  data_parallel_size: 2\n", r"vllm.data_parallel_size: 2 is not honoured here \(several "
                                                    r"engines: rollout.engine: ray_vllm"),
     ("rl: grpo\nvllm:\n  reasoning_parser: deepseek_r1\n", r"vllm.reasoning_parser: 'deepseek_r1' is not honoured"),
@@ -306,7 +308,8 @@ def test_axolotl_trl_section_and_training_keys_move_to_their_sections(tmp_path):
     ("rl: grpo\nnum_epochs: 2\ngrpo:\n  rounds: 3\n", r"num_epochs \(axolotl's key\) and grpo.rounds are the same"),
     ("rl: grpo\nmax_steps: 0\n", r"max_steps: 0; expected a whole number >= 1"),
     ("output_dir: a\nartifacts_dir: b\n", r"output_dir \(axolotl's key\) and artifacts_dir are the same setting"),
-], ids=["unknown_trl_key", "vllm_serve_keys", "vllm_mode_server", "vllm_data_parallel", "vllm_unknown",
+], ids=["unknown_trl_key", "vllm_serve_module", "vllm_worker_extension", "vllm_mode_unknown", "vllm_data_parallel",
+        "vllm_unknown",
         "vllm_conflict", "conflict", "num_epochs_grpo", "max_steps_grpo", "output_dir_conflict"])
 def test_axolotl_keys_we_cannot_honour_are_errors(tmp_path, text, message):
     path = tmp_path / "axolotl.yaml"
@@ -353,9 +356,7 @@ AXOLOTL_DOC_EXAMPLES = {
     "rlhf grpo vllm": ("base_model: {model}\n\nvllm:\n    host: 0.0.0.0\n    port: 8000\n    tensor_parallel_size: 2\n"
                        "    gpu_memory_utilization: 0.85\n    dtype: auto\n\nrl: grpo\ntrl:\n    use_vllm: true\n"
                        "    vllm_server_host: 0.0.0.0\n    vllm_server_port: 8000\n    vllm_server_timeout: 300\n",
-                       (r"vllm.host, vllm.port, trl.vllm_server_host, trl.vllm_server_port, "
-                        r"trl.vllm_server_timeout: where `axolotl vllm-serve`",
-                        ["    host", "    port", "    vllm_server"])),
+                       None),
     "rlhf grpo rewards": ("rl: grpo\n\ntrl:\n    beta: 0.001\n    max_completion_length: 256\n    use_vllm: True\n"
                           "    num_generations: 4\n    reward_funcs: [\"accuracy\"]\n    reward_weights: [1.0]\n"
                           "datasets:\n  - path: {prompts}\n    type: question_answer\n", None),
@@ -373,8 +374,7 @@ AXOLOTL_DOC_EXAMPLES = {
         "lora_r: 16\nlora_alpha: 32\nlora_target_linear: true\nsequence_len: 1024\nmicro_batch_size: 2\n"
         "gradient_accumulation_steps: 4\nmax_steps: 20\nlearning_rate: 5.0e-6\nbf16: auto\n"
         "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n",
-        (r"trl.vllm_server_host, trl.vllm_server_port: where `axolotl vllm-serve`",
-         ["  vllm_server"])),
+        None),
     "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
         # own module: here raw documents are `type: text`
         "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
@@ -392,9 +392,17 @@ AXOLOTL_DOC_TRANSLATIONS = {
     "rlhf orpo": {"model.chat_template": "chatml"},
     "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
     "reward_modelling prm": {"reward_model.eval_steps": 100},
+    # axolotl's two-terminal workflow: `posttrain vllm-serve` listens at vllm.host:port, the run generates there
+    "rlhf grpo vllm": {"rollout.engine": "vllm_server", "rollout.vllm.server_urls": ["http://127.0.0.1:8000"],
+                       "rollout.vllm.serve_host": "0.0.0.0", "rollout.vllm.server_wait_s": 300.0,
+                       "rollout.vllm.tensor_parallel_size": 2, "rollout.vllm.gpu_memory_utilization": 0.85},
     "ebft structured": {"grpo.rounds": 7, "rollout.prompts_per_round": 6,  # max_steps 20 in rounds of the 3
                         # generation batches (2 x 4 completions, one step each) between vllm_sync_interval 3's pushes
-                        "rollout.max_prompt_length": 768, "rollout.vllm.lora_sync": "adapter"},  # sequence_len 1024
+                        "rollout.max_prompt_length": 768,  # sequence_len 1024
+                        # its trl.vllm_server_host/port: the server the run generates on, the round's adapter
+                        # loaded into it (vllm_lora_sync: true, a note)
+                        "rollout.engine": "vllm_server", "rollout.vllm.server_urls": ["http://127.0.0.1:8000"],
+                        "rollout.vllm.serve_host": "127.0.0.1", "rollout.vllm.lora_sync": "auto"},
     "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
                      "rollout.temperature": 0.6, "ebft.rl_coef": 1.0},
 }

@@ -331,7 +331,7 @@ def test_server_down_is_a_clear_error(tiny):
 
     url = f"http://127.0.0.1:{_free_port()}"
     eng = VLLMServerEngine(tiny["base"], server_url=url, server_timeout_s=5, server_adapter_root=None, max_lora_rank=8)
-    with pytest.raises(VLLMServerError, match=f"no vLLM server answers at {url}.*posttrain serve-vllm CONFIG"):
+    with pytest.raises(VLLMServerError, match=f"no vLLM server answers at {url}.*posttrain vllm-serve CONFIG"):
         eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
     urls = [url, f"http://127.0.0.1:{_free_port()}"]
     several = VLLMServerEngine(tiny["base"], server_urls=urls, server_timeout_s=5, max_lora_rank=8)

@@ -69,6 +69,13 @@ class VLLMOptions(BaseModel):
     completions whichever server samples a prompt."""
     server_timeout_s: float = not_in_key(300.0, gt=0)
     """vllm_server: per-request timeout."""
+    server_wait_s: float = not_in_key(0.0, ge=0)
+    """vllm_server: how long a run waits for a server that does not answer yet (axolotl's
+    trl.vllm_server_timeout), saying what it waits for; 0: it fails at once, naming the fix. Set it when the
+    server starts beside the run (`posttrain vllm-serve CONFIG` in another terminal: a minute or more)."""
+    serve_host: str = not_in_key("127.0.0.1")
+    """`posttrain vllm-serve`: the address its server listens on (axolotl's vllm.host). 127.0.0.1: this machine
+    only; 0.0.0.0: every interface, for runs on other machines (vLLM's server has no authentication here)."""
     server_adapter_root: str | None = None
     """vllm_server: the artifacts folder as the server sees it, when it runs on another host
     or container (adapter paths are sent with this prefix instead of the local one)."""
@@ -255,7 +262,8 @@ class RolloutConfig(BaseModel):
         return min(self.prefetch_depth, self.max_staleness) if self.async_prefetch else 0
 
 
-SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_adapter_root")  # vllm_server's own
+SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_wait_s", "server_adapter_root")
+"""rollout.vllm keys of the vllm_server engine alone."""
 
 
 def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict:
@@ -266,6 +274,7 @@ def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict
     if cfg.engine == "transformers":
         return {"batch_size": cfg.generation_batch_size, "devices": devices or DeviceConfig()}
     options = vllm_options(cfg, devices)
+    options.pop("serve_host")  # `posttrain vllm-serve`'s, not an engine's
     if cfg.engine in ("vllm", "ray_vllm"):
         for key in SERVER_KEYS:
             options.pop(key)

@@ -6,8 +6,10 @@ stages/rollout/engines/hf.py), with its own seed, `logprobs=0` and `return_token
 so token ids and the sampled tokens' log-probs come back exactly. The server must run
 with `--logprobs-mode processed_logprobs` for those to be log softmax(logits / temperature)
 (`serve_command` builds such a command line). LoRA policies only: the server cannot swap
-full weights for us. With several servers (`rollout.vllm.server_urls`) the prompts of a call
-are shared out among them; per-prompt seeds make the result independent of the split.
+full weights for us (a run under full fine-tuning is refused at config time). With several servers
+(`rollout.vllm.server_urls`) the prompts of a call are shared out among them; per-prompt seeds make
+the result independent of the split. The server must serve the run's starting policy (checked against
+/v1/models' `root`); `server_wait_s` waits for one that is still starting.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class VLLMServerError(RuntimeError):
     """The vLLM server does not answer, or not as this engine needs; the message names the URL and the fix."""
 
 
-def serve_command(model_dir, port: int, max_lora_rank: int, options: dict) -> tuple[list[str], dict]:
+def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host: str = "127.0.0.1",
+                  lora: bool = True) -> tuple[list[str], dict]:
     """(argv, extra environment) to start vLLM's OpenAI server on `model_dir` for this engine.
 
     The argv is `python -m vllm.entrypoints.openai.api_server --model DIR ...` (what `vllm serve
@@ -42,18 +45,19 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict) -> tu
     cannot find its own metadata).
 
     `options` are the `rollout.vllm` settings (VLLMOptions fields). The server listens on
-    127.0.0.1, serves the model under its folder name, accepts runtime LoRA loading and
-    returns processed (temperature-scaled) log-probs.
+    `host` (rollout.vllm.serve_host), serves the model under its folder name and returns processed
+    (temperature-scaled) log-probs; with `lora` (a LoRA policy) it accepts runtime LoRA loading.
     """
     model_dir = Path(model_dir)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model_dir.name,
-        "--host", "127.0.0.1",
+        "--host", str(host),
         "--port", str(int(port)),
-        "--enable-lora",
-        "--max-lora-rank", str(int(max_lora_rank)),
-        "--max-loras", "1",
+    ]
+    if lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(int(max_lora_rank)), "--max-loras", "1"]
+    argv += [
         "--dtype", str(options.get("dtype", "float32")),
         "--gpu-memory-utilization", str(options.get("gpu_memory_utilization", 0.05)),
         "--logprobs-mode", "processed_logprobs",
@@ -64,7 +68,7 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict) -> tu
     if options.get("enforce_eager", True):
         argv.append("--enforce-eager")
     env = {
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
         # read by CPU builds only, whole GiB: round a fraction up
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(float(options.get("kv_cache_space_gib", 1.0))))),
     }
@@ -143,10 +147,11 @@ class VLLMServerEngine:
 
     def __init__(self, base_dir, server_url: str = "http://127.0.0.1:8000", server_timeout_s: float = 300.0,
                  server_adapter_root: str | None = None, max_lora_rank: int = 16, max_concurrency: int = 64,
-                 server_urls: list[str] | None = None):
+                 server_urls: list[str] | None = None, server_wait_s: float = 0.0):
         self.base_dir = Path(base_dir)
         self.servers = [_Server(url, server_timeout_s) for url in (server_urls or [server_url])]
         self.timeout = server_timeout_s
+        self.wait_s = server_wait_s  # how long the first call waits for servers that do not answer yet
         self.adapter_root = server_adapter_root
         self.max_lora_rank = max_lora_rank
         self.max_concurrency = max_concurrency  # requests in flight per server
@@ -159,7 +164,7 @@ class VLLMServerEngine:
 
     def _fix(self) -> str:
         argv, env = serve_command(self.base_dir, 8000, self.max_lora_rank, {})
-        return (f"start it with `posttrain serve-vllm CONFIG` or "
+        return (f"start it with `posttrain vllm-serve CONFIG` or "
                 f"`{' '.join(f'{k}={v}' for k, v in env.items())} {' '.join(argv)}` and set rollout.vllm.server_url"
                 + (" / server_urls" if len(self.servers) > 1 else ""))
 
@@ -178,14 +183,55 @@ class VLLMServerEngine:
         if health.status_code != 200 or models.status_code != 200:
             raise VLLMServerError(f"vllm_server: {server.url} is not a healthy vLLM server (/health: "
                                   f"{health.status_code}, /v1/models: {models.status_code}); {self._fix()}")
-        bases = [m["id"] for m in models.json().get("data", []) if not m.get("parent")]
+        bases = [m for m in models.json().get("data", []) if not m.get("parent")]
         if not bases:
             raise VLLMServerError(f"vllm_server: {server.url}/v1/models lists no base model")
-        server.model_name = bases[0]
+        root = bases[0].get("root")  # the folder or hub id the server loaded (vLLM's `--model`)
+        if root and not self._serves_base(root):
+            raise VLLMServerError(f"vllm_server: {server.url} serves {bases[0]['id']} ({root}), not this run's "
+                                  f"starting policy {self.base_dir.resolve()}: the round's adapter and tokens are "
+                                  f"for that model; {self._fix()}")
+        server.model_name = bases[0]["id"]
+
+    def _serves_base(self, root: str) -> bool:
+        """Whether the server's model folder is this engine's base: the same path, or (a server on another host,
+        seeing the artifacts elsewhere) the same artifact key folder and name."""
+        mine = self.base_dir.resolve()
+        return Path(root) == mine or (Path(root).is_absolute() and Path(root).parts[-2:] == mine.parts[-2:])
+
+    def _wait_for_servers(self) -> None:
+        """Once, before the first call: wait up to `wait_s` for every server to answer GET /health, saying
+        what for (the server may be starting in another terminal); the calls' own checks then name any that
+        still does not answer."""
+        import time
+
+        import httpx
+
+        wait_s, self.wait_s = self.wait_s, 0.0
+        deadline = time.monotonic() + wait_s
+        for server in self.servers:
+            said = up = False
+            while not up:
+                try:
+                    up = httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+                except httpx.HTTPError:
+                    pass
+                left = deadline - time.monotonic()
+                if up or left <= 0:
+                    break
+                if not said:
+                    log.warning("vllm_server: waiting up to %.0f s for the vLLM server at %s (start it with: "
+                                "posttrain vllm-serve CONFIG)", left, server.url)
+                    said = True
+                time.sleep(min(2.0, left))
+            if said and up:
+                log.warning("vllm_server: %s answers", server.url)
 
     def _live_servers(self) -> list[_Server]:
         """The servers that answer now (each checked once per call). One server: its error as is; several:
         the dead ones are left out with a warning, and none answering is an error naming them all."""
+        if self.wait_s:
+            self._wait_for_servers()
         if len(self.servers) == 1:
             self._check_server(self.servers[0])
             return list(self.servers)
