@@ -609,3 +609,59 @@ def pq_rows(stage_dir: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     return [row for path in sorted(stage_dir.glob("*/rollouts.parquet")) for row in pq.read_table(path).to_pylist()]
+
+
+def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_config, tmp_path, caplog):
+    """axolotl's two-terminal workflow (issue 45 item 2) with axolotl's keys: `posttrain vllm-serve config.yaml`
+    in one process builds (here: finds) the starting policy and execs vLLM's OpenAI server for it; the run, started
+    once the server's command line is printed, waits for it (trl.vllm_server_timeout) and generates every round
+    there, the round's LoRA adapter loaded into the server."""
+    import sys
+    import time
+
+    import httpx
+    import yaml
+
+    from flows.pipeline import posttrain_pipeline
+
+    port = _free_port()
+    config = yaml.safe_load(tiny_config.read_text())
+    config["rollout"]["vllm"] = {"kv_cache_space_gib": 0.25}
+    config["vllm"] = {"host": "0.0.0.0", "port": port, "max_model_len": 128}  # where vllm-serve listens
+    config["trl"] = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": "0.0.0.0",
+                     "vllm_server_port": port, "vllm_server_timeout": 600}
+    tiny_config.write_text(yaml.safe_dump(config))
+    log = tmp_path / "vllm-serve.log"
+    repo = Path(__file__).resolve().parent.parent
+    with open(log, "wb") as fh:  # its own process group: vLLM's engine-core process is stopped with it
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "vllm-serve", str(tiny_config), "--quiet"],
+                                cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "vllm.entrypoints.openai.api_server" not in log.read_text(errors="replace"):  # the policy is ready
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
+            time.sleep(1)
+        command = next(line for line in log.read_text().splitlines() if "api_server" in line)
+        assert f"--host 0.0.0.0 --port {port} --enable-lora" in command and "--max-model-len 128" in command
+        with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.vllm_server"):
+            results = posttrain_pipeline(str(tiny_config), quiet=True)
+        url = f"http://127.0.0.1:{port}"
+        assert "waiting up to" in caplog.text and f"for the vLLM server at {url}" in caplog.text
+        rollouts = pq_rows(tmp_path / "artifacts" / "rollout")
+        assert {row["engine"] for row in rollouts} == {"vllm_server"}
+        assert sorted({(row["round_index"], row["policy_version"]) for row in rollouts}) == [(0, 0), (1, 1)]
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        served = {m["id"]: m["root"] for m in models}
+        base = next(m for m in models if not m.get("parent"))
+        policy = next(r for r in results["stages"] if r["stage"] == "sft")["path"]
+        assert Path(base["root"]).resolve() == Path(policy).resolve()  # the config's starting policy
+        adapters = [root for name, root in served.items() if name.startswith("policy-v1-")]
+        assert len(adapters) == 1 and "/optimize/" in adapters[0]  # round 1's adapter, pushed by the run
+    finally:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
