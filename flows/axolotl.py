@@ -25,7 +25,8 @@ AXOLOTL_KEYS = {"datasets": ("transform", "datasets"), "test_datasets": ("transf
 """axolotl's top-level keys and the section key each one is (moved there before validation)."""
 PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
 """The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
-AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "gradient_checkpointing":
+AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "attn_implementation":
+                       "attn_implementation", "gradient_checkpointing":
                        "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
 """axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`device_settings`)."""
@@ -100,9 +101,23 @@ AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the 
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
                       "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
                                                    "names them); to pick fewer, set lora_target_modules"),
-                      "gradient_checkpointing_kwargs": (None, "train.gradient_checkpointing uses transformers' "
-                                                              "default (use_reentrant: false)")}
+                      "gradient_checkpointing_kwargs": ({"use_reentrant": False}, "train.gradient_checkpointing "
+                                                                                  "runs with use_reentrant: false"),
+                      "skip_prepare_dataset": (True, "the transform stage writes the prompts table; no stage "
+                                                     "pre-tokenizes it")}
 """axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
+AXOLOTL_NOT_BUILT = {
+    "fp8": "FP8 training (float8 matmuls on Hopper-class GPUs) is not built here; train.precision is fp32, bf16 or fp16",
+    "deepspeed": "DeepSpeed is not built here: posttrain shards with PyTorch FSDP2 (train.strategy: fsdp, "
+                 "train.num_processes)",
+    "fsdp": "axolotl's FSDP list is not read here: set train.strategy: fsdp and train.num_processes (posttrain wraps "
+            "every decoder layer itself)",
+    "fsdp_config": "axolotl's FSDP settings are not read here: set train.strategy: fsdp and train.num_processes",
+    "trl.scope_rl": "SCOPE-RL entropy control is not built here (health.* warns on entropy collapse instead)",
+    "trl.streaming_min_groups": "streaming scoring (trl.streaming_partial_batch) is not built here: a round is scored "
+                                "once all its completions are sampled",
+}
+"""axolotl keys (top level, or `trl.` ones) for what posttrain does not build, and why: an error naming the key."""
 AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
 """axolotl's experiment-tracker keys: dropped with a warning (posttrain tracks every run in MLflow)."""
 AXOLOTL_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
@@ -142,9 +157,14 @@ def move_training_keys(data):
     if not isinstance(data, dict):
         return data
     data = dict(data)
+    trl_keys = {f"trl.{k}" for k in data.get("trl") or {}} if isinstance(data.get("trl"), dict) else set()
+    for key in [k for k in AXOLOTL_NOT_BUILT if k in data or k in trl_keys]:
+        raise ValueError(f"{key}: {AXOLOTL_NOT_BUILT[key]}; remove it")
     for key, (honoured, why) in AXOLOTL_FIXED_KEYS.items():
         if key in data and (value := data.pop(key)) != honoured:
             raise ValueError(f"{key}: {value!r} is not honoured here ({why}); remove it")
+    if "logging_steps" in data:
+        keep_notes([_logging_steps(data.pop("logging_steps"))])
     tracking = [k for k in data if k.startswith(AXOLOTL_LOGGING_PREFIXES)]
     if not (tracking or data.keys() & {"trl", "vllm", "output_dir", *AXOLOTL_TRAINING_KEYS}):
         return data
@@ -268,6 +288,13 @@ def device_settings(keys: dict) -> dict[str, tuple]:
                          "(train.attn_implementation)")
     if chosen:
         out["attn_implementation"] = (kernels[chosen[0]], chosen[0])
+    if "attn_implementation" in keys:  # axolotl's newer spelling: transformers' name of the kernel
+        named = keys["attn_implementation"]
+        if named not in kernels.values():
+            raise ValueError(f"attn_implementation: {named!r}; posttrain has {', '.join(kernels.values())}")
+        if chosen and kernels[chosen[0]] != named:
+            raise ValueError(f"attn_implementation: {named} and {chosen[0]}: true name two kernels; set one")
+        out["attn_implementation"] = (named, "attn_implementation")
     return out
 
 
@@ -568,6 +595,14 @@ def collecting_notes():
         _NOTES.reset(token)
 
 
+def _logging_steps(value) -> str:
+    """axolotl's logging_steps (TRL's: log every N optimizer steps): posttrain logs once a round, which a note says."""
+    _whole("logging_steps", value, "optimizer steps between logged metrics")
+    return (f"logging_steps: {value} (axolotl's key): posttrain logs each round's metrics to MLflow and the console, "
+            "one point per round (the mean over its optimizer steps); each optimize stage's nested MLflow run has "
+            "every step's")
+
+
 def keep_notes(notes: list[str]) -> None:
     """Add `notes` to the validating config's (nothing when no config is collecting them)."""
     collected = _NOTES.get()
@@ -618,7 +653,21 @@ def move_training_length(data) -> tuple[object, list[str]]:
     if given:
         data, note = _rounds_from_length(data, given, settings)
         notes.append(note)
+        data, note = _schedule_horizon(data)
+        notes += [note] if note else []
     return data, notes
+
+
+def _schedule_horizon(data: dict) -> tuple[dict, str | None]:
+    """TRL's learning-rate schedule runs over max_steps: a schedule that needs a horizon (not constant, or a
+    warmup_ratio) with grpo.lr_schedule_rounds unset gets the rounds that max_steps / num_epochs became."""
+    grpo = section_dict(data, "grpo") or {}
+    kind = grpo.get("lr_scheduler_type", "constant")
+    if (kind == "constant" and not grpo.get("warmup_ratio")) or "lr_schedule_rounds" in grpo or "rounds" not in grpo:
+        return data, None
+    data["grpo"] = {**grpo, "lr_schedule_rounds": grpo["rounds"]}
+    return data, (f"grpo.lr_schedule_rounds: {grpo['rounds']} (the {kind} schedule's horizon: every round max_steps "
+                  "became, as TRL's schedule runs over max_steps)")
 
 
 def _round_settings(data: dict) -> RoundSettings | None:
@@ -632,7 +681,8 @@ def _round_settings(data: dict) -> RoundSettings | None:
     if grpo is None or rollout is None or ebft is None:
         return None
     try:
-        grpo_cfg = GRPOConfig.model_validate({**grpo, "rounds": 1})  # rounds: this function's to choose
+        grpo_cfg = GRPOConfig.model_validate({"lr_schedule_rounds": 1, **grpo, "rounds": 1})  # rounds (and the
+        # schedule's horizon, `_schedule_horizon`): this function's to choose
         rollout_cfg, ebft_cfg = RolloutConfig.model_validate(rollout), EBFTConfig.model_validate(ebft)
     except ValidationError:
         return None

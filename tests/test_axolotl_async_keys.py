@@ -154,7 +154,8 @@ def test_vllm_sync_interval_makes_a_round_the_batches_between_two_pushes(tmp_pat
                                                                   r"number >= 1"),
     ("rl: dpo\ntrl:\n  vllm_sync_interval: 2\n", r"trl.vllm_sync_interval: TRL's GRPO generation batch and its weight "
                                                  r"pushes to vLLM; rl is 'dpo'"),
-    (BATCH + "trl:\n  streaming_min_groups: 1\n", r"trl.streaming_min_groups: not an option posttrain has"),
+    (BATCH + "trl:\n  streaming_min_groups: 1\n",
+     r"trl.streaming_min_groups: streaming scoring \(trl.streaming_partial_batch\) is not built here"),
 ])
 def test_what_posttrain_cannot_honour_is_an_error_naming_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
