@@ -419,6 +419,11 @@ def _trl_moves(trl: dict, server: bool = False) -> list[tuple[str, str, str, obj
         if key == "use_vllm":
             if not (server and value):  # (with the server keys: _server_moves sets rollout.engine vllm_server)
                 moves.append(("trl.use_vllm", "rollout", "engine", "vllm" if value else "transformers"))
+            if value and not server and "vllm_mode" not in trl:  # TRL's default mode is server
+                keep_notes(["trl.use_vllm: true (axolotl's key) without trl.vllm_mode -> rollout.engine: vllm, vLLM in "
+                            "the run's own process (TRL's colocate); TRL's default would be a server at "
+                            "0.0.0.0:8000: for that, set trl.vllm_mode: server and start it with `posttrain "
+                            "vllm-serve CONFIG`"])
         elif key in AXOLOTL_TRL_KEYS:
             moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
         else:

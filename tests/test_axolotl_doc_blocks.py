@@ -220,3 +220,16 @@ def test_flash_attention_2_is_refused_naming_the_key_on_a_machine_without_it(use
     path.write_text(path.read_text().replace("attn_implementation: sdpa", "attn_implementation: flash_attention_2"))
     with pytest.raises(ConfigError, match=r"train.attn_implementation: flash_attention_2 needs the flash-attn package"):
         load_config(path)
+
+
+def test_use_vllm_without_a_mode_runs_vllm_in_process_and_says_how_to_use_a_server(user):
+    """TRL's vllm_mode defaults to server; posttrain's use_vllm alone is vLLM in the run's process, and the
+    note says so and how to get the server instead."""
+    cfg = load_config(user(with_block(VALID_BLOCKS["importance sampling"])))
+    assert cfg.rollout.engine == "vllm"
+    assert any("trl.use_vllm: true (axolotl's key) without trl.vllm_mode -> rollout.engine: vllm" in note
+               and "trl.vllm_mode: server" in note for note in cfg.translation_notes)
+    served = load_config(user(with_block(VALID_BLOCKS["importance sampling"].replace(
+        "use_vllm: true\n", "use_vllm: true\n  vllm_mode: server\n"))))
+    assert served.rollout.engine == "vllm_server"
+    assert not any("without trl.vllm_mode" in note for note in served.translation_notes)
