@@ -90,8 +90,9 @@ class Reporter:
             self.console.print(f"reward model: {results['reward_model']}", soft_wrap=True, markup=False)
             self.console.print(f"use it in a GRPO run: {results['score_with']}", soft_wrap=True, markup=False)
         else:
-            self.console.print(f"exported model: {results['exported_model']}")
-        self.console.print(f"open the MLflow UI: {results['mlflow_ui']}")
+            self.console.print(f"exported model: {results['exported_model']}", soft_wrap=True, markup=False)
+        # soft_wrap: paths and commands stay one line to copy, whatever the terminal's (or a pipe's 80) width
+        self.console.print(f"open the MLflow UI: {results['mlflow_ui']}", soft_wrap=True, markup=False)
 
 
 def headline(results: dict) -> list[str]:

@@ -112,6 +112,7 @@ grpo: {{rounds: 2, micro_batch_size: 16, gradient_accumulation_steps: 1, skip_ze
     assert "eval: none, your rows are a train split only" in shown  # at the start, and in the summary:
     assert "eval: no held-out prompts (your rows are a train split only" in shown
     assert "train/reward_mean  first round:" in shown and "eval/accuracy  base:" not in shown
+    assert f"open the MLflow UI: {results['mlflow_ui']}" in shown.splitlines()  # one line to copy, not wrapped
 
     client = MlflowClient(f"sqlite:///{artifacts / 'mlflow.db'}")
     parent = client.get_run(results["mlflow_run_id"])

@@ -257,7 +257,8 @@ def _entropy(values: dict, cfg: HealthConfig, first_entropy: float | None) -> li
         why_high="the policy is close to random and not converging" + (
             f" (its entropy rose to over {cfg.max_entropy_growth:g}x the first round's {first_entropy:.3g})"
             if max_entropy > cfg.max_entropy else "")
-        + " (lower grpo.learning_rate; check the SFT stage and rollout.temperature)")
+        + " (lower grpo.learning_rate; check the starting policy, its SFT stage where the run has one, and "
+           "rollout.temperature)")
 
 
 def _grad_norm(values: dict, cfg: HealthConfig) -> list[Finding]:
