@@ -355,6 +355,10 @@ def test_serve_command_and_adapter_root(tiny):
         assert argv[argv.index(flag) + 1] == value
     assert "--enable-lora" in argv and "--enforce-eager" in argv
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    # on CPU the in-process engine's step budget, which keeps every prefill whole (vLLM 0.32's CPU runner fails
+    # on a split one: "CPU Generator does not use offset", met at 128 requests in flight)
+    assert (argv[argv.index("--max-num-seqs") + 1], argv[argv.index("--max-num-batched-tokens") + 1]) == (
+        "256", str(256 * 64))
     adapter = tiny["adapters"][0]
     assert adapter_path(adapter, "/mnt/art") == "/mnt/art/optimize/round1/adapter"
     assert adapter_path(adapter, None) == str(adapter.resolve())

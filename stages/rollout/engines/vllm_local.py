@@ -164,6 +164,20 @@ MAX_NUM_SEQS whole sequences of this length, and vLLM's CPU runner holds memory 
 8192 made a 10 GiB process, 512 a 4 GiB one (BENCHMARKS.md)."""
 
 
+def cpu_step_budget(model_dir: Path, max_model_len: int | None) -> tuple[int, dict]:
+    """(max_model_len, vLLM engine settings) on CPU: vLLM 0.32's CPU runner fails ("CPU Generator does not use
+    offset") when a seeded request's prefill is split across steps, so each step's token budget fits
+    MAX_NUM_SEQS whole sequences; max_model_len unset: the model's, at most CPU_MAX_MODEL_LEN. The in-process
+    engine and the server `posttrain vllm-serve` starts (vllm_server.serve_command) both take it."""
+    import json
+
+    if max_model_len is None:  # (a folder without config.json: a hint's command line, not a server)
+        config = Path(model_dir) / "config.json"
+        model_max = json.loads(config.read_text()).get("max_position_embeddings", 2048) if config.is_file() else 2048
+        max_model_len = min(model_max, CPU_MAX_MODEL_LEN)
+    return max_model_len, {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_SEQS * max_model_len}
+
+
 class VLLMEngine:
     """An in-process `vllm.LLM` on `base_dir`, started on first use and kept until `close()`."""
 
@@ -215,15 +229,8 @@ class VLLMEngine:
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 # What VLLM_CPU_KVCACHE_SPACE (whole GiB only) would set; a set variable still wins.
                 extra["kv_cache_memory_bytes"] = int(self.kv_cache_space_gib * 2**30)
-            # vLLM 0.32's CPU runner fails ("CPU Generator does not use offset") when a seeded request's
-            # prefill is split across steps. A token budget that fits every sequence whole avoids the split.
-            import json
-
-            if self.max_model_len is None:
-                model_max = json.loads(((model_dir or self.base_dir) / "config.json").read_text()).get(
-                    "max_position_embeddings", 2048)
-                self.max_model_len = min(model_max, CPU_MAX_MODEL_LEN)
-            extra.update(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_SEQS * self.max_model_len)
+            self.max_model_len, budget = cpu_step_budget(model_dir or self.base_dir, self.max_model_len)
+            extra.update(budget)
 
         # Read by vLLM when the engine is built: 0 keeps the engine core and worker in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"

