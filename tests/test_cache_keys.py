@@ -328,6 +328,8 @@ RUN_OPTIONS = {
     "rollout.vllm.server_url": ("http://elsewhere:8000", {}, ["rollout"]),
     "rollout.vllm.server_urls": (["http://a:8000", "http://b:8000"], {}, ["rollout"]),
     "rollout.vllm.server_timeout_s": (5.0, {}, ["rollout"]),
+    "rollout.vllm.server_wait_s": (30.0, {}, ["rollout"]),
+    "rollout.vllm.serve_host": ("0.0.0.0", {}, ["rollout"]),
     "rollout.atropos.start_api": (False, {}, ["atropos"]),
     "rollout.atropos.api_command": ("/opt/run-api", {}, ["atropos"]),
     "rollout.atropos.api_start_timeout_s": (5.0, {}, ["atropos"]),
