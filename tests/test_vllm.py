@@ -270,13 +270,18 @@ def serving(base_dir: Path, log: Path):
         wait_until_healthy(url, proc, 600, log)
         yield url, proc
     finally:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(proc, signal.SIGKILL)  # what outlived the server (or all of it)
-        proc.wait()
+        _stop_server(proc)
+
+
+def _stop_server(proc) -> None:
+    """SIGTERM a server's process group, up to 60 s to exit, then SIGKILL what outlived it (or all of it)."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -662,10 +667,4 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
         adapters = [root for name, root in served.items() if name.startswith("policy-v1-")]
         assert len(adapters) == 1 and "/optimize/" in adapters[0]  # round 1's adapter, pushed by the run
     finally:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(proc, signal.SIGKILL)
-        proc.wait()
+        _stop_server(proc)
