@@ -193,12 +193,13 @@ def serve_vllm(cfg, args) -> int:
     server for it (as `axolotl vllm-serve` starts TRL's for the config's base model): rollout.vllm's
     tensor_parallel_size, gpu_memory_utilization, dtype, max_model_len and enforce_eager as its flags, listening
     on rollout.vllm.serve_host (axolotl's vllm.host) at the port of the run's server URL (axolotl's vllm.port /
-    trl.vllm_server_port), LoRA enabled for a LoRA policy (grpo.adapter: lora) up to grpo.lora_r."""
+    trl.vllm_server_port), taking each round's full weights in place, and LoRA enabled up to grpo.lora_r for a
+    LoRA policy sent as an adapter (rollout.vllm.lora_sync: adapter; auto: on a GPU)."""
     import shlex
     from urllib.parse import urlparse
 
     from flows.pipeline import prepare_policy_flow
-    from stages.rollout.engines.vllm_server import serve_command
+    from stages.rollout.engines.vllm_server import serve_command, serves_adapters
     from stages.rollout.rollout import engine_options, vllm_options
     from stages.runtime.devices import of
 
@@ -208,7 +209,7 @@ def serve_vllm(cfg, args) -> int:
     devices = of(cfg.train)  # vllm.dtype auto: the dtype the run's trainer computes in
     options = {**vllm_options(cfg.rollout, devices), **engine_options(cfg.rollout, cfg.grpo.lora_r, devices)}
     argv, env = serve_command(model_dir, port, cfg.grpo.lora_r, options, host=cfg.rollout.vllm.serve_host,
-                              lora=cfg.grpo.adapter == "lora")
+                              lora=serves_adapters(cfg.grpo.adapter, cfg.rollout.vllm.lora_sync))
     print(" ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items()), shlex.join(argv), flush=True)
     if args.print_only:
         return 0

@@ -408,17 +408,6 @@ class PipelineConfig(BaseModel):
                              "(its gradient scaler would check each rank's shard alone); use bf16, or strategy ddp")
         return self
 
-    @model_validator(mode="after")
-    def _server_takes_adapters(self):
-        """rollout.engine vllm_server pushes each round's policy into the server as a LoRA adapter
-        (/v1/load_lora_adapter); a running vLLM server cannot be handed full weights from here."""
-        if self.uses_rounds and self.rollout.engine == "vllm_server" and self.grpo.adapter != "lora":
-            raise ValueError("rollout.engine: vllm_server loads each round's policy into the server as a LoRA "
-                             f"adapter, but grpo.adapter is {self.grpo.adapter!r} (full fine-tuning), whose weights "
-                             "posttrain cannot push into a running vLLM server; set grpo.adapter: lora, or "
-                             "rollout.engine: vllm (vLLM in the run's process, the round's weights loaded into it)")
-        return self
-
     @property
     def uses_rounds(self) -> bool:
         """True for the rollout/score/optimize methods (grpo, gdpo, ebft); False for the DPO family."""
@@ -655,9 +644,11 @@ def _describe(error: dict, source: str) -> str:
     path = ".".join(str(p) for p in loc)
     if error["type"] == "extra_forbidden":
         valid = _fields_at(PipelineConfig, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        theirs = axolotl.top_level_keys() if len(loc) == 1 else []  # an axolotl config's keys are accepted too
+        close = difflib.get_close_matches(str(loc[-1]), [*valid, *theirs], n=1, cutoff=0.5)
         hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
-        return f"{source}: unknown key {path!r}{hint} (valid here: {', '.join(valid)})"
+        also = ", and axolotl's keys: docs/coming-from.md" if theirs else ""
+        return f"{source}: unknown key {path!r}{hint} (valid here: {', '.join(valid)}{also})"
     if error["type"] == "not_finite":  # PipelineConfig._numbers_are_finite: the key is in the message
         return f"{source}: {error['msg']}"
     if error["type"] == "value_error":

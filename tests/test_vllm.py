@@ -309,7 +309,7 @@ def test_server_engine(server, tiny):
     from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     eng = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
-                           max_lora_rank=8)
+                           max_lora_rank=8, lora_sync="adapter")
     try:
         v1 = Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1)
         v2 = Policy(tiny["base"], adapter_dir=tiny["adapters"][1], version=2)
@@ -324,10 +324,52 @@ def test_server_engine(server, tiny):
         assert_well_formed(rows1, tiny["base"], 12, tiny["eos"])
         assert_logps_close(rows1, trainer_logps(tiny["base"], tiny["adapters"][0], rows1))
         assert_logps_close(rows2, trainer_logps(tiny["base"], tiny["adapters"][1], rows2))
-        with pytest.raises(ValueError, match="LoRA policies only"):
-            eng.generate(Policy(tiny["base"], weights_dir=tiny["full"], version=3), PROMPTS, sampling())
+        assert eng.weight_loads == 0  # adapters only: the server kept the weights it started with
     finally:
         eng.close()
+
+
+def _weight_version(url: str) -> str | None:
+    import httpx
+
+    return httpx.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+
+
+def test_server_takes_full_weights_and_merged_adapters_in_place(server, tiny):
+    """Full fine-tuning and lora_sync merged (auto's choice for a server on CPU): the round's weights go into the
+    running server in place (/collective_rpc, no restart); its log-probs are the trainer's for those weights, the
+    server records which folder it holds, a new engine reads that and puts the base back before sampling it."""
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
+
+    toks = lambda rows: [r["completion_token_ids"] for r in rows]  # noqa: E731
+    eng = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
+    try:
+        base_rows = eng.generate(Policy(tiny["base"]), PROMPTS, sampling())
+        full = eng.generate(Policy(tiny["base"], weights_dir=tiny["full"], version=3), PROMPTS, sampling())
+        assert eng.weight_loads == 1 and _weight_version(server) == f"posttrain:{tiny['full'].resolve()}"
+        assert toks(full) != toks(base_rows)
+        assert_well_formed(full, tiny["base"], 12, tiny["eos"])
+        assert_logps_close(full, trainer_logps(tiny["full"], None, full))
+
+        v1, v2 = (Policy(tiny["base"], adapter_dir=a, version=i + 1) for i, a in enumerate(tiny["adapters"]))
+        rows1 = eng.generate(v1, PROMPTS, sampling())  # auto: merged on this CPU server
+        first_merged = eng._merged.folder(v1)
+        assert eng.weight_loads == 2 and _weight_version(server) == f"posttrain:{first_merged.resolve()}"
+        assert_logps_close(rows1, trainer_logps(tiny["base"], tiny["adapters"][0], rows1))
+        assert toks(eng.generate(v1, PROMPTS, sampling())) == toks(rows1) and eng.weight_loads == 2  # kept
+        rows2 = eng.generate(v2, PROMPTS, sampling())
+        assert eng.weight_loads == 3 and not first_merged.exists()  # the last version's folder is gone once loaded
+        assert_logps_close(rows2, trainer_logps(tiny["base"], tiny["adapters"][1], rows2))
+    finally:
+        eng.close()
+    fresh = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8,
+                             lora_sync="adapter")
+    try:  # the server still holds v2's merged weights: a new engine sees it and loads the base back
+        assert toks(fresh.generate(Policy(tiny["base"]), PROMPTS, sampling())) == toks(base_rows)
+        assert fresh.weight_loads == 1 and _weight_version(server) == f"posttrain:{tiny['base'].resolve()}"
+    finally:
+        fresh.close()
 
 
 def test_server_down_is_a_clear_error(tiny):
@@ -359,7 +401,8 @@ def test_serve_command_and_adapter_root(tiny):
                         ("--host", "127.0.0.1")]:
         assert argv[argv.index(flag) + 1] == value
     assert "--enable-lora" in argv and "--enforce-eager" in argv
-    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                   "VLLM_CPU_KVCACHE_SPACE": "2"}
     # on CPU the in-process engine's step budget, which keeps every prefill whole (vLLM 0.32's CPU runner fails
     # on a split one: "CPU Generator does not use offset", met at 128 requests in flight)
     assert (argv[argv.index("--max-num-seqs") + 1], argv[argv.index("--max-num-batched-tokens") + 1]) == (
@@ -536,7 +579,7 @@ def test_atropos_policy_server_on_a_vllm_server_with_the_round_adapter(server, t
     from stages.rollout.engines.vllm_server import VLLMServerEngine
 
     engine = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, server_adapter_root=None,
-                              max_lora_rank=8)
+                              max_lora_rank=8, lora_sync="adapter")
     url = f"http://127.0.0.1:{_free_port()}"
     policy_server = atropos.PolicyServer(url, engine, Policy(tiny["base"], adapter_dir=tiny["adapters"][0], version=1))
     try:
@@ -624,7 +667,8 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
     """axolotl's two-terminal workflow (issue 45 item 2) with axolotl's keys: `posttrain vllm-serve config.yaml`
     in one process builds (here: finds) the starting policy and execs vLLM's OpenAI server for it; the run, started
     once the server's command line is printed, waits for it (trl.vllm_server_timeout) and generates every round
-    there, the round's LoRA adapter loaded into the server."""
+    there, the round's LoRA adapter loaded into the server (trl.vllm_lora_sync: true; without it, on CPU, the
+    adapter is merged into the weights first: test_server_takes_full_weights_and_merged_adapters_in_place)."""
     import sys
     import time
 
@@ -637,8 +681,10 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
     config = yaml.safe_load(tiny_config.read_text())
     config["rollout"]["vllm"] = {"kv_cache_space_gib": 0.25}
     config["vllm"] = {"host": "0.0.0.0", "port": port, "max_model_len": 128}  # where vllm-serve listens
+    config["adapter"] = "lora"  # as axolotl's Quick Start (without it axolotl, and posttrain, train the whole model)
     config["trl"] = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": "0.0.0.0",
-                     "vllm_server_port": port, "vllm_server_timeout": 600}
+                     "vllm_server_port": port, "vllm_server_timeout": 600,
+                     "vllm_lora_sync": True}  # as axolotl's Quick Start: the adapter goes to the server as it is
     tiny_config.write_text(yaml.safe_dump(config))
     log = tmp_path / "vllm-serve.log"
     repo = Path(__file__).resolve().parent.parent
@@ -651,7 +697,8 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
             time.sleep(1)
         command = next(line for line in log.read_text().splitlines() if "api_server" in line)
-        assert f"--host 0.0.0.0 --port {port} --enable-lora" in command and "--max-model-len 128" in command
+        assert f"--host 0.0.0.0 --port {port} --worker-extension-cls" in command and "--max-model-len 128" in command
+        assert "--enable-lora" in command and "VLLM_SERVER_DEV_MODE=1" in command
         with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.vllm_server"):
             results = posttrain_pipeline(str(tiny_config), quiet=True)
         url = f"http://127.0.0.1:{port}"

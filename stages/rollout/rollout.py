@@ -51,11 +51,14 @@ class VLLMOptions(BaseModel):
     enforce_eager: bool = True
     """No CUDA graphs / compilation: slower steady state, much faster start."""
     lora_sync: Literal["auto", "merged", "adapter"] = "auto"
-    """vllm, ray_vllm: how a LoRA policy reaches the engine. merged: the round's adapter is merged into the
-    weights (as TRL's colocated vLLM does) and loaded in place, so generation runs plain matmuls; adapter:
-    vLLM's LoRA kernels apply it (a LoRARequest per version). auto: merged on CPU, where vLLM's LoRA path
-    made a SmolLM2-135M round ~4x slower than merged weights, merge included; adapter on GPUs, where the
-    kernels are fast and merging and reloading a large model each round is not."""
+    """vllm, ray_vllm, vllm_server: how a LoRA policy reaches the engine. merged: the round's adapter is merged
+    into the weights (as TRL's colocated vLLM does) and loaded in place, so generation runs plain matmuls
+    (vllm_server: the server loads the merged folder through its dev-mode /collective_rpc, which `posttrain
+    vllm-serve` enables); adapter: vLLM's LoRA kernels apply it (a LoRARequest per version; vllm_server: POST
+    /v1/load_lora_adapter, axolotl's vllm_lora_sync). auto: merged on CPU (vllm_server: a server on CPU that
+    takes weights and sees this machine's paths), where vLLM's LoRA path made a SmolLM2-135M round ~4x slower
+    than merged weights, merge included; adapter on GPUs, where the kernels are fast and merging and reloading a
+    large model each round is not."""
     in_process: bool = True
     """vllm: run vLLM's engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     On a 2-core CPU this is ~1.8x faster than vLLM's default of separate processes, which poll
@@ -226,9 +229,13 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_lora_sync(self) -> "RolloutConfig":
-        if self.vllm.lora_sync != "auto" and self.engine not in ("vllm", "ray_vllm"):
-            raise ValueError(f"rollout.vllm.lora_sync: {self.vllm.lora_sync} applies to the vllm and ray_vllm engines, "
-                             f"not {self.engine} (vllm_server loads each round's adapter into the server); remove it")
+        if self.vllm.lora_sync != "auto" and self.engine not in ("vllm", "ray_vllm", "vllm_server"):
+            raise ValueError(f"rollout.vllm.lora_sync: {self.vllm.lora_sync} applies to the vLLM engines, not "
+                             f"{self.engine}; remove it")
+        if self.engine == "vllm_server" and self.vllm.lora_sync == "merged" and self.vllm.server_adapter_root:
+            raise ValueError("rollout.vllm.lora_sync: merged writes each round's merged weights to a folder on this "
+                             "machine, which a server reached through server_adapter_root (another host) cannot "
+                             "read; use lora_sync: adapter there, or unset server_adapter_root")
         return self
 
     @model_validator(mode="after")
@@ -264,6 +271,8 @@ class RolloutConfig(BaseModel):
 
 SERVER_KEYS = ("server_url", "server_urls", "server_timeout_s", "server_wait_s", "server_adapter_root")
 """rollout.vllm keys of the vllm_server engine alone."""
+SERVER_ENGINE_KEYS = (*SERVER_KEYS, "lora_sync")
+"""rollout.vllm keys the vllm_server engine takes (the rest are the server's flags: `posttrain vllm-serve`)."""
 
 
 def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict:
@@ -279,7 +288,7 @@ def engine_options(cfg: RolloutConfig, max_lora_rank: int, devices=None) -> dict
         for key in SERVER_KEYS:
             options.pop(key)
     else:
-        options = {k: options[k] for k in SERVER_KEYS}
+        options = {k: options[k] for k in SERVER_ENGINE_KEYS}
     if cfg.engine == "ray_vllm":
         options.update(cfg.ray_vllm.model_dump())
     return {**options, "max_lora_rank": max_lora_rank}

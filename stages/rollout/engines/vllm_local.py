@@ -130,6 +130,13 @@ class WeightUpdateExtension:
             repack_cpu_gemms(model)
 
 
+    def policy_device_type(self) -> str:
+        """The device this worker runs on ("cpu", "cuda", ...): how a vllm_server engine picks lora_sync auto."""
+        from vllm.platforms import current_platform
+
+        return current_platform.device_type
+
+
 def repack_cpu_gemms(model) -> list[str]:
     """CPU: rebuild the GEMM closures of layers that keep their weights (vocab embedding, lm_head).
 
@@ -155,6 +162,49 @@ def adapter_key(adapter_dir: Path, version: int) -> tuple:
     adapter_dir = Path(adapter_dir).resolve()
     weights = adapter_dir / "adapter_model.safetensors"
     return str(adapter_dir), version, weights.stat().st_mtime_ns if weights.exists() else 0
+
+
+class MergedAdapters:
+    """Full-weight folders of LoRA policies with their adapters merged in (PEFT `merge_and_unload`, as TRL's
+    colocated vLLM does), made once per adapter version in a scratch folder that is removed on `close` (or at
+    exit). An engine loads the newest folder, then calls `release_older` to delete the ones before it."""
+
+    def __init__(self):
+        self.merges = 0
+        self._scratch: Path | None = None
+        self._current: tuple[tuple, Path] | None = None  # (adapter key + model folder, merged folder)
+        self._older: list[Path] = []
+
+    def folder(self, policy: Policy) -> Path:
+        """The merged folder of `policy` (base or full weights + adapter), made now unless it is the last one."""
+        key = adapter_key(policy.adapter_dir, policy.version) + (str(Path(policy.model_dir).resolve()),)
+        if self._current and self._current[0] == key:
+            return self._current[1]
+        from stages.runtime.policy import load_policy
+
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="posttrain-vllm-merged-"))
+            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        model, _ = load_policy(policy.model_dir, policy.adapter_dir)
+        self.merges += 1
+        folder = self._scratch / f"v{policy.version}-{self.merges}"
+        model.save_pretrained(folder)
+        del model
+        if self._current:
+            self._older.append(self._current[1])
+        self._current = (key, folder)
+        return folder
+
+    def release_older(self) -> None:
+        """Delete the merged folders before the newest (no engine reads them any more)."""
+        while self._older:
+            shutil.rmtree(self._older.pop(), ignore_errors=True)
+
+    def close(self) -> None:
+        """Delete every merged folder."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._scratch, self._current, self._older = None, None, []
 
 
 MAX_NUM_SEQS = 256  # sequences per engine step (vLLM's default on GPU)
@@ -206,9 +256,7 @@ class VLLMEngine:
         self.loaded_weights: Path = self.base_dir.resolve()
         self._lora_ids: dict[tuple, int] = {}
         self.weight_reloads = 0
-        self.merges = 0
-        self._merged: tuple[tuple, Path] | None = None  # (adapter key, merged folder) last merged
-        self._scratch: Path | None = None  # holds merged folders; removed on close (or at exit)
+        self._merged = MergedAdapters()
 
     def start(self) -> None:
         """Build the engine now rather than at the first generate (nothing to do once built)."""
@@ -284,6 +332,11 @@ class VLLMEngine:
         self.loaded_weights = model_dir
         self.weight_reloads += 1
 
+    @property
+    def merges(self) -> int:
+        """Adapter merges made so far (one per new adapter version under lora_sync merged)."""
+        return self._merged.merges
+
     def merges_lora(self) -> bool:
         """Whether LoRA policies are merged into the weights (`lora_sync`; auto: on CPU) rather than
         applied by vLLM's LoRA kernels."""
@@ -294,23 +347,8 @@ class VLLMEngine:
         return current_platform.is_cpu()
 
     def _merged_weights(self, policy: Policy) -> Path:
-        """A full-weight folder of `policy`'s model with its adapter merged in, made once per adapter version
-        (`generate` deletes the previous one once the engine has loaded the new one)."""
-        key = adapter_key(policy.adapter_dir, policy.version) + (str(Path(policy.model_dir).resolve()),)
-        if self._merged and self._merged[0] == key:
-            return self._merged[1]
-        from stages.runtime.policy import load_policy
-
-        if self._scratch is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix="posttrain-vllm-merged-"))
-            weakref.finalize(self, shutil.rmtree, self._scratch, True)
-        model, _ = load_policy(policy.model_dir, policy.adapter_dir)
-        self.merges += 1
-        folder = self._scratch / f"v{policy.version}-{self.merges}"
-        model.save_pretrained(folder)
-        del model
-        self._merged = (key, folder)
-        return folder
+        """A full-weight folder of `policy`'s model with its adapter merged in (MergedAdapters)."""
+        return self._merged.folder(policy)
 
     def _lora_request(self, adapter_dir: Path, version: int):
         """A LoRARequest whose id is new for every (folder, version, weights file) seen."""
@@ -334,10 +372,8 @@ class VLLMEngine:
             self.asleep = False
         lora = None
         if policy.adapter_dir and self.merges_lora():
-            previous = self._merged
             self._set_weights(self._merged_weights(policy))
-            if previous and previous[1] != self._merged[1]:
-                shutil.rmtree(previous[1], ignore_errors=True)  # the engine no longer reads it
+            self._merged.release_older()  # the engine no longer reads them
         else:
             self._set_weights(policy.model_dir)
             lora = self._lora_request(policy.adapter_dir, policy.version) if policy.adapter_dir else None
@@ -356,9 +392,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down (its worker processes and memory) and delete its merged weights."""
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch, self._merged = None, None
+        self._merged.close()
         if self.llm is not None:
             llm, self.llm = self.llm, None
             try:

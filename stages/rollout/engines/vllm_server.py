@@ -1,12 +1,20 @@
-"""The `vllm_server` rollout engine: one or more OpenAI-compatible `vllm serve --enable-lora` servers.
+"""The `vllm_server` rollout engine: one or more OpenAI-compatible `vllm serve` servers.
 
-Per policy version the adapter is registered with POST /v1/load_lora_adapter under a new
-name, then every prompt goes to POST /v1/completions as token ids (chat template as in
+Each round's policy reaches a server one of two ways (`rollout.vllm.lora_sync`):
+- adapter: the LoRA adapter is registered with POST /v1/load_lora_adapter under a name new to this
+  version (the server runs with --enable-lora) and vLLM's LoRA kernels apply it;
+- full weights: the server loads a complete model folder in place, without a restart, through vLLM's
+  dev-mode POST /collective_rpc calling posttrain's worker extension (`WeightUpdateExtension` in
+  stages/rollout/engines/vllm_local.py: vLLM's layerwise `reload_weights`, as the in-process engine does),
+  then POST /reset_prefix_cache; /update_weight_version records which folder the server holds. Full
+  fine-tuning always goes this way; a LoRA policy does under lora_sync merged (its adapter merged into
+  the weights first; auto picks it for a server on CPU, where vLLM's LoRA kernels cost ~4x).
+  `posttrain vllm-serve` starts servers that can (VLLM_SERVER_DEV_MODE=1, --worker-extension-cls).
+Every prompt goes to POST /v1/completions as token ids (chat template as in
 stages/rollout/engines/hf.py), with its own seed, `logprobs=0` and `return_tokens_as_token_ids`,
 so token ids and the sampled tokens' log-probs come back exactly. The server must run
 with `--logprobs-mode processed_logprobs` for those to be log softmax(logits / temperature)
-(`serve_command` builds such a command line). LoRA policies only: the server cannot swap
-full weights for us (a run under full fine-tuning is refused at config time). With several servers
+(`serve_command` builds such a command line). With several servers
 (`rollout.vllm.server_urls`) the prompts of a call are shared out among them; per-prompt seeds make
 the result independent of the split. The server must serve the run's starting policy (checked against
 /v1/models' `root`); `server_wait_s` waits for one that is still starting.
@@ -25,11 +33,15 @@ from pathlib import Path
 from typing import Callable
 
 from stages.rollout.engines import Policy, Prompt, Sampling, prompt_token_ids
-from stages.rollout.engines.vllm_local import request_seed
+from stages.rollout.engines.vllm_local import MergedAdapters, request_seed
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "token_id:"  # how vLLM writes tokens when return_tokens_as_token_ids is set
+WEIGHT_LOADER = "stages.rollout.engines.vllm_local.WeightUpdateExtension"
+"""The worker extension a server needs to take full weights (its `--worker-extension-cls`)."""
+VERSION_PREFIX = "posttrain:"
+"""How this engine writes the folder a server holds into vLLM's weight version (/update_weight_version)."""
 
 
 class VLLMServerError(RuntimeError):
@@ -45,8 +57,10 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
     cannot find its own metadata).
 
     `options` are the `rollout.vllm` settings (VLLMOptions fields). The server listens on
-    `host` (rollout.vllm.serve_host), serves the model under its folder name and returns processed
-    (temperature-scaled) log-probs; with `lora` (a LoRA policy) it accepts runtime LoRA loading.
+    `host` (rollout.vllm.serve_host), serves the model under its folder name, returns processed
+    (temperature-scaled) log-probs and takes full weights in place (vLLM's dev-mode endpoints with
+    posttrain's worker extension, WEIGHT_LOADER); with `lora` (a LoRA policy sent as an adapter) it
+    also accepts runtime LoRA loading.
     """
     model_dir = Path(model_dir)
     argv = [
@@ -54,6 +68,7 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
         "--served-model-name", model_dir.name,
         "--host", str(host),
         "--port", str(int(port)),
+        "--worker-extension-cls", WEIGHT_LOADER,
     ]
     if lora:
         argv += ["--enable-lora", "--max-lora-rank", str(int(max_lora_rank)), "--max-loras", "1"]
@@ -75,11 +90,18 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
     if options.get("enforce_eager", True):
         argv.append("--enforce-eager")
     env = {
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /collective_rpc, /reset_prefix_cache, /update_weight_version
         **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
         # read by CPU builds only, whole GiB: round a fraction up
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(float(options.get("kv_cache_space_gib", 1.0))))),
     }
     return argv, env
+
+
+def serves_adapters(adapter: str, lora_sync: str) -> bool:
+    """Whether a server for a run with this grpo.adapter and rollout.vllm.lora_sync needs LoRA enabled: a LoRA
+    policy sent as an adapter (lora_sync adapter; auto: where the server is not on the CPU, see `_merges`)."""
+    return adapter == "lora" and (lora_sync == "adapter" or (lora_sync == "auto" and not _on_cpu()))
 
 
 def _on_cpu() -> bool:
@@ -134,8 +156,16 @@ class _Server:
         self.timeout = timeout
         self.client = None
         self.model_name: str | None = None
+        self.root: str | None = None  # the model folder the server was started on, as it sees it
+        self.device_type: str | None = None  # where its worker runs; None: it takes no full weights
+        self.weights: str | None = None  # the folder whose weights it holds now, as it sees it
         self.loaded: set[str] = set()
         self.served = 0  # completions this server returned in the current generate call
+
+    def forget(self) -> None:
+        """Drop what is known of the server's state (it stopped answering: a restarted one starts afresh)."""
+        self.loaded.clear()
+        self.model_name = self.root = self.device_type = self.weights = None
 
     def close(self) -> None:
         if self.client is not None:
@@ -161,8 +191,13 @@ class VLLMServerEngine:
 
     def __init__(self, base_dir, server_url: str = "http://127.0.0.1:8000", server_timeout_s: float = 300.0,
                  server_adapter_root: str | None = None, max_lora_rank: int = 16, max_concurrency: int = 64,
-                 server_urls: list[str] | None = None, server_wait_s: float = 0.0):
+                 server_urls: list[str] | None = None, server_wait_s: float = 0.0, lora_sync: str = "auto"):
+        if lora_sync not in ("auto", "merged", "adapter"):
+            raise ValueError(f"rollout.vllm.lora_sync: {lora_sync!r}; use auto, merged or adapter")
         self.base_dir = Path(base_dir)
+        self.lora_sync = lora_sync
+        self._merged = MergedAdapters()
+        self.weight_loads = 0  # full-weight folders pushed into servers
         self.servers = [_Server(url, server_timeout_s) for url in (server_urls or [server_url])]
         self.timeout = server_timeout_s
         self.wait_s = server_wait_s  # how long the first call waits for servers that do not answer yet
@@ -206,6 +241,27 @@ class VLLMServerEngine:
                                   f"starting policy {self.base_dir.resolve()}: the round's adapter and tokens are "
                                   f"for that model; {self._fix()}")
         server.model_name = bases[0]["id"]
+        if server.root is None:
+            server.root = root or str(self.base_dir.resolve())
+            self._probe_weight_loading(server)
+
+    def _probe_weight_loading(self, server: _Server) -> None:
+        """Once per server: can it take full weights (dev mode + WEIGHT_LOADER), on which device, and which
+        folder's weights does it hold (vLLM's weight version, as this engine wrote it; else its own model)."""
+        import httpx
+
+        try:
+            resp = server.client.post(f"{server.url}/collective_rpc", json={"method": "policy_device_type"},
+                                      timeout=30)
+            if resp.status_code == 200:
+                server.device_type = str((resp.json().get("results") or [None])[0])
+                version = server.client.get(f"{server.url}/weight_info", timeout=10).json().get("weight_version")
+                server.weights = version[len(VERSION_PREFIX):] if str(version).startswith(VERSION_PREFIX) \
+                    else server.root
+        except (httpx.HTTPError, ValueError):
+            server.device_type = None
+        if server.device_type is None:
+            server.weights = server.root
 
     def _serves_base(self, root: str) -> bool:
         """Whether the server's model folder is this engine's base: the same path, or (a server on another host,
@@ -255,7 +311,7 @@ class VLLMServerEngine:
                 self._check_server(server)
                 live.append(server)
             except VLLMServerError as exc:
-                server.loaded.clear()
+                server.forget()
                 errors.append(str(exc).split(";")[0])
         if not live:
             raise VLLMServerError(f"vllm_server: none of rollout.vllm.server_urls answers ({'; '.join(errors)}); "
@@ -292,6 +348,59 @@ class VLLMServerEngine:
                                   f"({resp.status_code}: {resp.text[:500]}){hint}")
         server.loaded.add(name)
         return name
+
+    def _merges(self, server: _Server) -> bool:
+        """Whether a LoRA policy reaches `server` merged into full weights (lora_sync; auto: where the server
+        takes full weights, runs on the CPU and sees this machine's paths)."""
+        if self.lora_sync != "auto":
+            return self.lora_sync == "merged"
+        return server.device_type == "cpu" and not self.adapter_root
+
+    def _server_path(self, folder: Path) -> str:
+        """A weights folder as the servers see it (server_adapter_root: only the round's own, under optimize/)."""
+        return adapter_path(folder, self.adapter_root)
+
+    def _hold_weights(self, server: _Server, folder: str) -> None:
+        """Make `server` sample from `folder`'s weights (a path as the server sees it) if it holds other ones:
+        loaded in place through POST /collective_rpc, then its prefix cache reset and its weight version set."""
+        import httpx
+
+        if server.weights == folder:
+            return
+        if server.device_type is None:
+            raise VLLMServerError(f"vllm_server: {server.url} cannot take full weights (POST /collective_rpc with "
+                                  f"posttrain's worker extension), which this round's policy needs ({folder}); "
+                                  f"restart it with `posttrain vllm-serve CONFIG`, or VLLM_SERVER_DEV_MODE=1 and "
+                                  f"--worker-extension-cls {WEIGHT_LOADER}; or use lora_sync: adapter for a LoRA "
+                                  f"policy")
+        try:
+            resp = server.client.post(f"{server.url}/collective_rpc",
+                                      json={"method": "load_policy_weights", "args": [folder]})
+            if resp.status_code == 200:
+                resp = server.client.post(f"{server.url}/reset_prefix_cache")  # its KV blocks are the old weights'
+            if resp.status_code == 200:
+                resp = server.client.post(f"{server.url}/update_weight_version",
+                                          json={"new_version": VERSION_PREFIX + folder})
+        except httpx.TransportError as exc:
+            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            server.weights = None  # a half-done load: push again next time
+            raise VLLMServerError(f"vllm_server: {server.url} could not load the weights in {folder} "
+                                  f"({resp.status_code}: {resp.text[:500]})")
+        server.weights = folder
+        self.weight_loads += 1
+
+    def _prepare(self, server: _Server, policy: Policy) -> str:
+        """Put `policy` on `server`: the weights it needs, and its adapter unless merged in; return the model
+        name to sample with."""
+        if policy.adapter_dir and self._merges(server):
+            self._hold_weights(server, str(self._merged.folder(policy).resolve()))
+            return server.model_name
+        if policy.weights_dir is not None:
+            self._hold_weights(server, self._server_path(policy.weights_dir))
+        elif server.weights != server.root:
+            self._hold_weights(server, server.root)  # back to the model it was started on
+        return self._load_adapter(server, policy) if policy.adapter_dir else server.model_name
 
     def _complete(self, server: _Server, model: str, prompt_ids: list[int], sampling: Sampling, seed: int) -> dict:
         import httpx
@@ -343,10 +452,7 @@ class VLLMServerEngine:
 
     def generate(self, policy: Policy, prompts: list[Prompt], sampling: Sampling,
                  on_progress: Callable[[int], None] | None = None) -> list[dict]:
-        """One completion per prompt from base + the policy's LoRA adapter, in order."""
-        if policy.weights_dir is not None:
-            raise ValueError("vllm_server supports LoRA policies only (grpo.adapter: lora); full fine-tuning "
-                             "needs weight updates the server cannot take: use rollout.engine vllm or transformers")
+        """One completion per prompt from the policy (base, base + LoRA adapter, or full weights), in order."""
         live = self._live_servers()
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -390,7 +496,7 @@ class VLLMServerEngine:
             models = {}  # every server gets the adapter before any samples, so all start together
             for server in live:
                 try:
-                    models[server.url] = self._load_adapter(server, policy) if policy.adapter_dir else server.model_name
+                    models[server.url] = self._prepare(server, policy)
                 except ServerLost as exc:
                     lost.setdefault(server.url, str(exc))
             threads = max(1, min(self.max_concurrency, len(ids)))
@@ -403,7 +509,7 @@ class VLLMServerEngine:
             live = [s for s in live if s.url not in lost]
             left = sum(r is None for r in results)
             for server in newly_lost:
-                server.loaded.clear()  # a restarted server has none of our adapters
+                server.forget()  # a restarted server has none of our adapters or weights
                 log.warning("vllm_server: %s stopped answering (%s); its unfinished prompts go to the %d other "
                             "server(s)", server.url, lost[server.url], len(live))
             if not left:
@@ -412,9 +518,11 @@ class VLLMServerEngine:
                 raise VLLMServerError(f"vllm_server: every server stopped answering with {left} of {len(ids)} prompts "
                                       f"left ({'; '.join(f'{u}: {why}' for u, why in lost.items())})")
         self.last_call = {server.url: {"completions": server.served} for server in self.servers}
+        self._merged.release_older()  # every server holds the newest merged folder now
         return results
 
     def close(self) -> None:
-        """Close the HTTP clients (the servers keep running)."""
+        """Close the HTTP clients (the servers keep running) and delete the merged weights."""
+        self._merged.close()
         for server in self.servers:
             server.close()
