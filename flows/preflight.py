@@ -131,8 +131,9 @@ def _model(cfg: PipelineConfig, report: Report) -> None:
     _hub_model(name, cfg.model.revision, report, local)
 
 
-def _hub_model(repo_id: str, revision: str, report: Report, local: Path) -> None:
-    """A hub id: found in the hub cache (what an offline run reads), else asked of the hub (the run downloads it)."""
+def _hub_model(repo_id: str, revision: str, report: Report, local: Path, key: str = "model.path") -> None:
+    """A hub id (named by `key`): found in the hub cache (what an offline run reads), else asked of the hub (the
+    run downloads it)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -142,12 +143,12 @@ def _hub_model(repo_id: str, revision: str, report: Report, local: Path) -> None
     try:
         snapshot_download(repo_id, revision=revision, cache_dir=hub.cache_dir(), local_files_only=True,
                           ignore_patterns=model_source.IGNORED_HUB_FILES)
-        report.notes.append(f"model.path: hub id {repo_id} ({revision}) is in the hub cache {hub.cache_dir()}")
+        report.notes.append(f"{key}: hub id {repo_id} ({revision}) is in the hub cache {hub.cache_dir()}")
         return
     except Exception:  # not there, or only part of it
         pass
     if hub.offline():
-        report.problem("model.path", f"{repo_id!r} is no local folder ({local.absolute()}) and, as a hub id, is not in "
+        report.problem(key, f"{repo_id!r} is no local folder ({local.absolute()}) and, as a hub id, is not in "
                                      f"the hub cache {hub.cache_dir()} (HF_HUB_OFFLINE is set); fix the path, or "
                                      f"`hf download {repo_id}` on a machine with a network" + _near_miss(local))
         return
@@ -156,18 +157,18 @@ def _hub_model(repo_id: str, revision: str, report: Report, local: Path) -> None
     except RevisionNotFoundError:
         report.problem("model.revision", f"the hub has no revision {revision!r} of {repo_id}; set one that exists")
     except GatedRepoError:
-        report.problem("model.path", f"hub model {repo_id} is gated: accept its terms on https://huggingface.co/"
+        report.problem(key, f"hub model {repo_id} is gated: accept its terms on https://huggingface.co/"
                                      f"{repo_id} and `hf auth login`")
     except RepositoryNotFoundError:
-        report.problem("model.path", f"{repo_id!r} is no local folder ({local.absolute()}) and no model on the hub "
+        report.problem(key, f"{repo_id!r} is no local folder ({local.absolute()}) and no model on the hub "
                                      "(or a private one: `hf auth login`); fix the path or the id" + _near_miss(local))
     except (LocalEntryNotFoundError, OSError, Exception) as e:  # no network: the run could not get it either
-        report.problem("model.path", f"{repo_id!r} is no local folder ({local.absolute()}) and, as a hub id, is not "
+        report.problem(key, f"{repo_id!r} is no local folder ({local.absolute()}) and, as a hub id, is not "
                                      f"in the hub cache {hub.cache_dir()}, and the hub cannot be reached "
                                      f"({type(e).__name__}); fix the path, or connect (or `hf download {repo_id}` "
                                      "elsewhere and copy the cache, HF_HUB_CACHE)" + _near_miss(local))
     else:
-        report.notes.append(f"model.path: hub id {repo_id} is not in the hub cache yet; the run downloads it into "
+        report.notes.append(f"{key}: hub id {repo_id} is not in the hub cache yet; the run downloads it into "
                             f"{hub.cache_dir()}")
 
 
@@ -374,11 +375,6 @@ def _eval_needs_answers(cfg: PipelineConfig) -> bool:
 def _function(dotted: str, key: str, report: Report, where: str):
     """`module.fn` imported, or None with a problem naming what failed and where modules are looked for."""
     module_name, _, fn_name = dotted.rpartition(".")
-    if "/" in dotted:  # TRL's and axolotl's spelling of a reward model (a hub id or a folder)
-        report.problem(key, f"{dotted!r} is not a function: a reward model is named by its local folder here, "
-                            f"as reward_model:/path/to/model (a sequence-classification model; hub ids are not "
-                            f"downloaded for scoring: `huggingface-cli download {dotted}` and name the folder)")
-        return None
     if not module_name:
         report.problem(key, f"{dotted!r} is neither a built-in nor module.fn")
         return None
@@ -445,10 +441,27 @@ def _takes_keywords(fn, name: str, key: str, passed, report: Report) -> None:
                                 "keywords; add **kwargs to its signature")
 
 
+def _reward_model_name(name: str, key: str, report: Report) -> None:
+    """A reward model named as TRL names one: a folder with a config.json, or a hub id the run can resolve (in the
+    hub cache, or on the hub when online)."""
+    from stages.data import hub
+
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            report.problem(key, f"reward model folder {local} has no config.json; point it at a sequence-"
+                                "classification model saved with save_pretrained")
+    elif hub.is_repo_id(name):
+        _hub_model(name, "main", report, local, key)
+    else:
+        report.problem(key, f"{name!r}: no reward model folder there ({local.absolute()}) and not a hub id; fix the "
+                            "path, or name the model by hub id (org/name)")
+
+
 def _reward(name: str, key: str, report: Report, where: str) -> None:
     """One score.reward_funcs entry: importable, callable with TRL's keywords and the rows' columns."""
     from stages.data.schemas import ROLLOUTS
-    from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, resolve_reward
+    from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, is_model_name, resolve_reward
     from stages.scoring.rewards import BUILTIN_REWARDS
     from stages.scoring.rewards.remote import REMOTE_PREFIX
 
@@ -459,6 +472,9 @@ def _reward(name: str, key: str, report: Report, where: str) -> None:
             resolve_reward(name, load=False)
         except ValueError as e:
             report.problem(key, str(e).removeprefix("reward_funcs: ") + "; fix the folder")
+        return
+    if is_model_name(name):  # TRL's and axolotl's spelling of a reward model: a folder, or a hub id
+        _reward_model_name(name, key, report)
         return
     fn = BUILTIN_REWARDS.get(name) or _function(name, key, report, where)
     if fn is None:

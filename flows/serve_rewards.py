@@ -38,7 +38,7 @@ from typing import Any
 
 from stages.runtime.bearer import authorized, server_token
 from stages.scoring.reward_pools import shared_pool
-from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError
+from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, is_model_name
 from stages.scoring.rewards.remote import REMOTE_PREFIX, completion_from_response, remote_source
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ def parse_request(body, where: str = "") -> dict:
 
 
 def route_name(name: str) -> str:
-    """The path segment of a function: its reward_funcs name; `reward_model:<folder>` -> reward_model."""
-    return "reward_model" if name.startswith(REWARD_MODEL_PREFIX) else name
+    """The path segment of a function: its reward_funcs name; a reward model (`reward_model:<folder>`, a hub id or a
+    folder path) -> reward_model."""
+    return "reward_model" if name.startswith(REWARD_MODEL_PREFIX) or is_model_name(name) else name
 
 
 class Scorer:

@@ -24,7 +24,7 @@ from stages.rollout.rollout_worker import shared_worker
 from stages.runtime import devices, distributed, ray_training
 from stages.runtime.keys import key_fields
 from stages.scoring import replay, score
-from stages.scoring.reward_workers import split_reward_funcs
+from stages.scoring.reward_workers import is_model_name, resolve_model_name, split_reward_funcs
 from stages.scoring.rewards import BUILTIN_REWARDS
 from stages.training import dpo, ebft, ebft_strided, export, grpo, reward_model, sft
 from tasks.calls import (ON_METRICS, OUT_DIR, WORK_DIR, Arg, Call, Config, InputDir, InputFile, Notes, Progress,
@@ -418,21 +418,32 @@ def ebft_score_task(ctx: RunContext, rollouts: Artifact, round_index: int, featu
         out_dir=OUT_DIR, devices=placement(ctx)), label=f"score r{round_index}")
 
 
+def resolve_reward_models(ctx: RunContext) -> dict:
+    """{score.reward_funcs entry: ResolvedModel} for the reward models named TRL's way (a hub id: the commit its
+    main branch is at now; a folder: its files). A run resolves them once, so every round scores with the same
+    commit, and the score key holds it."""
+    funcs = ctx.config.score.reward_funcs
+    return {name: ResolvedModel(resolve_model_name(name, f"score.reward_funcs.{funcs.index(name)}"))
+            for name in funcs if is_model_name(name)}
+
+
 @task(name="score", task_run_name="score-r{round_index}", cache_policy=NO_CACHE)
-def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_model: Artifact | None = None) -> Artifact:
+def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_model: Artifact | None = None,
+               reward_models: dict | None = None) -> Artifact:
     """score.reward_funcs on the round's rollouts; `reward_model`: this run's reward_model stage, for the
-    `reward_model` entry of reward_funcs."""
+    `reward_model` entry of reward_funcs; `reward_models`: `resolve_reward_models`' (None: resolved now)."""
     cfg = ctx.config.score
     rm = reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
+    models = resolve_reward_models(ctx) if reward_models is None else reward_models
     return materialize(ctx, "score", Call(
         score.run, {"rollouts": rollouts, "reward_model": rm},
         cfg=Config(cfg, code=tuple(functions), builtins=BUILTIN_REWARDS, files=tuple(folders)),
         rollouts_path=InputFile(rollouts, "rollouts.parquet"), num_generations=ctx.config.rollout.num_generations,
         out_dir=OUT_DIR, reward_model_dir=InputDir(rm) if rm else None,
-        devices=placement(ctx) if rm or folders else None,  # only where a reward model runs
-        log_dir=WORK_DIR),  # where reward_errors.log stays when a function fails too often
-        label=f"score r{round_index}")
+        devices=placement(ctx) if rm or folders or models else None,  # only where a reward model runs
+        log_dir=WORK_DIR,  # where reward_errors.log stays when a function fails too often
+        reward_models=models or None), label=f"score r{round_index}")
 
 
 @task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)

@@ -128,10 +128,6 @@ REFUSED_BLOCKS = {
                                 "trl.streaming_min_groups: streaming scoring"),
     "scope-rl": ("trl:\n  use_data_producer: true\n  scope_rl: true\n  scope_target_entropy: 0.5\n"
                  "  scope_alpha: 0.015625\n  scope_positive_threshold: 1.0\n", "trl.scope_rl: SCOPE-RL"),
-    "reward model from the hub": ("trl:\n  reward_funcs:\n    - OpenAssistant/reward-model-deberta-v3-large-v2\n"
-                                  "    - rewards.format_reward\n  reward_weights:\n    - 1.0\n    - 0.3\n",
-                                  "score.reward_funcs.0: 'OpenAssistant/reward-model-deberta-v3-large-v2' is not a "
-                                  "function: a reward model is named by its local folder"),
     "fp8": ("fp8: true\ntorch_compile: true\n", "fp8: FP8 training"),
     "fsdp": ("fsdp:\n  - full_shard\n  - auto_wrap\nfsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: "
              "Qwen2DecoderLayer\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n",
@@ -140,7 +136,8 @@ REFUSED_BLOCKS = {
                   "  use_reentrant: true   # Required -- non-reentrant causes CheckpointError with ZeRO-3\n",
                   "deepspeed: DeepSpeed is not built here"),
 }
-"""docs/grpo.qmd's blocks posttrain does not build, and the start of the one line that says so."""
+"""docs/grpo.qmd's blocks posttrain does not build, and the start of the one line that says so. Its "reward model
+from the hub" block is tests/test_reward_model_hub.py's (it needs the model in a hub cache)."""
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ from __future__ import annotations
 from flows.rounds import Trained, logged_rounds, sampled_rounds
 from flows.run import log_preferences
 from stages.scoring.score import metric_name
-from tasks.stage_tasks import RunContext, preferences_task, reward_model_task, score_task
+from tasks.stage_tasks import RunContext, preferences_task, resolve_reward_models, reward_model_task, score_task
 
 
 def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
     """The rounds from `policy`, logged to the parent run; a reward model among score.reward_funcs is trained
     first, on the preferences, from the same policy."""
-    scoring, lineage = (score_task, {}), {}
+    scoring, lineage = (score_task, {"reward_models": resolve_reward_models(ctx)}), {}  # one commit for the run
     if "reward_model" in ctx.config.score.reward_funcs:
         prefs = log_preferences(ctx, parent, preferences_task(ctx))
         reward_model = reward_model_task(ctx, policy, prefs)
@@ -28,7 +28,7 @@ def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
             if summary.get(key) is not None:
                 ctx.lineage.log_metrics(parent, {f"reward_model/{key}": summary[key]})
         lineage = {"preferences": prefs.key, "reward_model": reward_model.key}
-        scoring = (score_task, {"reward_model": reward_model})
+        scoring = (score_task, {**scoring[1], "reward_model": reward_model})
     verifiers = [metric_name(n) for n in ctx.config.score.reward_funcs if metric_name(n) != "reward_model"]
     trained = logged_rounds(ctx, parent, verifiers,
                             lambda log_round: sampled_rounds(ctx, policy, prompts, log_round, scoring))

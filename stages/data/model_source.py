@@ -46,9 +46,9 @@ class ModelSource:
     """hub: the 40-hex commit the revision resolved to (a new commit, a new key)."""
 
 
-def resolve(name: str, revision: str = "main") -> ModelSource:
+def resolve(name: str, revision: str = "main", key: str = "model.path") -> ModelSource:
     """The local files behind `name` (a folder, a .gguf file, or a hub id at `revision`), downloading a
-    hub id into the hub cache when it is not there yet."""
+    hub id into the hub cache when it is not there yet; `key`: the config key the errors name."""
     local = Path(name).expanduser()
     if name.endswith(".gguf") or local.exists() or not hub.is_repo_id(name):
         if revision != "main":
@@ -59,21 +59,21 @@ def resolve(name: str, revision: str = "main") -> ModelSource:
         if local.is_file() and local.suffix == ".gguf":
             return ModelSource("gguf", name, local.resolve())
         if local.is_file():
-            raise ModelSourceError(f"model.path {name!r} is a file but not a .gguf file. Point it at a transformers "
+            raise ModelSourceError(f"{key} {name!r} is a file but not a .gguf file. Point it at a transformers "
                                    "model folder (config.json, weights, tokenizer), a .gguf file or a hub id.")
-        raise ModelSourceError(f"model.path {name!r} does not exist ({local.absolute()}). Fix the path, or give a "
+        raise ModelSourceError(f"{key} {name!r} does not exist ({local.absolute()}). Fix the path, or give a "
                                "hub id such as HuggingFaceTB/SmolLM2-135M-Instruct.")
-    return _resolve_hub(name, revision)
+    return _resolve_hub(name, revision, key)
 
 
-def _resolve_hub(repo_id: str, revision: str) -> ModelSource:
+def _resolve_hub(repo_id: str, revision: str, key: str = "model.path") -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     cache, offline = hub.cache_dir(), hub.offline()
     where = f"hub id {repo_id!r} at revision {revision!r}"
-    instead = "or point model.path at a local model folder or a .gguf file"
+    instead = f"or point {key} at a local model folder" + (" or a .gguf file" if key == "model.path" else "")
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
                                         ignore_patterns=IGNORED_HUB_FILES))

@@ -74,6 +74,12 @@ class EvalConfig(BaseModel):
         if value and "reward_model" in value:
             raise ValueError("`reward_model` (this run's reward model) does not reach the eval; name its folder "
                              "(reward_model:/path/to/model), or a verifier")
+        from stages.scoring.reward_workers import is_model_name
+
+        if models := [name for name in value or [] if is_model_name(name)]:
+            raise ValueError(f"{models[0]!r}: a reward model named by hub id or path is scored in the rounds "
+                             "(score.reward_funcs), not judged in the eval; name a verifier here, or the model's "
+                             "folder as reward_model:/path/to/model")
         return value
 
 
@@ -91,13 +97,13 @@ def verifier_funcs(cfg: EvalConfig, score_funcs: list[str]) -> list[str]:
     >>> verifier_funcs(EvalConfig(reward_funcs=["stated_accuracy"]), ["mytask.check"])
     ['stated_accuracy']
     """
-    from stages.scoring.reward_workers import REWARD_MODEL_PREFIX
+    from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, is_model_name
     from stages.scoring.rewards import BUILTIN_REWARDS
 
     if cfg.reward_funcs:
         return list(cfg.reward_funcs)
     own = [name for name in score_funcs if name not in BUILTIN_REWARDS and name != "reward_model"
-           and not name.startswith(REWARD_MODEL_PREFIX)]
+           and not name.startswith(REWARD_MODEL_PREFIX) and not is_model_name(name)]
     return own or list(VERIFIER_DEFAULT)
 
 

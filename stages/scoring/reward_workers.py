@@ -80,21 +80,55 @@ def _reward_model_folder(source: str) -> tuple[Path, dict | None]:
     return Path(body), None
 
 
+def is_model_name(name: str) -> bool:
+    """A reward model named as TRL's `reward_funcs` and axolotl's `trl.reward_funcs` name one: a hub id
+    (`org/name`) or a folder path, told from `module.fn` by its slash (`resolve_model_name` finds its files).
+
+    >>> is_model_name("OpenAssistant/reward-model-deberta-v3-large-v2"), is_model_name("rewards.format_reward")
+    (True, False)
+    """
+    from stages.scoring.rewards.remote import REMOTE_PREFIX
+
+    return "/" in name and not name.startswith((REWARD_MODEL_PREFIX, REMOTE_PREFIX))
+
+
+def resolve_model_name(name: str, key: str = "score.reward_funcs"):
+    """The files of a reward model named TRL's way (`is_model_name`): a local folder, else a hub id resolved through
+    the hub cache (downloaded into it when online and absent; read from it under HF_HUB_OFFLINE) to the commit its
+    main branch points at (stages/data/model_source.py: a ModelSource whose `commit` the score stage's key holds).
+    What cannot be resolved is a ModelSourceError naming `key`."""
+    from stages.data import model_source
+
+    try:
+        source = model_source.resolve(name, key=key)
+    except model_source.ModelSourceError as e:
+        raise e if str(e).startswith(key) else model_source.ModelSourceError(f"{key}: {e}") from None
+    if source.kind == "gguf":
+        raise model_source.ModelSourceError(f"{key}: {name!r} is a GGUF file; a reward model is a transformers "
+                                            "sequence-classification folder or hub id")
+    return source
+
+
 def split_reward_funcs(names) -> tuple[list[str], list[str]]:
     """(the functions: built-in names and `module.fn`, the reward-model folders of `reward_model:<folder>`);
-    remote verifiers (`remote:...`) are neither: no code or files of this machine."""
+    remote verifiers (`remote:...`) and reward models named TRL's way (`is_model_name`: keyed by their resolved
+    source, score.run's `reward_models`) are neither."""
     from stages.scoring.rewards.remote import REMOTE_PREFIX
 
     folders = [n[len(REWARD_MODEL_PREFIX):] for n in names if n.startswith(REWARD_MODEL_PREFIX)]
-    return [n for n in names if not n.startswith((REWARD_MODEL_PREFIX, REMOTE_PREFIX))], folders
+    return [n for n in names if not n.startswith((REWARD_MODEL_PREFIX, REMOTE_PREFIX)) and not is_model_name(n)], \
+        folders
 
 
 def resolve_reward(name: str, load: bool = True) -> Callable | None:
-    """A built-in reward by name, `module.fn`, `reward_model:<folder>` (loaded once per process), or a
-    remote verifier (`remote:{its config as JSON}`, stages/scoring/rewards/remote.py `remote_source`).
-    With `load=False` a reward model's folder or a verifier's config is only checked, not loaded."""
+    """A built-in reward by name, `module.fn`, `reward_model:<folder>` (loaded once per process), a reward model
+    named TRL's way (`is_model_name`: a hub id or a folder; the score stage hands workers its resolved folder as
+    `reward_model:` instead), or a remote verifier (`remote:{its config as JSON}`, stages/scoring/rewards/remote.py
+    `remote_source`). With `load=False` a reward model's folder or a verifier's config is only checked, not loaded."""
     from stages.scoring.rewards.remote import REMOTE_PREFIX, remote_verifier, verifier_from_source
 
+    if is_model_name(name):
+        name = REWARD_MODEL_PREFIX + str(resolve_model_name(name).path)
     if name.startswith(REMOTE_PREFIX):
         try:
             cfg = verifier_from_source(name)

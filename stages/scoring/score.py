@@ -49,7 +49,8 @@ from stages.runtime.keys import key_when_set, not_in_key
 from stages.scoring.advantages import _nanstd, gdpo_advantages, group_advantages, reward_spread
 from stages.scoring.collapse import collapse_metrics
 from stages.scoring.reward_pools import shared_pool
-from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, RewardFunctionError, reward_model_source
+from stages.scoring.reward_workers import (REWARD_MODEL_PREFIX, RewardFunctionError, is_model_name, resolve_model_name,
+                                           reward_model_source)
 from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
@@ -75,8 +76,10 @@ class ScoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward_funcs: list[str] = Field(default_factory=lambda: ["accuracy", "format"], min_length=1)
-    """Built-in names (accuracy, format), `module.fn` with TRL's signature, `reward_model` (this run's) or
-    `reward_model:<folder>`, or `remote:<name>`: the HTTP verifier `<name>` of `remote_verifiers`."""
+    """Built-in names (accuracy, format), `module.fn` with TRL's signature, `reward_model` (this run's),
+    `reward_model:<folder>`, a reward model as TRL names one (a hub id `org/name`, resolved through the hub cache
+    to the commit its main branch is at, which the score stage's key holds; or a folder path), or `remote:<name>`:
+    the HTTP verifier `<name>` of `remote_verifiers`."""
     remote_verifiers: dict[str, RemoteVerifierConfig] = Field(default_factory=dict)
     """HTTP verification services by name (NeMo Gym resources-server `/verify`, or `posttrain
     serve-rewards`), each scoring the completions of `remote:<name>` (stages/scoring/rewards/remote.py). They run
@@ -164,7 +167,7 @@ class ScoreConfig(BaseModel):
 
 def metric_name(name: str) -> str:
     """`rewards/<this>/mean`: the function's own name (`pkg.mod.fn` -> fn; a reward model -> reward_model)."""
-    if name == "reward_model" or name.startswith(REWARD_MODEL_PREFIX):
+    if name == "reward_model" or name.startswith(REWARD_MODEL_PREFIX) or is_model_name(name):
         return "reward_model"
     return name.rsplit(".", 1)[-1]
 
@@ -175,13 +178,16 @@ too many failures stopped it."""
 
 
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
-        reward_model_dir: Path | None = None, devices=None, log_dir: Path | None = None) -> dict:
+        reward_model_dir: Path | None = None, devices=None, log_dir: Path | None = None,
+        reward_models: dict | None = None) -> dict:
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
     folder the reward function named `reward_model` scores with (this run's reward_model stage).
+    `reward_models`: {reward_funcs entry: its ModelSource} for the reward models named TRL's way (a hub id or a
+    folder), as the caller resolved them (the task keys their commits); None: resolved here.
     `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto).
     `log_dir`: where reward_errors.log goes when a function fails too often (the stage then stops and its
     output folder is discarded); None: out_dir."""
-    sources = worker_sources(cfg, reward_model_dir, devices)
+    sources = worker_sources(cfg, reward_model_dir, devices, reward_models)
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     n = len(rows)
@@ -361,9 +367,11 @@ def _all_finite(totals, advantages, ids: list[str]) -> None:
                                   "score.reward_weights) down")
 
 
-def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices) -> dict:
-    """What the reward workers build besides functions they import: reward models (this run's, or named by
-    folder) placed per `devices`, and each remote verifier's client."""
+def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices,
+                   reward_models: dict | None = None) -> dict:
+    """What the reward workers build besides functions they import: reward models (this run's, named by folder,
+    or named TRL's way: their folder from `reward_models`, resolved here where absent) placed per `devices`, and
+    each remote verifier's client."""
     sources = {}
     if "reward_model" in cfg.reward_funcs:
         if reward_model_dir is None:
@@ -373,6 +381,9 @@ def worker_sources(cfg: ScoreConfig, reward_model_dir: Path | None, devices) -> 
     for name in cfg.reward_funcs:  # a reward model named by its folder: placed the same way
         if name.startswith(REWARD_MODEL_PREFIX) and devices is not None:
             sources[name] = reward_model_source(name[len(REWARD_MODEL_PREFIX):], devices)
+    for name in filter(is_model_name, cfg.reward_funcs):  # a hub id or folder: the resolved files, placed alike
+        source = (reward_models or {}).get(name) or resolve_model_name(name)
+        sources[name] = reward_model_source(source.path, devices)
     for name in cfg.reward_funcs:  # each worker builds the verifier's client from its config
         if name.startswith(REMOTE_PREFIX):
             sources[name] = remote_source(cfg.remote_verifiers[name[len(REMOTE_PREFIX):]])
