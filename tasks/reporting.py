@@ -122,6 +122,12 @@ def no_eval_headline(results: dict) -> list[str]:
     before, after = results.get("preference_accuracy_base"), results.get("preference_accuracy_final")
     if after is not None:
         lines.append(f"eval/preference_accuracy  base: {before:.3f}   final: {after:.3f}   (held-out pairs)")
+    kto = results.get("kto_heldout")
+    if kto:
+        margin = "n/a (one label only)" if kto["rewards_margins"] is None else f"{kto['rewards_margins']:+.3f}"
+        lines.append(f"eval/kto  reward margin: {margin}   label accuracy: {kto['label_accuracy']:.3f}   "
+                     f"({kto['rows']} held-out rows, {kto['desirable']} desirable; rewards are beta x log-prob "
+                     "change from the starting policy, 0 there)")
     return lines
 
 

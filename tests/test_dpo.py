@@ -183,6 +183,45 @@ def test_kto_trains_on_unpaired_rows(tiny, tmp_path):
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
 
 
+def test_kto_heldout_metrics_are_trls_implicit_rewards():
+    rows = [{"label": True}, {"label": True}, {"label": False}, {"label": False}]
+    got = dpo.kto_heldout(rows, [-5.0, -4.0, -3.0, -2.0], [-4.0, -4.5, -3.5, -1.0], beta=0.5)
+    assert got["rewards_chosen"] == pytest.approx((0.5 - 0.25) / 2)
+    assert got["rewards_rejected"] == pytest.approx((-0.25 + 0.5) / 2)
+    assert got["rewards_margins"] == pytest.approx(0.125 - 0.125)
+    assert got["label_accuracy"] == 0.5  # rows 0 (+, desirable) and 2 (-, undesirable) have the label's sign
+    assert dpo.kto_heldout(rows[:2], [0.0, 0.0], [1.0, 1.0], 0.1)["rewards_margins"] is None  # one label only
+
+
+def test_kto_reports_its_heldout_rewards(tiny, tmp_path):
+    """A KTO run with an eval split of unpaired rows reports what TRL's KTOTrainer logs on eval (implicit rewards
+    of desirable and undesirable rows, their margin) and the share of rows whose reward has the label's sign;
+    the numbers are the trained adapter's log-prob changes from the starting policy, recomputed here."""
+    from stages.runtime.policy import load_policy
+
+    pairs = dpo.read_rows(tiny / "prefs" / "train.parquet")[:32]
+    unpaired = [{"pair_id": f"row-{i:06d}", "kind": "unpaired", "prompt": p["prompt"],
+                 "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
+                for i, p in enumerate(pairs)]
+    prefs = tmp_path / "prefs"
+    prefs.mkdir()
+    write_split(unpaired[:24], prefs / "train.parquet")
+    write_split(unpaired[24:], prefs / "eval.parquet")
+    cfg = dpo.PreferenceOptimizationConfig(rl="kto", learning_rate=5e-3, max_steps=6, **FAST)
+    kto = dpo.run(cfg, tiny / "model", prefs, tmp_path / "out")["eval_kto"]
+    assert (kto["rows"], kto["desirable"], kto["undesirable"]) == (8, 4, 4)
+    held_out = dpo.to_trl_rows(unpaired[24:], "kto")
+    start, _ = load_policy(tiny / "model")
+    end, tokenizer = load_policy(tiny / "model", tmp_path / "out")
+    rewards = [cfg.rl_beta * (b - a) for a, b in zip(dpo.kto_rows_logps(start, tokenizer, held_out),
+                                                      dpo.kto_rows_logps(end, tokenizer, held_out))]
+    assert kto["rewards_chosen"] == pytest.approx(sum(rewards[1::2]) / 4, abs=1e-4)
+    assert kto["rewards_rejected"] == pytest.approx(sum(rewards[0::2]) / 4, abs=1e-4)
+    signs = [(r > 0) if row["label"] else (r < 0) for r, row in zip(rewards, held_out)]
+    assert kto["label_accuracy"] == sum(signs) / 8
+    assert kto["rewards_margins"] > 0, kto  # it learnt which turns are wanted (0.087 here, 5 of 8 rows signed right)
+
+
 @pytest.mark.parametrize("rl", ["orpo", "simpo"])
 def test_reference_free_losses_train(tiny, tmp_path, rl):
     """The experimental TRL trainers run on the same conversational rows and save an adapter."""

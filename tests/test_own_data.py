@@ -140,3 +140,22 @@ def test_a_dpo_run_on_its_preferences_says_what_it_measured(own_model, tmp_path)
     assert lines[0].startswith("eval: no held-out prompts (rl: dpo on your preferences alone")
     assert "train split only" not in " ".join(lines)
     assert lines[-1].startswith("eval/preference_accuracy  base: 0.500   final: 0.750")
+
+
+def test_a_kto_run_shows_its_heldout_rewards_in_the_summary(own_model, tmp_path):
+    """axolotl's KTO with val_set_size: the summary shows the held-out rewards TRL's KTOTrainer logs on eval."""
+    from flows.config import PipelineConfig
+    from flows.pipeline import training_results
+    from flows.rounds import Trained
+    from tasks.reporting import headline
+
+    _, prefs = write_rows(tmp_path)
+    cfg = PipelineConfig.model_validate({"rl": "kto", "base_model": str(own_model), "val_set_size": 0.25,
+                                         "datasets": [{"path": str(prefs), "type": "chatml.intel"}]})
+    kto = {"rows": 8, "desirable": 4, "undesirable": 4, "rewards_chosen": 0.02, "rewards_rejected": -0.05,
+           "rewards_margins": 0.07, "label_accuracy": 0.625}
+    trained = Trained(None, {}, 1.0, results={"preference_accuracy_base": None, "preference_accuracy_final": None,
+                                              "kto_heldout": kto})
+    lines = headline({**training_results(cfg, trained), **trained.results})
+    assert lines[-1].startswith("eval/kto  reward margin: +0.070   label accuracy: 0.625   (8 held-out rows, "
+                                "4 desirable"), lines

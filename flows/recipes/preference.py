@@ -24,7 +24,13 @@ def train(ctx: RunContext, parent: str, policy, prompts) -> Trained:
         ctx.lineage.log_metrics(parent, {"eval/preference_accuracy": summary["eval_accuracy_before"]}, step=0)
         ctx.lineage.log_metrics(parent, {"eval/preference_accuracy": summary["eval_accuracy_after"]}, step=1)
         metrics["eval/preference_accuracy"] = summary["eval_accuracy_after"]
+    kto = summary.get("eval_kto")
+    if kto:  # TRL's KTOTrainer's eval metrics: implicit rewards of the held-out rows (0 for the starting policy)
+        heldout = {f"eval/kto_{k}": kto[k] for k in ("rewards_chosen", "rewards_rejected", "rewards_margins",
+                                                       "label_accuracy") if kto[k] is not None}
+        ctx.lineage.log_metrics(parent, heldout, step=1)
+        metrics.update(heldout)
     return Trained(trained, metrics, time.perf_counter() - started,
                    lineage={"preferences": prefs.key, ctx.config.rl: trained.key},
                    results={"preference_accuracy_base": summary.get("eval_accuracy_before"),
-                            "preference_accuracy_final": summary.get("eval_accuracy_after")})
+                            "preference_accuracy_final": summary.get("eval_accuracy_after"), "kto_heldout": kto})

@@ -279,6 +279,32 @@ def preference_accuracy(model, tokenizer, rows: list[dict]) -> float:
     return sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
 
 
+def kto_rows_logps(model, tokenizer, rows: list[dict]) -> list[float]:
+    """log pi(completion | prompt) under `model` for KTO rows {prompt, completion, label} (to_trl_rows)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return completion_logps(model, tokenizer, [(r["prompt"], r["completion"]) for r in rows])
+    finally:
+        model.train(was_training)
+
+
+def kto_heldout(rows: list[dict], start_logps: list[float], end_logps: list[float], beta: float) -> dict:
+    """KTO's held-out metrics, as TRL's KTOTrainer logs them: the implicit reward beta * (log pi - log pi_start) of
+    each held-out row, its means over desirable (`rewards_chosen`) and undesirable rows (`rewards_rejected`), their
+    difference (`rewards_margins`), and `label_accuracy`: the share of rows whose reward has the label's sign
+    (> 0 desirable, < 0 undesirable). The starting policy is KTO's reference: its rewards are all 0."""
+    rewards = [beta * (end - start) for start, end in zip(start_logps, end_logps)]
+    good = [r for r, row in zip(rewards, rows) if row["label"]]
+    bad = [r for r, row in zip(rewards, rows) if not row["label"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    chosen, rejected = mean(good), mean(bad)
+    return {"rows": len(rows), "desirable": len(good), "undesirable": len(bad),
+            "rewards_chosen": chosen, "rewards_rejected": rejected,
+            "rewards_margins": None if chosen is None or rejected is None else chosen - rejected,
+            "label_accuracy": (sum(r > 0 for r in good) + sum(r < 0 for r in bad)) / len(rows)}
+
+
 # ---------------------------------------------------------------- models and trainer
 
 
@@ -338,7 +364,7 @@ def run(
     rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, ...), and the step.
     Returns {rl, reference, rows, train_rows, steps, train_loss, final_metrics, eval_pairs,
     eval_accuracy_before, eval_accuracy_after, device, precision (, gpu)}; the eval entries are None
-    without an eval split of pairs. Checkpoints go to work_dir and training resumes from the newest
+    without an eval split of pairs. kto with an eval split also returns eval_kto (kto_heldout). Checkpoints go to work_dir and training resumes from the newest
     complete one there (stages/runtime/checkpoints.py); None: a folder inside out_dir, deleted at the end.
     `group`: on ranks launched by stages/runtime/distributed.py HF Trainer runs DDP; rank 0 alone writes out_dir.
     `devices` (stages/runtime/devices.py; None: DeviceConfig(), auto): device and precision of the models.
@@ -354,14 +380,20 @@ def run(
     if cfg.rl == "kto":  # KTOTrainer samples in order (its KL term pairs neighbours): mix labels and prompts
         random.Random(cfg.seed).shuffle(train_rows)
     eval_pairs: list[dict] = []
+    kto_eval: list[dict] = []  # KTO: every held-out row, unpaired or a pair's two turns
     if cfg.eval_split and (preferences_dir / f"{cfg.eval_split}.parquet").exists():
-        eval_pairs = [r for r in read_rows(preferences_dir / f"{cfg.eval_split}.parquet") if r.get("kind") == "pair"]
+        eval_rows = read_rows(preferences_dir / f"{cfg.eval_split}.parquet")
+        eval_pairs = [r for r in eval_rows if r.get("kind") == "pair"]
+        usable = [r for r in eval_rows if (r.get("kind") or "pair") in ("pair", "unpaired")]
+        if cfg.rl == "kto" and usable:
+            kto_eval = to_trl_rows(usable, "kto", cfg.eval_split)
 
     check_eval_steps("dpo", cfg, bool(eval_pairs), "pairs", preferences_dir)
     devices = devices or DeviceConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model, ref_model = load_models(cfg, model_dir, devices)
     accuracy_before = preference_accuracy(model, tokenizer, eval_pairs) if eval_pairs else None
+    kto_start = kto_rows_logps(model, tokenizer, kto_eval) if kto_eval else None
 
     logged: list[dict] = []
     history: list[list] = []
@@ -372,6 +404,8 @@ def run(
     result, resumed_from = checkpoints.train(trainer, Path(trainer.args.output_dir))
     trained = trainer.model
     accuracy_after = preference_accuracy(trained, tokenizer, eval_pairs) if eval_pairs else None
+    kto = kto_heldout(kto_eval, kto_start, kto_rows_logps(trained, tokenizer, kto_eval), cfg.rl_beta) if kto_eval \
+        else None
 
     if group is None or group.rank == 0:
         trained.save_pretrained(out_dir)  # PeftModel: adapter_model.safetensors + adapter_config.json
@@ -391,6 +425,7 @@ def run(
         "eval_pairs": len(eval_pairs),
         "eval_accuracy_before": accuracy_before,
         "eval_accuracy_after": accuracy_after,
+        **({"eval_kto": kto} if kto else {}),
         **({"eval_history": history} if cfg.eval_steps else {}),
         **devices_module.describe(devices),
     }
