@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", help="YAML config, e.g. configs/quickstart.yaml")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.rounds=2 rollout.temperature=0.8")
         p.set_defaults(handler=pipeline_command, extras_into="overrides")
+        if name == "validate":
+            p.add_argument("--full", action="store_true",
+                           help="print every setting, also those this run uses nothing of (demo_data with your "
+                                "own rows, a built model's sizes with model.path, sft's with SFT off)")
         if name in ("run", "vllm-serve"):
             p.add_argument("--quiet", action="store_true", help="no progress lines or summary table")
             p.add_argument("--verbose", action="store_true",
@@ -113,6 +117,56 @@ def main(argv: list[str] | None = None) -> int:
     return args.handler(args)
 
 
+BUILT_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings", "seed")
+"""model.* fields of a model built here (stages/data/base_model.py), unused where model.path names one."""
+
+
+def shown_config(cfg, full: bool = False) -> tuple[dict, list[str]]:
+    """What `posttrain validate` prints: the run's config (run_config), less what this run uses nothing of unless
+    `full`: demo_data where the run reads your rows, a built model's sizes where model.path is set, sft's settings
+    where SFT is off. Returns (config, what was left out and why)."""
+    from flows.config import DPO_FAMILY
+
+    shown, hidden = cfg.run_config(), []
+    if full:
+        return shown, hidden
+    own_rows = bool(cfg.transform.paths or cfg.transform.datasets) or not cfg.reads_prompts
+    demo_pairs = cfg.preferences is None and (cfg.rl in DPO_FAMILY or cfg.rl == "reward_model"
+                                              or "reward_model" in cfg.score.reward_funcs)
+    if own_rows and not demo_pairs and shown.pop("demo_data", None) is not None:
+        hidden.append("demo_data (the run reads your rows)")
+    if cfg.model.path and isinstance(shown.get("model"), dict):
+        for field in BUILT_MODEL_FIELDS:
+            shown["model"].pop(field, None)
+        hidden.append(f"model.{', model.'.join(BUILT_MODEL_FIELDS)} (sizes of a model built here; model.path is set)")
+    hidden += _unused_rollout_settings(cfg, shown.get("rollout"))
+    if not cfg.sft.enabled and isinstance(shown.get("sft"), dict):
+        shown["sft"] = {"enabled": False}
+        hidden.append("sft's other settings (sft is off)")
+    return shown, hidden
+
+
+def _unused_rollout_settings(cfg, rollout: dict | None) -> list[str]:
+    """Drop from the shown `rollout` section the settings of engines and sources this run does not use; say which."""
+    from stages.rollout.rollout import SERVER_KEYS
+
+    if not isinstance(rollout, dict):
+        return []
+    hidden = []
+    if cfg.rollout.source != "atropos" and rollout.pop("atropos", None) is not None:
+        hidden.append(f"rollout.atropos (rollout.source is {cfg.rollout.source})")
+    if cfg.rollout.engine != "ray_vllm" and rollout.pop("ray_vllm", None) is not None:
+        hidden.append(f"rollout.ray_vllm (rollout.engine is {cfg.rollout.engine})")
+    if cfg.rollout.engine == "transformers" and rollout.pop("vllm", None) is not None:
+        hidden.append("rollout.vllm (rollout.engine is transformers)")
+    elif cfg.rollout.engine != "vllm_server" and isinstance(rollout.get("vllm"), dict):
+        for key in (*SERVER_KEYS, "serve_host"):
+            rollout["vllm"].pop(key, None)
+        hidden.append(f"rollout.vllm's server settings (rollout.engine is {cfg.rollout.engine})")
+    return hidden
+
+
 def pipeline_command(args) -> int:
     """run / validate / vllm-serve: load the config, then act on it."""
     from flows.config import ConfigError, load_config
@@ -125,7 +179,10 @@ def pipeline_command(args) -> int:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2
     if args.command == "validate":  # the resolved config, then what a run would trip on (flows/preflight.py)
-        print(yaml.safe_dump(cfg.run_config(), sort_keys=False), end="")
+        shown, hidden = shown_config(cfg, full=args.full)
+        print(yaml.safe_dump(shown, sort_keys=False), end="")
+        if hidden:
+            print(f"# not shown, not used by this run: {'; '.join(hidden)} (posttrain validate --full prints them)")
         report = preflight.inspect_config(cfg, args.config)
         for note in report.notes:
             print(f"note: {note}", file=sys.stderr)

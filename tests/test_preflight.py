@@ -206,3 +206,30 @@ def test_validate_reads_the_first_preference_rows_as_the_run_does(tmp_path, caps
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(r"kto.jsonl \(split=train\) row \d+, field 'instruction': missing",
                                           errors[0]), errors
+
+
+def test_validate_leaves_out_what_the_run_uses_nothing_of_unless_full(tmp_path, capsys):
+    """A GRPO config on its own rows and model, SFT off, the in-process vLLM engine: `posttrain validate` prints
+    no demo_data, no built model's sizes, no other engine's or source's settings, and one comment saying what it
+    left out and why; `--full` prints every setting, the same as the run saves."""
+    import yaml
+
+    from flows.cli import shown_config
+
+    (tmp_path / "rows.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    config = tmp_path / "grpo.yaml"
+    config.write_text(f"rl: grpo\nbase_model: {tmp_path / 'model'}\nadapter: lora\n"
+                      f"datasets:\n  - path: {tmp_path / 'rows.jsonl'}\n    type: question_answer\n"
+                      "trl:\n  use_vllm: true\n  vllm_mode: colocate\n")
+    main(["validate", str(config)])
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)
+    assert "demo_data" not in shown and "hidden_size" not in shown["model"] and shown["sft"] == {"enabled": False}
+    assert "atropos" not in shown["rollout"] and "ray_vllm" not in shown["rollout"]
+    assert "server_url" not in shown["rollout"]["vllm"] and shown["rollout"]["vllm"]["lora_sync"] == "auto"
+    comment = out.strip().splitlines()[-1]
+    assert comment.startswith("# not shown, not used by this run: demo_data (the run reads your rows); model.vocab_size")
+    assert comment.endswith("(posttrain validate --full prints them)")
+    main(["validate", str(config), "--full"])
+    cfg = load_config(str(config))
+    assert yaml.safe_load(capsys.readouterr().out) == cfg.run_config() == shown_config(cfg, full=True)[0]
