@@ -10,8 +10,11 @@ adapter's lora_B scaled per round), then samples the same rounds through each va
 - `vllm`: the in-process engine (`rollout.engine: vllm`) as a config gets it on CPU: `lora_sync` auto, i.e. each
   round's adapter merged into the weights and reloaded in place;
 - `vllm-adapter`: the same engine with `lora_sync: adapter` (vLLM's LoRA kernels, as the server must use);
-- `vllm_server`: the `vllm_server` engine against one `vllm serve` started with the command line
-  `posttrain vllm-serve` builds (serve_command), each round's adapter pushed with POST /v1/load_lora_adapter.
+- `vllm_server`: the `vllm_server` engine as a config gets it on CPU (`lora_sync` auto: each round's adapter
+  merged into the weights, loaded into the server through POST /collective_rpc) against one `vllm serve` started
+  with the command line `posttrain vllm-serve` builds for it (serve_command, no LoRA);
+- `vllm_server-adapter`: the same with `lora_sync: adapter` (axolotl's vllm_lora_sync: true): the server started
+  with LoRA enabled, each round's adapter pushed with POST /v1/load_lora_adapter.
 
 A round is `--prompts` prompts x `--generations` completions of <= `--max-new-tokens` tokens at temperature
 1.0, its own seed; every round of every repeat is a new adapter version, so each round's time includes that
@@ -40,7 +43,7 @@ ENGINE_OPTIONS = {"max_lora_rank": 16, "kv_cache_space_gib": 2.0, "max_model_len
 """rollout.vllm settings of both engines (the servers of benchmarks/vllm_servers.py are started with these)."""
 
 LOAD_METHODS = {"vllm": ("_merged_weights", "_set_weights"), "vllm-adapter": ("_set_weights",),
-                "vllm_server": ("_load_adapter", "_live_servers")}
+                "vllm_server": ("_prepare", "_live_servers"), "vllm_server-adapter": ("_prepare", "_live_servers")}
 """The engine methods each round's adapter load (and, for the server, its per-call health check) runs in."""
 
 
@@ -126,9 +129,11 @@ def measure(variant: str, root: Path, adapters: list[Path], args) -> tuple[dict,
     procs = []
     started = time.perf_counter()
     try:
-        if variant == "vllm_server":
-            urls, procs, _ = start_servers(root / "model", [args.cores], root)
-            engine = get_engine("vllm_server", root / "model", {"server_urls": urls, "max_lora_rank": 16})
+        if variant.startswith("vllm_server"):
+            sync = "adapter" if variant.endswith("-adapter") else "auto"
+            urls, procs, _ = start_servers(root / "model", [args.cores], root, lora=sync == "adapter")
+            engine = get_engine("vllm_server", root / "model", {"server_urls": urls, "max_lora_rank": 16,
+                                                                "lora_sync": sync})
         else:
             sync = "adapter" if variant == "vllm-adapter" else "auto"
             engine = get_engine("vllm", root / "model", {**ENGINE_OPTIONS, "lora_sync": sync})

@@ -42,8 +42,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_servers(model_dir: Path, core_sets: list[str], log_dir: Path) -> tuple[list[str], list, float]:
-    """Start one server per core set, all at once; return (urls, processes, seconds until all are healthy)."""
+def start_servers(model_dir: Path, core_sets: list[str], log_dir: Path,
+                  lora: bool = True) -> tuple[list[str], list, float]:
+    """Start one server per core set, all at once (`lora`: with runtime LoRA loading); return (urls, processes,
+    seconds until all are healthy)."""
     from stages.rollout.engines.vllm_server import serve_command, wait_until_healthy
 
     started = time.perf_counter()
@@ -51,7 +53,8 @@ def start_servers(model_dir: Path, core_sets: list[str], log_dir: Path) -> tuple
     for index, cores in enumerate(core_sets):
         port = free_port()
         argv, env = serve_command(model_dir, port, 16, {"dtype": "float32", "gpu_memory_utilization": 0.05,
-                                                        "kv_cache_space_gib": 2.0, "max_model_len": 256})
+                                                        "kv_cache_space_gib": 2.0, "max_model_len": 256},
+                                   lora=lora)
         log = open(log_dir / f"server-{index}.log", "wb")
         procs.append(subprocess.Popen(argv, env={**os.environ, **env, "VLLM_CPU_OMP_THREADS_BIND": cores},
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.rollout.engines import Policy, Prompt, Sampling, prompt_token_ids
-from stages.rollout.engines.vllm_local import MergedAdapters, request_seed
+from stages.rollout.engines.vllm_local import MAX_NUM_SEQS, MergedAdapters, request_seed
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class VLLMServerEngine:
     name = "vllm_server"
 
     def __init__(self, base_dir, server_url: str = "http://127.0.0.1:8000", server_timeout_s: float = 300.0,
-                 server_adapter_root: str | None = None, max_lora_rank: int = 16, max_concurrency: int = 64,
+                 server_adapter_root: str | None = None, max_lora_rank: int = 16, max_concurrency: int = MAX_NUM_SEQS,
                  server_urls: list[str] | None = None, server_wait_s: float = 0.0, lora_sync: str = "auto"):
         if lora_sync not in ("auto", "merged", "adapter"):
             raise ValueError(f"rollout.vllm.lora_sync: {lora_sync!r}; use auto, merged or adapter")
@@ -203,7 +203,7 @@ class VLLMServerEngine:
         self.wait_s = server_wait_s  # how long the first call waits for servers that do not answer yet
         self.adapter_root = server_adapter_root
         self.max_lora_rank = max_lora_rank
-        self.max_concurrency = max_concurrency  # requests in flight per server
+        self.max_concurrency = max_concurrency  # requests in flight per server (the server's --max-num-seqs)
         self.tokenizer = None
         self.last_call: dict = {}  # per-server counts and throughput of the last generate call
 
@@ -221,8 +221,9 @@ class VLLMServerEngine:
         """Fail with a clear message when the server is down or serves no model."""
         import httpx
 
-        if server.client is None:
-            server.client = httpx.Client(timeout=self.timeout)
+        if server.client is None:  # a connection per request in flight (httpx's default pool holds 100)
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            server.client = httpx.Client(timeout=self.timeout, limits=limits)
         try:
             health = server.client.get(f"{server.url}/health", timeout=10)
             models = server.client.get(f"{server.url}/v1/models", timeout=10)
