@@ -58,7 +58,8 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "skip_zero_advantage_batches": ("grpo", "skip_zero_advantage_batches"),
                     "reward_num_workers": ("score", "reward_num_workers")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
-ASYNC_TRL_KEYS = ("prefetch_depth", "use_data_producer", "vllm_lora_sync", "streaming_partial_batch")
+ASYNC_TRL_KEYS = ("prefetch_depth", "use_data_producer", "vllm_lora_sync", "streaming_partial_batch",
+                  "streaming_min_groups")
 """axolotl's async-GRPO `trl:` keys that `_async_moves` reads with the rest of the config (the engine, the adapter,
 async_prefetch); trl.vllm_sync_interval sizes the round (`move_training_length`)."""
 VLLM_ENGINES = ("vllm", "ray_vllm", "vllm_server")
@@ -114,8 +115,6 @@ AXOLOTL_NOT_BUILT = {
             "every decoder layer itself)",
     "fsdp_config": "axolotl's FSDP settings are not read here: set train.strategy: fsdp and train.num_processes",
     "trl.scope_rl": "SCOPE-RL entropy control is not built here (health.* warns on entropy collapse instead)",
-    "trl.streaming_min_groups": "streaming scoring (trl.streaming_partial_batch) is not built here: a round is scored "
-                                "once all its completions are sampled",
 }
 """axolotl keys (top level, or `trl.` ones) for what posttrain does not build, and why: an error naming the key."""
 AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
@@ -457,18 +456,44 @@ def _async_moves(keys: dict, trl: dict, data: dict, server: bool = False) -> lis
         moves += _prefetch_depth(keys["prefetch_depth"], prefetching, rollout, notes)
     if "vllm_lora_sync" in keys:
         moves += _lora_sync(keys["vllm_lora_sync"], engine, adapter, notes)
-    if "streaming_partial_batch" in keys:
-        if keys["streaming_partial_batch"]:
-            raise ValueError("trl.streaming_partial_batch: true is not built here: axolotl scores and cuts a "
-                             "generation batch a few groups at a time (trl.streaming_min_groups), so each "
-                             "micro-batch holds one chunk's groups; posttrain scores a round's completions once "
-                             "they are all sampled and draws every optimizer step from the whole round, shuffled. "
-                             "The memory it saves is bounded here already (pi_old runs one micro-batch at a time, "
-                             "rewards in score.reward_num_workers workers, score.reward_batch_size at a time). "
-                             "Remove it or set it to false")
-        notes.append(f"trl.streaming_partial_batch: {_yaml(keys['streaming_partial_batch'])} (axolotl's key): what "
-                     "posttrain does: a round's completions are scored together once sampled")
+    if keys.keys() & {"streaming_partial_batch", "streaming_min_groups"}:
+        moves += _streaming(keys, prefetching, trl, data, notes)
     keep_notes(notes)
+    return moves
+
+
+def _streaming(keys: dict, prefetching: bool, trl: dict, data: dict, notes: list[str]) -> list[tuple]:
+    """axolotl's trl.streaming_partial_batch / streaming_min_groups: grpo.streaming_partial_batch /
+    streaming_min_groups (chunks of groups, micro-batches cut per chunk, advantages per group). axolotl streams only
+    on its async path (trl.async_prefetch: AsyncGRPOTrainer's deferred scoring); elsewhere the keys do nothing there,
+    and are an error here. false is a note: what posttrain does."""
+    on = keys.get("streaming_partial_batch")
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"trl.streaming_partial_batch: {on!r}; use true or false")
+    if "streaming_min_groups" in keys and not on:
+        raise ValueError(f"trl.streaming_min_groups: {keys['streaming_min_groups']}: the chunk size of "
+                         f"trl.streaming_partial_batch, which is {_yaml(on) if on is not None else 'unset'}; set "
+                         "trl.streaming_partial_batch: true or remove it")
+    if not on:
+        notes.append(f"trl.streaming_partial_batch: {_yaml(on)} (axolotl's key): what posttrain does: a round's "
+                     "micro-batches are drawn from all its completions, shuffled")
+        return []
+    if not prefetching:
+        raise ValueError("trl.streaming_partial_batch: true: axolotl streams only on its async path "
+                         "(trl.async_prefetch: true), so with async_prefetch off it scores the whole batch at once "
+                         "there; set trl.async_prefetch: true, or remove it")
+    moves = [("trl.streaming_partial_batch", "grpo", "streaming_partial_batch", True)]
+    if "streaming_min_groups" in keys:
+        groups = _whole("trl.streaming_min_groups", keys["streaming_min_groups"], "prompt groups per chunk")
+        moves.append(("trl.streaming_min_groups", "grpo", "streaming_min_groups", groups))
+    score = section_dict(data, "score") or {}
+    scale = trl.get("scale_rewards", score.get("scale_rewards", "group"))
+    gdpo = data.get("rl") == "gdpo" or trl.get("multi_objective_aggregation",
+                                                score.get("multi_objective_aggregation")) == "normalize_then_sum"
+    if gdpo or scale == "batch":
+        what = "normalize_then_sum's last normalization is per group" if gdpo else "scale_rewards batch acts as group"
+        notes.append(f"trl.streaming_partial_batch: true (axolotl's key): every advantage statistic is its group's, "
+                     f"as axolotl's streaming scorer computes them ({what})")
     return moves
 
 
@@ -799,7 +824,7 @@ def _rounds_from_length(data: dict, given: dict, s: RoundSettings) -> tuple[dict
                          "grpo.rounds and rollout.prompts_per_round instead")
     prompts, batch, why = _round_size(given, s)
     prompts, pushes, why = _synced_round(given, prompts, why, s)
-    steps = round_steps(s.grpo, prompts * s.num_generations)
+    steps = round_steps(s.grpo, prompts * s.num_generations, s.num_generations)
     if "prompts_per_round" not in s.set_in_rollout:
         data["rollout"] = {**section_dict(data, "rollout"), "prompts_per_round": prompts}
     per_round = (f"a round is {prompts} prompt(s) x {s.num_generations} completions = {steps} optimizer step(s) "
@@ -840,7 +865,7 @@ def _synced_round(given: dict, prompts: int, why: str, s: RoundSettings) -> tupl
         raise ValueError(f"trl.vllm_sync_interval: {n}: how often axolotl pushes the trainer's weights to vLLM, but "
                          f"this run samples with rollout.engine {s.rollout.engine}, which gets each round's policy; "
                          "set trl.use_vllm: true (or rollout.engine vllm) or remove it")
-    steps = round_steps(s.grpo, prompts * s.num_generations)
+    steps = round_steps(s.grpo, prompts * s.num_generations, s.num_generations)
     if "prompts_per_round" in s.set_in_rollout:
         if steps != n:
             raise ValueError(f"trl.vllm_sync_interval {n} and rollout.prompts_per_round {prompts}: posttrain loads the "

@@ -523,6 +523,12 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"grpo.reroll_max_groups is {self.grpo.reroll_max_groups} but a round samples "
                              f"rollout.prompts_per_round = {self.rollout.prompts_per_round} prompts; re-rolled "
                              "prompts take the place of the round's own, so set it at most that")
+        if self.grpo.streaming_partial_batch and self.score.scale_rewards == "batch" and (
+                self.rl == "ebft" or self.rollout.source == "atropos"):
+            raise ValueError("grpo.streaming_partial_batch with score.scale_rewards batch: streaming divides each "
+                             "advantage by its group's std (axolotl's streaming scorer), which the scoring of "
+                             f"{'rl: ebft' if self.rl == 'ebft' else 'rollout.source: atropos'} does not do here; set "
+                             "scale_rewards: group")
         if self.preferences is None and self.uses_rounds and "reward_model" in self.score.reward_funcs:
             # demo rows of the kind the reward model trains on
             wanted = "stepwise" if self.reward_model.kind == "prm" else "pair"

@@ -443,7 +443,7 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_mod
         out_dir=OUT_DIR, reward_model_dir=InputDir(rm) if rm else None,
         devices=placement(ctx) if rm or folders or models else None,  # only where a reward model runs
         log_dir=WORK_DIR,  # where reward_errors.log stays when a function fails too often
-        reward_models=models or None), label=f"score r{round_index}")
+        reward_models=models or None, streaming=ctx.config.grpo.streaming_partial_batch), label=f"score r{round_index}")
 
 
 @task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)

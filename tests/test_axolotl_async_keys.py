@@ -32,9 +32,9 @@ def _validate(tmp_path, capsys, text: str) -> str:
     return capsys.readouterr().err
 
 
-def test_the_async_grpo_example_loads_as_written_but_for_streaming(tmp_path, capsys):
-    """docs/rlhf.qmd's "Full Async GRPO Example" trl keys (streaming_partial_batch: true aside, which is refused):
-    each lands where it means the same, the no-ops say so."""
+def test_the_async_grpo_example_loads_as_written(tmp_path, capsys):
+    """docs/rlhf.qmd's "Full Async GRPO Example" trl keys: each lands where it means the same, the no-ops say so
+    (its streaming_partial_batch: true: tests/test_axolotl_streaming.py)."""
     text = (BATCH + "adapter: lora\ntrl:\n  use_data_producer: true\n  use_vllm: true\n  async_prefetch: true\n"
             "  prefetch_depth: 1\n  vllm_sync_interval: 2\n  vllm_lora_sync: true\n"
             "  vllm_importance_sampling_correction: true\n  off_policy_mask_threshold: 0.5\n"
@@ -50,8 +50,9 @@ def test_the_async_grpo_example_loads_as_written_but_for_streaming(tmp_path, cap
     assert "note: trl.use_data_producer: true (axolotl's key) is not needed here" in err
     assert "rollout.async_prefetch, on in this config" in err
     assert "one round is the 2 generation batches between two weight pushes" in err
-    with pytest.raises(ConfigError, match=r"trl.streaming_partial_batch: true is not built here"):
-        _config(tmp_path, text.replace("  num_generations", "  streaming_partial_batch: true\n  num_generations"))
+    streamed = _config(tmp_path, text.replace("  num_generations",
+                                              "  streaming_partial_batch: true\n  num_generations"))
+    assert streamed.grpo.streaming_partial_batch and streamed.grpo.rounds == 100
 
 
 @pytest.mark.parametrize("key, value, field, expected", [
@@ -126,12 +127,13 @@ def test_vllm_sync_interval_makes_a_round_the_batches_between_two_pushes(tmp_pat
                             f"trl:\n  use_vllm: true\n  {trl}\nmax_steps: {max_steps}\n")
     assert (cfg.rollout.prompts_per_round, cfg.grpo.rounds) == (prompts, rounds)
     interval = int(re.search(r"vllm_sync_interval: (\d+)", trl).group(1))
-    steps = round_steps(cfg.grpo, prompts * cfg.rollout.num_generations)
+    steps = round_steps(cfg.grpo, prompts * cfg.rollout.num_generations, cfg.rollout.num_generations)
     assert steps % interval == 0 or interval % steps == 0  # one engine load per round: every push, and only those
 
 
 @pytest.mark.parametrize("text, message", [
-    (BATCH + "trl:\n  streaming_partial_batch: true\n", r"trl.streaming_partial_batch: true is not built here"),
+    (BATCH + "trl:\n  streaming_partial_batch: true\n", r"trl.streaming_partial_batch: true: axolotl streams only on "
+                                                        r"its async path"),
     (BATCH + "trl:\n  prefetch_depth: 2\n", r"trl.prefetch_depth: 2: how far trl.async_prefetch samples ahead, but "
                                            r"async_prefetch is off"),
     (BATCH + "trl:\n  async_prefetch: true\n  prefetch_depth: 3\nrollout:\n  max_staleness: 2\n",
@@ -155,7 +157,7 @@ def test_vllm_sync_interval_makes_a_round_the_batches_between_two_pushes(tmp_pat
     ("rl: dpo\ntrl:\n  vllm_sync_interval: 2\n", r"trl.vllm_sync_interval: TRL's GRPO generation batch and its weight "
                                                  r"pushes to vLLM; rl is 'dpo'"),
     (BATCH + "trl:\n  streaming_min_groups: 1\n",
-     r"trl.streaming_min_groups: streaming scoring \(trl.streaming_partial_batch\) is not built here"),
+     r"trl.streaming_min_groups: 1: the chunk size of trl.streaming_partial_batch, which is unset"),
 ])
 def test_what_posttrain_cannot_honour_is_an_error_naming_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):

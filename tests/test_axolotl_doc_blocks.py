@@ -124,8 +124,6 @@ VALID_BLOCKS = {
 """docs/grpo.qmd's blocks that load (`use_vllm: true` added where a block needs vLLM and the guide's config has it)."""
 
 REFUSED_BLOCKS = {
-    "streaming partial batch": ("trl:\n  streaming_partial_batch: true\n  streaming_min_groups: 1\n",
-                                "trl.streaming_min_groups: streaming scoring"),
     "scope-rl": ("trl:\n  use_data_producer: true\n  scope_rl: true\n  scope_target_entropy: 0.5\n"
                  "  scope_alpha: 0.015625\n  scope_positive_threshold: 1.0\n", "trl.scope_rl: SCOPE-RL"),
     "fp8": ("fp8: true\ntorch_compile: true\n", "fp8: FP8 training"),
@@ -137,7 +135,8 @@ REFUSED_BLOCKS = {
                   "deepspeed: DeepSpeed is not built here"),
 }
 """docs/grpo.qmd's blocks posttrain does not build, and the start of the one line that says so. Its "reward model
-from the hub" block is tests/test_reward_model_hub.py's (it needs the model in a hub cache)."""
+from the hub" block is tests/test_reward_model_hub.py's (it needs the model in a hub cache), its "streaming partial
+batch" block tests/test_axolotl_streaming.py's (under the async section's async_prefetch)."""
 
 
 @pytest.fixture

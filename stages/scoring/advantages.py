@@ -47,7 +47,29 @@ def _nanstd(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
     return torch.sqrt(squares / (count - 1).clamp(min=0))
 
 
-def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+def streaming_advantages(totals: torch.Tensor, rewards_per_func: torch.Tensor, weights: torch.Tensor,
+                         num_generations: int, aggregation: str, scale_rewards: str) -> torch.Tensor:
+    """Advantages as axolotl's streaming scorer computes them (trl.streaming_partial_batch,
+    AsyncGRPOTrainer._compute_streaming_group_scores): a chunk of groups is scored before the rest of the batch
+    exists, so every statistic is one group's. sum_then_normalize: the weighted `totals` less the group mean,
+    divided by the group's std unless scale_rewards is none (batch acts as group). normalize_then_sum: GDPO's
+    per-function group normalization, weighted sum, then a group normalization where TRL's is over the batch.
+
+    >>> r = torch.tensor([[1.0], [0.0], [3.0], [1.0]])
+    >>> [round(a, 3) for a in streaming_advantages(r[:, 0], r, torch.tensor([1.0]), 2, "sum_then_normalize",
+    ...                                            "batch").tolist()]
+    [0.707, -0.707, 0.707, -0.707]
+    """
+    if aggregation == "sum_then_normalize":
+        return group_advantages(totals, num_generations, "none" if scale_rewards == "none" else "group")
+    summed = gdpo_advantages(rewards_per_func, weights, num_generations, final="none")
+    grouped = summed.view(-1, num_generations)
+    centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    return torch.nan_to_num(centred / (_nanstd(grouped, dim=1, keepdim=True) + 1e-4), nan=0.0).view(-1)
+
+
+def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                    final: str = "batch") -> torch.Tensor:
     """GDPO advantages (`multi_objective_aggregation: normalize_then_sum`) for rewards (n, F) laid out
     group by group; NaN (a None reward) is left out of the group's mean and std and adds 0 to the sum.
 
@@ -63,6 +85,9 @@ def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     [-0.5, -0.5, -0.5, 1.5]
     >>> [round(a, 3) for a in gdpo_advantages(rewards, torch.tensor([1.0, 1.0]), 4).tolist()]
     [-0.398, -0.689, -0.398, 1.486]
+
+    `final` "none": the weighted sums before the batch normalization (NaN where every function returned None), for
+    `streaming_advantages`.
     """
     # TRL: GRPOTrainer._generate_and_score_completions, branch multi_objective_aggregation == "normalize_then_sum".
     num_funcs = rewards_per_func.shape[1]
@@ -71,5 +96,7 @@ def gdpo_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_g
     summed = torch.nansum(per_func.reshape(-1, num_funcs) * weights.to(per_func.dtype), dim=1)
     # As TRL 1.16: a row where every function returned None is left out of the batch stats, advantage 0.
     summed[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    if final == "none":
+        return summed
     std = _nanstd(summed, dim=0) if summed.numel() > 1 else torch.zeros((), dtype=summed.dtype)
     return torch.nan_to_num((summed - torch.nanmean(summed)) / (std + 1e-4), nan=0.0)

@@ -46,7 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from stages.data.schemas import ROLLOUTS, SCORED, write_table
 from stages.runtime.imports import LazyModule
 from stages.runtime.keys import key_when_set, not_in_key
-from stages.scoring.advantages import _nanstd, gdpo_advantages, group_advantages, reward_spread
+from stages.scoring.advantages import (_nanstd, gdpo_advantages, group_advantages, reward_spread,
+                                       streaming_advantages)
 from stages.scoring.collapse import collapse_metrics
 from stages.scoring.reward_pools import shared_pool
 from stages.scoring.reward_workers import (REWARD_MODEL_PREFIX, RewardFunctionError, is_model_name, resolve_model_name,
@@ -179,14 +180,15 @@ too many failures stopped it."""
 
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
         reward_model_dir: Path | None = None, devices=None, log_dir: Path | None = None,
-        reward_models: dict | None = None) -> dict:
+        reward_models: dict | None = None, streaming: bool = False) -> dict:
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
     folder the reward function named `reward_model` scores with (this run's reward_model stage).
     `reward_models`: {reward_funcs entry: its ModelSource} for the reward models named TRL's way (a hub id or a
     folder), as the caller resolved them (the task keys their commits); None: resolved here.
     `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto).
     `log_dir`: where reward_errors.log goes when a function fails too often (the stage then stops and its
-    output folder is discarded); None: out_dir."""
+    output folder is discarded); None: out_dir. `streaming` (grpo.streaming_partial_batch): every advantage statistic
+    is its group's, as axolotl's streaming scorer computes them (advantages.py `streaming_advantages`)."""
     sources = worker_sources(cfg, reward_model_dir, devices, reward_models)
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
@@ -228,7 +230,10 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     for i in (i for i in range(n) if no_reward[i]):  # only with reward_on_invalid set (else refused above)
         totals[i] = cfg.reward_on_invalid
         errors[i].append("no reward function returned a value (every one returned None)")
-    if cfg.multi_objective_aggregation == "normalize_then_sum":
+    if streaming:
+        advantages = streaming_advantages(totals, matrix, weights_t, num_generations, cfg.multi_objective_aggregation,
+                                          cfg.scale_rewards)
+    elif cfg.multi_objective_aggregation == "normalize_then_sum":
         advantages = gdpo_advantages(matrix, weights_t, num_generations)  # a row with no reward: advantage 0
     else:
         advantages = group_advantages(totals, num_generations, cfg.scale_rewards)

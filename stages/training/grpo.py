@@ -162,6 +162,18 @@ class GRPOConfig(BaseModel):
     reroll_max_groups: int = not_in_key(1, ge=1)
     """Prompts re-rolled per round at most, taken first-failed first; they replace the last prompts of the
     round's slice (axolotl `reroll_max_groups`). At most rollout.prompts_per_round."""
+    streaming_partial_batch: bool = False
+    """axolotl's streaming scoring (trl.streaming_partial_batch, its async GRPO): a round's prompt groups are taken
+    `streaming_min_groups` at a time in the order they were sampled, each chunk's rows shuffled and cut into
+    micro-batches of micro_batch_size that hold that chunk's rows only (its last one may be smaller, which adds
+    micro-batches and so optimizer steps), and the score stage computes every advantage statistic within its group
+    (score.scale_rewards batch acts as group; normalize_then_sum normalizes the weighted sum per group, not over the
+    batch), as axolotl's `_score_streaming` does. Micro-batches of whole groups make zero-advantage skipping finer.
+    Exclusive with replay_buffer_size (axolotl's streaming path never swaps replayed groups in). False: every
+    micro-batch is drawn from the whole round, shuffled (TRL)."""
+    streaming_min_groups: int | None = key_when_set(None, ge=1)
+    """Prompt groups per streaming chunk (axolotl's trl.streaming_min_groups); unset: 1, axolotl's default. Higher:
+    micro-batches mix more groups. Only with streaming_partial_batch."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length (finish_reason "length") out of the loss: their
     tokens get mask 0 and do not count in dapo's normalizer (TRL `mask_truncated_completions`, DAPO's
@@ -236,6 +248,17 @@ class GRPOConfig(BaseModel):
         if given and self.optim not in ("adamw", "adamw_8bit"):
             raise ValueError(f"{', '.join(given)}: AdamW's options, but optim is {self.optim}, which does not read "
                              "them; remove them or use optim: adamw")
+        return self
+
+    @model_validator(mode="after")
+    def _streaming_options_go_together(self):
+        if self.streaming_min_groups is not None and not self.streaming_partial_batch:
+            raise ValueError(f"streaming_min_groups {self.streaming_min_groups}: the chunk size of "
+                             "streaming_partial_batch, which is off; set streaming_partial_batch: true or remove it")
+        if self.streaming_partial_batch and self.replay_buffer_size:
+            raise ValueError(f"streaming_partial_batch with replay_buffer_size {self.replay_buffer_size}: axolotl's "
+                             "streaming scorer only stores groups and never swaps them in, so the buffer would do "
+                             "nothing; set one of them")
         return self
 
     @model_validator(mode="after")
@@ -483,24 +506,57 @@ class RoundPlan:
     steps_per_round: int  # optimizer steps over all num_iterations passes, skipped ones included
 
 
-def round_steps(cfg: GRPOConfig, rows: int) -> int:
-    """Optimizer steps a round of `rows` scored rows takes over its num_iterations passes, skipped ones included
-    (`plan_round`'s steps_per_round): micro_batch_size x gradient_accumulation_steps rows per step, the last step
-    of a pass taking what is left. flows/axolotl.py turns TRL's max_steps into rounds with it.
+def round_steps(cfg: GRPOConfig, rows: int, num_generations: int) -> int:
+    """Optimizer steps a round of `rows` scored rows (groups of `num_generations`) takes over its num_iterations
+    passes, skipped ones included (`plan_round`'s steps_per_round): gradient_accumulation_steps micro-batches per
+    step, the last step of a pass taking what is left; a micro-batch is micro_batch_size rows, or under
+    streaming_partial_batch what is left of its chunk. flows/axolotl.py turns TRL's max_steps into rounds with it.
 
-    >>> round_steps(GRPOConfig(micro_batch_size=4, gradient_accumulation_steps=2, num_iterations=3), 20)
+    >>> round_steps(GRPOConfig(micro_batch_size=4, gradient_accumulation_steps=2, num_iterations=3), 20, 4)
     9
+    >>> round_steps(GRPOConfig(micro_batch_size=8, gradient_accumulation_steps=2, streaming_partial_batch=True), 24, 4)
+    3
     """
-    return -(-rows // (cfg.micro_batch_size * cfg.gradient_accumulation_steps)) * cfg.num_iterations
+    if not cfg.streaming_partial_batch:
+        micro_batches = -(-rows // cfg.micro_batch_size)
+    else:  # each chunk of streaming_min_groups groups is cut on its own
+        chunk = (cfg.streaming_min_groups or 1) * num_generations
+        micro_batches = (rows // chunk) * -(-chunk // cfg.micro_batch_size) + -(-(rows % chunk) // cfg.micro_batch_size)
+    return -(-micro_batches // cfg.gradient_accumulation_steps) * cfg.num_iterations
+
+
+def _prompt_groups(rows: list[dict]) -> list[list[dict]]:
+    """The round's rows as its prompt groups, in table order (a group starts at group_index 0)."""
+    groups: list[list[dict]] = []
+    for row in rows:
+        if not groups or row["group_index"] == 0 or row["prompt_id"] != groups[-1][-1]["prompt_id"]:
+            groups.append([])
+        groups[-1].append(row)
+    return groups
+
+
+def micro_batches(cfg: GRPOConfig, rows: list[dict], rng: random.Random) -> list[list[dict]]:
+    """The round's micro-batches, in order (`rows` is shuffled in place). TRL: the rows shuffled, cut into
+    micro_batch_size. streaming_partial_batch (axolotl's `_score_streaming`): the prompt groups taken
+    streaming_min_groups at a time in table order, each chunk's rows shuffled and cut on their own."""
+    if not cfg.streaming_partial_batch:
+        rng.shuffle(rows)
+        return [rows[i : i + cfg.micro_batch_size] for i in range(0, len(rows), cfg.micro_batch_size)]
+    groups, size, cut = _prompt_groups(rows), cfg.streaming_min_groups or 1, []
+    rows.clear()
+    for start in range(0, len(groups), size):
+        chunk = [row for group in groups[start : start + size] for row in group]
+        rng.shuffle(chunk)
+        rows += chunk
+        cut += [chunk[i : i + cfg.micro_batch_size] for i in range(0, len(chunk), cfg.micro_batch_size)]
+    return cut
 
 
 def plan_round(cfg: GRPOConfig, rows: list[dict], round_index: int) -> RoundPlan:
-    """Shuffle the round's rows, cut them into optimizer steps of gradient_accumulation_steps micro-batches and
-    decide what each step computes and whether pi_old needs a pass of its own."""
-    random.Random(cfg.seed * 100_003 + round_index).shuffle(rows)
-    step_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    steps = [[step_rows[i : i + cfg.micro_batch_size] for i in range(0, len(step_rows), cfg.micro_batch_size)]
-             for step_rows in (rows[i : i + step_size] for i in range(0, len(rows), step_size))]
+    """Shuffle the round's rows, cut them into micro-batches (`micro_batches`) and those into optimizer steps of
+    gradient_accumulation_steps, and decide what each step computes and whether pi_old needs a pass of its own."""
+    cut = micro_batches(cfg, rows, random.Random(cfg.seed * 100_003 + round_index))
+    steps = [cut[i : i + cfg.gradient_accumulation_steps] for i in range(0, len(cut), cfg.gradient_accumulation_steps)]
     masked_out = {r["rollout_id"] for r in rows if cfg.mask_truncated_completions and _is_truncated(r)}
     replayed = [r for r in rows if r.get("replayed")]
     # pi_old: the policy at the start of the round, before any update (TRL computes it when a generation batch
