@@ -56,8 +56,10 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "reroll_start_fraction": ("grpo", "reroll_start_fraction"),
                     "reroll_max_groups": ("grpo", "reroll_max_groups"),
                     "skip_zero_advantage_batches": ("grpo", "skip_zero_advantage_batches"),
-                    "reward_num_workers": ("score", "reward_num_workers")}
-"""axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is."""
+                    "reward_num_workers": ("score", "reward_num_workers"),
+                    "rollout_func": ("rollout", "rollout_func")}
+"""axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is. trl.rollout_func is the same
+thing, a `module.fn` that samples the completions itself, called with posttrain's arguments (preflight checks them)."""
 ASYNC_TRL_KEYS = ("prefetch_depth", "use_data_producer", "vllm_lora_sync", "streaming_partial_batch",
                   "streaming_min_groups")
 """axolotl's async-GRPO `trl:` keys that `_async_moves` reads with the rest of the config (the engine, the adapter,
@@ -105,15 +107,15 @@ AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the 
                       "gradient_checkpointing_kwargs": ({"use_reentrant": False}, "train.gradient_checkpointing "
                                                                                   "runs with use_reentrant: false"),
                       "skip_prepare_dataset": (True, "the transform stage writes the prompts table; no stage "
-                                                     "pre-tokenizes it")}
+                                                     "pre-tokenizes it"),
+                      "context_parallel_size": (1, "sequence parallelism, each sequence split across GPUs with ring "
+                                                   "attention, is not built: it needs several GPUs, and posttrain's "
+                                                   "optimize stage runs each sequence on one device")}
 """axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
 AXOLOTL_NOT_BUILT = {
     "fp8": "FP8 training (float8 matmuls on Hopper-class GPUs) is not built here; train.precision is fp32, bf16 or fp16",
-    "deepspeed": "DeepSpeed is not built here: posttrain shards with PyTorch FSDP2 (train.strategy: fsdp, "
-                 "train.num_processes)",
-    "fsdp": "axolotl's FSDP list is not read here: set train.strategy: fsdp and train.num_processes (posttrain wraps "
-            "every decoder layer itself)",
-    "fsdp_config": "axolotl's FSDP settings are not read here: set train.strategy: fsdp and train.num_processes",
+    "plugins": "axolotl's plugins (axolotl.integrations.*: NeMo Gym, Liger, ...) are not loaded here; an environment's "
+               "rollouts are rollout.rollout_func, a verifier over HTTP score.remote_verifiers",
     "trl.scope_rl": "SCOPE-RL entropy control is not built here (health.* warns on entropy collapse instead)",
 }
 """axolotl keys (top level, or `trl.` ones) for what posttrain does not build, and why: an error naming the key."""
@@ -156,9 +158,13 @@ def move_training_keys(data):
     if not isinstance(data, dict):
         return data
     data = dict(data)
+    written_as_axolotl = is_axolotl_config(data)
     trl_keys = {f"trl.{k}" for k in data.get("trl") or {}} if isinstance(data.get("trl"), dict) else set()
     for key in [k for k in AXOLOTL_NOT_BUILT if k in data or k in trl_keys]:
         raise ValueError(f"{key}: {AXOLOTL_NOT_BUILT[key]}; remove it")
+    if data.keys() & set(SHARDING_KEYS):
+        data = move_sharding_keys(data)
+    data = full_fine_tuning_default(data, written_as_axolotl)
     for key, (honoured, why) in AXOLOTL_FIXED_KEYS.items():
         if key in data and (value := data.pop(key)) != honoured:
             raise ValueError(f"{key}: {value!r} is not honoured here ({why}); remove it")
@@ -188,7 +194,8 @@ def move_training_keys(data):
         data["trl"] = {k: trl[k] for k in LENGTH_TRL_KEYS if k in trl}
         trl = {k: v for k, v in trl.items() if k not in LENGTH_TRL_KEYS}
     if isinstance(trl, dict) and trl.keys() & ASYNC_TRL_KEYS:
-        moves += _async_moves({k: trl[k] for k in ASYNC_TRL_KEYS if k in trl}, trl, data, bool(server))
+        moves += _async_moves({k: trl[k] for k in ASYNC_TRL_KEYS if trl.get(k) is not None}, trl, data,
+                              bool(server), _adapter(data))  # null: unset, as in axolotl
         trl = {k: v for k, v in trl.items() if k not in ASYNC_TRL_KEYS}
     moves += _trl_moves(trl, bool(server))
     rl = data.get("rl")
@@ -289,6 +296,11 @@ def device_settings(keys: dict) -> dict[str, tuple]:
         out["attn_implementation"] = (kernels[chosen[0]], chosen[0])
     if "attn_implementation" in keys:  # axolotl's newer spelling: transformers' name of the kernel
         named = keys["attn_implementation"]
+        if named == "flex_attention":
+            raise ValueError("attn_implementation: flex_attention (PyTorch's compiled FlexAttention; axolotl's strided "
+                             "EBFT path with it needs CUDA) is not built here: train.attn_implementation is sdpa, "
+                             "eager or flash_attention_2, and rl: ebft's strided mode builds its block mask itself "
+                             "(stages/training/ebft_strided.py); remove it or set sdpa")
         if named not in kernels.values():
             raise ValueError(f"attn_implementation: {named!r}; posttrain has {', '.join(kernels.values())}")
         if chosen and kernels[chosen[0]] != named:
@@ -410,6 +422,12 @@ def _trl_moves(trl: dict, server: bool = False) -> list[tuple[str, str, str, obj
                                  "rollout.engine: vllm) or server (the server `posttrain vllm-serve` starts, "
                                  "rollout.engine: vllm_server)")
             continue
+        if value is None:  # axolotl's schema default: unset (TRL's default there)
+            if key in AXOLOTL_TRL_KEYS:
+                section, field = AXOLOTL_TRL_KEYS[key]
+                keep_notes([f"trl.{key}: null (axolotl's key): unset, so {section}.{field} keeps posttrain's "
+                            f"default, {_yaml(_default_of(section, field))}"])
+            continue
         if isinstance(value, (bool, str)) and (key, value) in AXOLOTL_TRL_NO_OPS:
             continue
         if key == "log_completions":  # sample completions are logged each round (tracking.completions_per_round)
@@ -426,23 +444,40 @@ def _trl_moves(trl: dict, server: bool = False) -> list[tuple[str, str, str, obj
         elif key in AXOLOTL_TRL_KEYS:
             moves.append((f"trl.{key}", *AXOLOTL_TRL_KEYS[key], value))
         else:
-            raise ValueError(f"trl.{key}: not an option posttrain has under another name (trl: takes "
+            import difflib
+
+            accepted = [*AXOLOTL_TRL_KEYS, "use_vllm", "vllm_mode", "log_completions", *ASYNC_TRL_KEYS,
+                        *LENGTH_TRL_KEYS, *(k.split(".", 1)[1] for k in AXOLOTL_VLLM_SERVER_KEYS if k[:4] == "trl.")]
+            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
+            hint = f"did you mean trl.{close[0]}? " if close else ""
+            raise ValueError(f"trl.{key}: not an option posttrain has under another name ({hint}trl: takes "
                              f"{', '.join(sorted(AXOLOTL_TRL_KEYS))}, use_vllm, vllm_mode, log_completions, "
                              f"{', '.join(ASYNC_TRL_KEYS + LENGTH_TRL_KEYS)}); set "
                              "the posttrain key instead or remove it")
     return moves
 
 
-def _async_moves(keys: dict, trl: dict, data: dict, server: bool = False) -> list[tuple[str, str, str, object]]:
+def _default_of(section: str, field: str):
+    """The default value of posttrain's `section`.`field` (dotted for a nested section: vllm.dtype)."""
+    from flows.config import PipelineConfig
+
+    model = PipelineConfig.model_fields[section].annotation
+    for part in field.split("."):
+        info = model.model_fields[part]
+        value, model = info.get_default(call_default_factory=True), info.annotation
+    return value
+
+
+def _async_moves(keys: dict, trl: dict, data: dict, server: bool,
+                 adapter: str) -> list[tuple[str, str, str, object]]:
     """axolotl's async-GRPO `trl:` keys (ASYNC_TRL_KEYS, in `keys`; `trl` is the whole section) as (their key,
-    section, field, value) moves, read against the engine (trl.use_vllm or rollout.engine), the adapter and
-    async_prefetch (`server`: the server keys are set, the engine is vllm_server). A key that says what posttrain
-    does anyway moves nothing and keeps a note saying why (`posttrain validate` prints it); one posttrain cannot
-    honour is an error naming it."""
-    rollout, grpo = section_dict(data, "rollout") or {}, section_dict(data, "grpo") or {}
+    section, field, value) moves, read against the engine (trl.use_vllm or rollout.engine), the adapter (lora or
+    none, `_adapter`) and async_prefetch (`server`: the server keys are set, the engine is vllm_server). A key that
+    says what posttrain does anyway moves nothing and keeps a note saying why (`posttrain validate` prints it); one
+    posttrain cannot honour is an error naming it."""
+    rollout = section_dict(data, "rollout") or {}
     engine = "vllm_server" if server else ("vllm" if trl["use_vllm"] else "transformers") if "use_vllm" in trl \
         else rollout.get("engine", "transformers")
-    adapter = (data["adapter"] or "none") if "adapter" in data else grpo.get("adapter", "lora")
     prefetching = trl.get("async_prefetch", rollout.get("async_prefetch", False))
     moves, notes = [], []
     if "use_data_producer" in keys:
@@ -552,6 +587,35 @@ def _lora_sync(value, engine: str, adapter: str, notes: list[str]) -> list[tuple
     return [("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged")]
 
 
+def is_axolotl_config(data: dict) -> bool:
+    """Whether the raw config is written in axolotl's terms: a top-level key that is not one of posttrain's sections
+    (base_model, datasets, trl, micro_batch_size, ...). `rl` alone is posttrain's own key too (configs/ebft.yaml)."""
+    from flows.config import PipelineConfig
+
+    return any(key not in PipelineConfig.model_fields for key in data)
+
+
+def _adapter(data: dict) -> str:
+    """What the GRPO policy trains, lora or none: axolotl's top-level `adapter` (null: none), else grpo.adapter (none
+    where `full_fine_tuning_default` set it), else posttrain's default, lora."""
+    if "adapter" in data:
+        return data["adapter"] or "none"
+    return (section_dict(data, "grpo") or {}).get("adapter", "lora")
+
+
+def full_fine_tuning_default(data: dict, written_as_axolotl: bool) -> dict:
+    """axolotl trains the whole model where its config has no `adapter:` key: under a round method, grpo.adapter none
+    with a note (`posttrain validate` prints it), unless grpo.adapter is set or the config is posttrain's own."""
+    grpo = section_dict(data, "grpo")
+    if (not written_as_axolotl or "adapter" in data or grpo is None or "adapter" in grpo
+            or data.get("rl", "grpo") not in ROUND_RL):
+        return data
+    keep_notes(["adapter: not set: axolotl trains the whole model then (full fine-tuning) -> grpo.adapter: none, "
+                "every weight trained and sent to the rollout engine each round; for a LoRA adapter set adapter: "
+                "lora"])
+    return {**data, "grpo": {**grpo, "adapter": "none"}}
+
+
 def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, object]]:
     """axolotl's top-level training keys (AXOLOTL_TRAINING_KEYS), popped from `data`, as (their key, section,
     field, value) moves into `trainer`'s section (grpo, dpo or reward_model); one that has no meaning for that
@@ -602,6 +666,300 @@ def section_dict(data: dict, section: str) -> dict | None:
     if isinstance(target, BaseModel):
         target = target.model_dump(exclude_unset=True)
     return target if isinstance(target, dict) else None
+
+
+# ---------------------------------------------------------------- sharding (axolotl's fsdp / deepspeed -> train)
+
+SHARDING_KEYS = ("fsdp", "fsdp_config", "fsdp_version", "fsdp_final_state_dict_type", "deepspeed")
+"""axolotl's top-level multi-GPU keys (docs/multi-gpu.qmd), read by `move_sharding_keys`."""
+NO_OFFLOAD = ("CPU offload is not built here: the weights and optimizer state stay on the training device; "
+              "shard over more processes (train.num_processes) to fit the model")
+WHOLE_FILES = "posttrain gathers and writes whole checkpoints and models (FULL_STATE_DICT); sharded files are not built"
+FSDP_LIST = {"full_shard": None, "auto_wrap": None, "no_shard": None,
+             "shard_grad_op": "ZeRO-2 (weights kept gathered from forward to backward) is not built: posttrain's "
+                              "FSDP2 reshards each block after its forward (full_shard)",
+             "hybrid_shard": "sharding within a node and replicating across nodes is not built: posttrain shards "
+                             "across every rank (full_shard)",
+             "hybrid_shard_zero2": "hybrid sharding is not built: posttrain shards across every rank (full_shard)",
+             "offload": NO_OFFLOAD}
+"""axolotl's `fsdp:` list (TrainingArguments.fsdp): None for what posttrain does, else why it is not built."""
+FSDP_CONFIG_HONOURED = {"reshard_after_forward": (True,), "offload_params": (False,),
+                        "cpu_ram_efficient_loading": (False,), "sync_module_states": (True, False),
+                        "use_orig_params": (True,), "state_dict_type": ("FULL_STATE_DICT",),
+                        "final_state_dict_type": ("FULL_STATE_DICT",), "auto_wrap_policy": ("TRANSFORMER_BASED_WRAP",),
+                        "activation_checkpointing": (True, False),
+                        "sharding_strategy": ("FULL_SHARD", 1, "NO_SHARD", 3)}
+"""axolotl's fsdp_config sub-keys (FSDP2 names; FSDP1's `fsdp_` prefix dropped, as axolotl does) and the values
+posttrain's FSDP2 honours (transformer_layer_cls_to_wrap: `_wrapped_blocks`; fsdp_version: 1 or 2)."""
+FSDP_CONFIG_WHY = {
+    "reshard_after_forward": "it keeps each block's weights gathered from forward to backward (ZeRO-2), which is not "
+                             "built: posttrain's FSDP2 reshards after forward (full_shard)",
+    "sharding_strategy": "posttrain's FSDP2 is FULL_SHARD (NO_SHARD: train.strategy ddp); SHARD_GRAD_OP and the hybrid "
+                         "strategies are not built",
+    "offload_params": NO_OFFLOAD,
+    "cpu_offload_pin_memory": "it pins host memory for offloaded weights, and posttrain offloads nothing "
+                              "(offload_params)",
+    "cpu_ram_efficient_loading": "it loads the weights on rank 0 alone and broadcasts them, which is not built: each "
+                                 "of posttrain's ranks loads model.path itself",
+    "use_orig_params": "FSDP1's flattened parameters are not built: posttrain's FSDP2 shards each parameter as it is "
+                       "(true)",
+    "state_dict_type": WHOLE_FILES, "final_state_dict_type": WHOLE_FILES,
+    "auto_wrap_policy": "posttrain wraps each transformer block (TRANSFORMER_BASED_WRAP); SIZE_BASED_WRAP is not built",
+    "min_num_params": "it sizes SIZE_BASED_WRAP, which is not built (posttrain wraps each transformer block)",
+    "mixed_precision_policy": "posttrain's FSDP2 casts nothing itself: the model trains in train.precision "
+                              "(axolotl's bf16 / fp16 keys)",
+    "activation_checkpointing": "use true or false", "sync_module_states": "use true or false",
+    **dict.fromkeys(("backward_prefetch", "backward_prefetch_policy", "forward_prefetch"),
+                    "FSDP1's prefetch settings are gone in FSDP2 (axolotl's migration table), which prefetches the "
+                    "next block's weights itself"),
+}
+"""Why a value of an fsdp_config sub-key is not honoured."""
+DEEPSPEED_SHIPPED = {
+    "zero1.json": {"zero_optimization": {"stage": 1}}, "zero1_torch_compile.json": {"zero_optimization": {"stage": 1}},
+    "zero2.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "zero2_torch_compile.json": {"zero_optimization": {"stage": 2}},
+    "zero3.json": {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}},
+    "zero3_bf16.json": {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True},
+                        "bf16": {"enabled": True}},
+    "zero3_bf16_cpuoffload_params.json": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                                          "bf16": {"enabled": True}},
+    "zero3_bf16_cpuoffload_all.json": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                             "offload_optimizer": {"device": "cpu"}},
+                                       "bf16": {"enabled": True}}}
+"""What posttrain reads of axolotl's own deepspeed_configs/*.json (`axolotl fetch deepspeed_configs`) where a config
+names one that is not on this machine: the stage, offload and bf16 of each."""
+DEEPSPEED_TUNING = ("overlap_comm", "contiguous_gradients", "sub_group_size", "reduce_bucket_size",
+                    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "max_live_parameters",
+                    "max_reuse_distance", "allgather_bucket_size", "allgather_partitions", "reduce_scatter",
+                    "round_robin_gradients", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+"""ZeRO's communication and bucket tuning: no counterpart under FSDP2, which schedules its own all-gathers."""
+DEEPSPEED_AUTO = {"train_micro_batch_size_per_gpu": "micro_batch_size", "train_batch_size": "micro_batch_size",
+                  "gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+"""DeepSpeed JSON keys that axolotl fills from its own keys ("auto"), and the key to set instead."""
+DEEPSPEED_QUIET = ("wall_clock_breakdown", "steps_per_print", "zero_allow_untested_optimizer",
+                   "zero_force_ds_cpu_optimizer")
+"""DeepSpeed JSON keys about its own logging and optimizer checks: nothing to do under FSDP2."""
+
+
+def top_level_keys() -> list[str]:
+    """Every top-level key of axolotl's that posttrain reads (moved into its sections or checked), for the did-you-mean
+    of an unknown key (flows/config.py `_describe`)."""
+    return sorted({*AXOLOTL_KEYS, *AXOLOTL_DEVICE_KEYS, *AXOLOTL_TRAINING_KEYS, *AXOLOTL_FIXED_KEYS, *SHARDING_KEYS,
+                   *(k for k in AXOLOTL_NOT_BUILT if "." not in k), "trl", "vllm", "output_dir", "logging_steps",
+                   "process_reward_model", "model_type", "num_labels"})
+
+
+def move_sharding_keys(data: dict) -> dict:
+    """axolotl's fsdp / fsdp_config / fsdp_version and deepspeed, popped from `data`, as train.strategy (fsdp, or ddp
+    for no_shard / ZeRO-0) and what else they mean (fsdp_config.activation_checkpointing: train.gradient_checkpointing,
+    a ZeRO-3 JSON's bf16: train.precision), with a note saying what was chosen and that train.num_processes is the
+    process count (axolotl's launcher's). A setting posttrain's FSDP2 does not honour is an error naming it."""
+    given = {k: data.pop(k) for k in SHARDING_KEYS if k in data}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return data
+    named = ", ".join(given)
+    if data.get("rl", "grpo") not in ROUND_RL:
+        raise ValueError(f"{named}: posttrain shards only the GRPO/EBFT optimize stage (train.strategy: fsdp); rl "
+                         f"{data['rl']!r} trains with HF Trainer's DDP on train.num_processes ranks; remove it")
+    if "deepspeed" in given and len(given) > 1:
+        raise ValueError(f"{named}: DeepSpeed and FSDP are two ways to shard (axolotl refuses both too); keep one")
+    if "deepspeed" not in given and not given.keys() & {"fsdp", "fsdp_config"}:
+        raise ValueError(f"{named}: axolotl turns FSDP on with fsdp_config (or fsdp), which this config does not set; "
+                         "add it (train.strategy: fsdp here) or remove it")
+    model = data.get("base_model") or (section_dict(data, "model") or {}).get("path")
+    settings, notes = (_deepspeed_settings(given["deepspeed"]) if "deepspeed" in given else
+                       _fsdp_settings(given, model))
+    train = section_dict(data, "train")
+    if train is None:
+        return data  # train's own error says what it should be
+    for field, (value, source) in settings.items():
+        train = _with_value(train, field, value, source, "train")
+    data["train"] = train
+    processes = train.get("num_processes", 1)
+    keep_notes([*notes, f"{named} (axolotl's) -> train.strategy: {settings['strategy'][0]}. axolotl takes the number "
+                        "of processes from its launcher (accelerate launch / torchrun, `axolotl train "
+                        f"--num-processes`); here train.num_processes sets it, {processes} in this config"
+                        + (": one process shards nothing, set it to the GPU count" if processes == 1 else "")
+                        + ". axolotl's micro_batch_size is per process; posttrain's is the whole step's, split across "
+                          "the processes"])
+    return data
+
+
+def _fsdp_settings(given: dict, model) -> tuple[dict, list[str]]:
+    """({train field: (value, axolotl key)}, notes) for axolotl's fsdp list, fsdp_config (FSDP1 or FSDP2 names) and
+    fsdp_version; a value posttrain's FSDP2 does not honour is an error naming the key."""
+    listed = given.get("fsdp") or []
+    listed = listed.split() if isinstance(listed, str) else listed
+    if not isinstance(listed, list):
+        raise ValueError(f"fsdp: {listed!r}; axolotl's fsdp is a list (e.g. [full_shard, auto_wrap])")
+    for option in listed:
+        if option not in FSDP_LIST:
+            raise ValueError(f"fsdp: {option!r} is not one of {', '.join(FSDP_LIST)}")
+        if FSDP_LIST[option]:
+            raise ValueError(f"fsdp: {option}: {FSDP_LIST[option]}; remove it")
+    config = given.get("fsdp_config") or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"fsdp_config: expected a mapping of FSDP settings, got {type(config).__name__}")
+    config = {(k if k == "fsdp_version" else k.removeprefix("fsdp_")): v for k, v in config.items()}
+    version = config.pop("version", None) or config.pop("fsdp_version", None) or given.get("fsdp_version")
+    if version is not None and str(version) not in ("1", "2"):
+        raise ValueError(f"fsdp_version: {version!r}; axolotl's FSDP is version 1 or 2")
+    config.setdefault("final_state_dict_type", given.get("fsdp_final_state_dict_type"))
+    notes = [note for key, value in config.items() if (note := _fsdp_config_value(key, value, model))]
+    strategy = "ddp" if "no_shard" in listed or config.get("sharding_strategy") in ("NO_SHARD", 3) else "fsdp"
+    settings = {"strategy": (strategy, "fsdp" if "fsdp" in given else "fsdp_config")}
+    if config.get("activation_checkpointing"):
+        settings["gradient_checkpointing"] = (True, "fsdp_config.activation_checkpointing")
+        notes.append("fsdp_config.activation_checkpointing: true -> train.gradient_checkpointing: true (each "
+                     "transformer block's activations recomputed in the backward pass)")
+    if str(version) == "1":
+        notes.append("fsdp_version: 1 (axolotl's FSDP1): posttrain shards with FSDP2 (fully_shard), which shards the "
+                     "same weights, gradients and optimizer state")
+    return settings, notes
+
+
+def _fsdp_config_value(key: str, value, model) -> str | None:
+    """One fsdp_config sub-key checked against what posttrain's FSDP2 does: an error naming it, or a note, or None."""
+    if value is None:  # axolotl's schema default: unset
+        return None
+    if key == "transformer_layer_cls_to_wrap":
+        return _wrapped_blocks(value, model)
+    if key not in FSDP_CONFIG_WHY:
+        import difflib
+
+        close = difflib.get_close_matches(key, [*FSDP_CONFIG_WHY, "transformer_layer_cls_to_wrap"], n=1)
+        raise ValueError(f"fsdp_config.{key}: not an FSDP setting axolotl has"
+                         + (f"; did you mean {close[0]!r}?" if close else "; remove it"))
+    if not any(value == ok and type(value) is type(ok) for ok in FSDP_CONFIG_HONOURED.get(key, ())):
+        raise ValueError(f"fsdp_config.{key}: {_yaml(value)}: {FSDP_CONFIG_WHY[key]}; remove it")
+    if key == "sync_module_states":
+        return (f"fsdp_config.sync_module_states: {_yaml(value)}: each rank loads the same weights from model.path, "
+                "so the ranks start in sync either way")
+    return None
+
+
+def _wrapped_blocks(name, model) -> str:
+    """fsdp_config.transformer_layer_cls_to_wrap against what posttrain wraps, each block the model's class lists in
+    `_no_split_modules` (stages/runtime/distributed.py `shard_model`): an error naming the key where they differ, a
+    note where they agree or the model's config.json is not on this machine to compare."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"fsdp_config.transformer_layer_cls_to_wrap: {name!r}; name the model's decoder layer class")
+    wanted, blocks = {n.strip() for n in name.split(",")}, _model_blocks(model)
+    key = f"fsdp_config.transformer_layer_cls_to_wrap: {name}"
+    if blocks is None:
+        return (f"{key}: posttrain wraps each block the model lists in _no_split_modules; the model's class is not "
+                "known here yet (its config.json is not on this machine, or has no model_type transformers knows), "
+                "so that these are the same was not checked")
+    if wanted != blocks:
+        raise ValueError(f"{key}: posttrain wraps each block the model lists in _no_split_modules, "
+                         f"{', '.join(sorted(blocks))} for this model; set that or remove it")
+    return f"{key}: the model's transformer block, which posttrain's FSDP2 wraps (its _no_split_modules)"
+
+
+def _model_blocks(model) -> set[str] | None:
+    """The classes the model's transformers class lists in `_no_split_modules`, from its config.json in a local
+    folder or the hub cache; None where neither has it, or its model_type is no causal LM transformers knows."""
+    import json
+
+    if not isinstance(model, str) or not model:
+        return None
+    folder, path = Path(model).expanduser(), None
+    if folder.is_dir():
+        path = folder / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # not a hub id (huggingface_hub's HFValidationError)
+            cached = None
+        path = Path(cached) if isinstance(cached, str) else None
+    try:
+        model_type = json.loads(path.read_text()).get("model_type") if path else None
+    except (OSError, ValueError):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None:
+        return None
+    import transformers
+
+    return set(getattr(getattr(transformers, class_name), "_no_split_modules", None) or ())
+
+
+def _deepspeed_settings(value) -> tuple[dict, list[str]]:
+    """({train field: (value, "deepspeed")}, notes) for axolotl's deepspeed JSON: ZeRO-3 without offload is what FSDP's
+    full shard does (weights, gradients and optimizer state sharded) -> train.strategy fsdp, stage 0 ddp; ZeRO-1/2,
+    CPU offload and a setting axolotl does not fill itself are errors naming them."""
+    spec, where = _deepspeed_json(value)
+    if not isinstance(spec, dict):
+        raise ValueError(f"deepspeed: {where}: expected a JSON object")
+    zero = spec.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage in (1, 2):
+        raise ValueError(f"deepspeed: {where} is ZeRO stage {stage}, which shards the optimizer state"
+                         f"{' and gradients' if stage == 2 else ''} but keeps the whole weights on every rank: not "
+                         "built here. posttrain has train.strategy ddp (nothing sharded) or fsdp (as ZeRO-3: the "
+                         "weights too); use deepspeed_configs/zero3.json, or set train.strategy")
+    if stage not in (0, 3):
+        raise ValueError(f"deepspeed: {where}: zero_optimization.stage {stage!r}; ZeRO stages are 0 to 3")
+    for part in ("offload_param", "offload_optimizer"):
+        if (zero.get(part) or {}).get("device", "none") not in ("none", None):
+            raise ValueError(f"deepspeed: {where} zero_optimization.{part}: {NO_OFFLOAD}")
+    if zero.get("gather_16bit_weights_on_model_save", zero.get("stage3_gather_16bit_weights_on_model_save")) is False:
+        raise ValueError(f"deepspeed: {where} zero_optimization.gather_16bit_weights_on_model_save: false: "
+                         f"{WHOLE_FILES}")
+    known = {"stage", "offload_param", "offload_optimizer", "gather_16bit_weights_on_model_save",
+             "stage3_gather_16bit_weights_on_model_save", *DEEPSPEED_TUNING}
+    top = {"zero_optimization", "bf16", "fp16", *DEEPSPEED_AUTO, *DEEPSPEED_QUIET}
+    for key in [*(f"zero_optimization.{k}" for k in zero if k not in known), *(k for k in spec if k not in top)]:
+        raise ValueError(f"deepspeed: {where} {key}: not a setting posttrain has a counterpart of; remove it")
+    for key, theirs in DEEPSPEED_AUTO.items():
+        if spec.get(key, "auto") != "auto":
+            raise ValueError(f"deepspeed: {where} {key}: {spec[key]!r}: axolotl fills it from {theirs} (\"auto\"); "
+                             f"set {theirs} instead")
+    settings = {"strategy": ("fsdp" if stage == 3 else "ddp", "deepspeed")}
+    settings.update(_deepspeed_precision(spec, where))
+    tuning = sorted(zero.keys() & set(DEEPSPEED_TUNING))
+    return settings, [f"deepspeed: {where}: ZeRO stage {stage} -> train.strategy: {settings['strategy'][0]}"
+                      + (": PyTorch FSDP2 (fully_shard) shards the weights, gradients and optimizer state as ZeRO-3 "
+                         "does, and writes whole files" if stage == 3 else ": nothing sharded")
+                      + (f"; its communication tuning ({', '.join(tuning)}) has no counterpart under FSDP2, which "
+                         "schedules its own all-gathers" if tuning else "")]
+
+
+def _deepspeed_json(value) -> tuple[object, str]:
+    """(the DeepSpeed config, how to name it): axolotl's deepspeed is a JSON file's path (or the JSON inline); one of
+    axolotl's own files that is not on this machine is read as axolotl ships it (DEEPSPEED_SHIPPED)."""
+    import json
+
+    if isinstance(value, dict):
+        return value, "(inline)"
+    if not isinstance(value, str):
+        raise ValueError(f"deepspeed: {value!r}; axolotl's deepspeed is a JSON file's path "
+                         "(e.g. deepspeed_configs/zero3_bf16.json)")
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return json.loads(path.read_text()), value
+        except (OSError, ValueError) as e:
+            raise ValueError(f"deepspeed: {value}: not a readable JSON file ({e})") from None
+    if path.name in DEEPSPEED_SHIPPED:
+        return DEEPSPEED_SHIPPED[path.name], f"{value} (axolotl's own file, as axolotl ships it)"
+    raise ValueError(f"deepspeed: {value}: no such file (axolotl's own: deepspeed_configs/"
+                     f"{{{', '.join(DEEPSPEED_SHIPPED)}}}, `axolotl fetch deepspeed_configs`)")
+
+
+def _deepspeed_precision(spec: dict, where: str) -> dict:
+    """{"precision": (bf16 | fp16, "deepspeed")} where the JSON turns one on (true), {} where it follows axolotl's
+    bf16 / fp16 keys ("auto") or is off; DeepSpeed's own fp16 loss scaler is an error."""
+    on = [kind for kind in ("bf16", "fp16") if (spec.get(kind) or {}).get("enabled") is True]
+    if "fp16" in on:
+        raise ValueError(f"deepspeed: {where} fp16.enabled: true is DeepSpeed's fp16 with its own loss scaler, not "
+                         "built here; set fp16: true (train.precision) and fp16.enabled: auto")
+    return {"precision": ("bf16", "deepspeed's bf16.enabled: true")} if on else {}
 
 
 # ---------------------------------------------------------------- training length (TRL's terms -> rounds)

@@ -72,7 +72,8 @@ def test_the_async_grpo_example_loads_as_written(tmp_path, capsys):
     ("reward_num_workers", "3", "score.reward_num_workers", 3),
 ])
 def test_keys_of_the_same_meaning_land_on_posttrains(tmp_path, key, value, field, expected):
-    cfg = _config(tmp_path, f"{BATCH}trl:\n  use_vllm: true\n  {key}: {value}\n")
+    adapter = "adapter: lora\n" if key == "vllm_lora_sync" else ""  # (no `adapter:`: axolotl's full fine-tuning)
+    cfg = _config(tmp_path, f"{BATCH}{adapter}trl:\n  use_vllm: true\n  {key}: {value}\n")
     target = cfg
     for part in field.split("."):
         target = getattr(target, part)

@@ -36,7 +36,7 @@ def test_server_keys_make_the_run_generate_on_the_server(tmp_path, text, url, se
     cfg = load(tmp_path, GRPO + text)
     assert (cfg.rollout.engine, cfg.rollout.vllm.server_urls) == ("vllm_server", [url])
     assert (cfg.rollout.vllm.serve_host, cfg.rollout.vllm.server_wait_s) == (serve_host, wait)
-    assert cfg.grpo.adapter == "lora"
+    assert cfg.grpo.adapter == "none"  # no `adapter:` key: axolotl's full fine-tuning, the weights go to the server
 
 
 def test_colocate_and_no_server_keys_stay_in_process(tmp_path):

@@ -392,19 +392,23 @@ AXOLOTL_DOC_TRANSLATIONS = {
     "rlhf orpo": {"model.chat_template": "chatml"},
     "reward_modelling orm": {"model.chat_template": "gemma", "reward_model.eval_steps": 100},
     "reward_modelling prm": {"reward_model.eval_steps": 100},
-    # axolotl's two-terminal workflow: `posttrain vllm-serve` listens at vllm.host:port, the run generates there
+    # axolotl's two-terminal workflow: `posttrain vllm-serve` listens at vllm.host:port, the run generates there;
+    # no `adapter:` key: the whole model trains, as in axolotl
     "rlhf grpo vllm": {"rollout.engine": "vllm_server", "rollout.vllm.server_urls": ["http://127.0.0.1:8000"],
                        "rollout.vllm.serve_host": "0.0.0.0", "rollout.vllm.server_wait_s": 300.0,
-                       "rollout.vllm.tensor_parallel_size": 2, "rollout.vllm.gpu_memory_utilization": 0.85},
+                       "rollout.vllm.tensor_parallel_size": 2, "rollout.vllm.gpu_memory_utilization": 0.85,
+                       "grpo.adapter": "none"},
+    "rlhf grpo rewards": {"rollout.engine": "vllm", "grpo.adapter": "none"},
     "ebft structured": {"grpo.rounds": 7, "rollout.prompts_per_round": 6,  # max_steps 20 in rounds of the 3
                         # generation batches (2 x 4 completions, one step each) between vllm_sync_interval 3's pushes
                         "rollout.max_prompt_length": 768,  # sequence_len 1024
                         # its trl.vllm_server_host/port: the server the run generates on, the round's adapter
                         # loaded into it (vllm_lora_sync: true, a note)
                         "rollout.engine": "vllm_server", "rollout.vllm.server_urls": ["http://127.0.0.1:8000"],
-                        "rollout.vllm.serve_host": "127.0.0.1", "rollout.vllm.lora_sync": "auto"},
+                        "rollout.vllm.serve_host": "127.0.0.1", "rollout.vllm.lora_sync": "auto",
+                        "grpo.adapter": "lora"},
     "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
-                     "rollout.temperature": 0.6, "ebft.rl_coef": 1.0},
+                     "rollout.temperature": 0.6, "ebft.rl_coef": 1.0, "grpo.adapter": "none"},
 }
 """Keys of the doc examples that are ours under another name, and what they read as here."""
 
