@@ -349,8 +349,8 @@ def _server_moves(vllm: dict, trl: dict, data: dict) -> list[tuple[str, str, str
     vLLM server `posttrain vllm-serve` starts: rollout.engine vllm_server at rollout.vllm.server_urls
     [http://host:port] (trl.vllm_server_host/port, else vllm.host/port; 0.0.0.0 is this machine), vllm.host the
     address that server listens on (rollout.vllm.serve_host), trl.vllm_server_timeout how long the run waits for
-    it (rollout.vllm.server_wait_s). [] when none is set. The server takes each round's LoRA adapter: under full
-    fine-tuning, or with trl.use_vllm false, trl.vllm_mode colocate or another rollout.engine, an error."""
+    it (rollout.vllm.server_wait_s). [] when none is set. With trl.use_vllm false, trl.vllm_mode colocate or
+    another rollout.engine, an error."""
     given = [k for k in AXOLOTL_VLLM_SERVER_KEYS
              if (vllm if k.startswith("vllm.") else trl).get(k.split(".", 1)[1]) is not None]
     mode = trl.get("vllm_mode")
@@ -361,7 +361,7 @@ def _server_moves(vllm: dict, trl: dict, data: dict) -> list[tuple[str, str, str
         raise ValueError(f"{named}: where the run's vLLM server listens, but trl.vllm_mode is {mode!r} (vLLM in "
                          "the run's own process); set trl.vllm_mode: server to generate on `posttrain vllm-serve`'s "
                          "server, or remove them")
-    rollout, grpo = section_dict(data, "rollout") or {}, section_dict(data, "grpo") or {}
+    rollout = section_dict(data, "rollout") or {}
     if trl.get("use_vllm") is False or ("use_vllm" not in trl and rollout.get("engine") != "vllm_server"):
         raise ValueError(f"{named}: the vLLM server a run generates on, but trl.use_vllm is "
                          f"{_yaml(trl.get('use_vllm'))} (the run would sample with transformers); set "
@@ -369,13 +369,6 @@ def _server_moves(vllm: dict, trl: dict, data: dict) -> list[tuple[str, str, str
     if rollout.get("engine", "vllm_server") != "vllm_server":
         raise ValueError(f"{named}: generating on a vLLM server is rollout.engine vllm_server, but rollout.engine is "
                          f"{rollout['engine']!r}; set one of them")
-    adapter = (data["adapter"] or "none") if "adapter" in data else grpo.get("adapter", "lora")
-    if adapter != "lora":
-        raise ValueError(f"{named}: the vLLM server takes each round's policy as a LoRA adapter "
-                         f"(/v1/load_lora_adapter), but this run trains the full model (adapter: {adapter}), whose "
-                         "weights posttrain cannot push into a running server; set adapter: lora, or "
-                         "trl.vllm_mode: colocate (rollout.engine: vllm: vLLM in the run's process, the round's "
-                         "weights loaded into it)")
     ports = {k: v for k, v in (("trl.vllm_server_port", trl.get("vllm_server_port")),
                                ("vllm.port", vllm.get("port"))) if v is not None}
     for key, port in ports.items():
@@ -560,9 +553,10 @@ def _prefetch_depth(depth, prefetching: bool, rollout: dict, notes: list[str]) -
 
 def _lora_sync(value, engine: str, adapter: str, notes: list[str]) -> list[tuple]:
     """axolotl's trl.vllm_lora_sync: true sends vLLM the LoRA adapter (saved to files, loaded by vLLM's LoRA
-    kernels), false the adapter merged into the weights: rollout.vllm.lora_sync adapter / merged on the vllm and
-    ray_vllm engines; vllm_server always loads the round's adapter into the server. Under full fine-tuning the
-    weights go in whole (false is what posttrain does, true an error), as on any engine that is not vLLM."""
+    kernels), false the adapter merged into the weights: rollout.vllm.lora_sync adapter / merged on every vLLM
+    engine (vllm_server: POST /v1/load_lora_adapter / the merged folder loaded through the server's
+    /collective_rpc). Under full fine-tuning the weights go in whole (false is what posttrain does, true an
+    error)."""
     if not isinstance(value, bool):
         raise ValueError(f"trl.vllm_lora_sync: {value!r}; use true or false")
     if engine not in VLLM_ENGINES:
@@ -575,14 +569,6 @@ def _lora_sync(value, engine: str, adapter: str, notes: list[str]) -> list[tuple
                              "(adapter: none): its weights go into the engine whole each round; remove it")
         notes.append("trl.vllm_lora_sync: false (axolotl's key): what posttrain does under full fine-tuning: the "
                      "round's weights go into the engine whole")
-        return []
-    if engine == "vllm_server":
-        if not value:
-            raise ValueError("trl.vllm_lora_sync: false merges the adapter into the weights, but rollout.engine "
-                             "vllm_server loads each round's adapter into the server as it is; set it true, or use "
-                             "rollout.engine vllm to merge")
-        notes.append("trl.vllm_lora_sync: true (axolotl's key): what rollout.engine vllm_server does: each round's "
-                     "adapter is loaded into the server from its folder")
         return []
     return [("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged")]
 

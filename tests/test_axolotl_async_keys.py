@@ -80,6 +80,15 @@ def test_keys_of_the_same_meaning_land_on_posttrains(tmp_path, key, value, field
     assert target == expected
 
 
+def test_vllm_lora_sync_on_the_server_is_adapter_or_merged_weights(tmp_path):
+    """Two terminals: true registers each round's adapter on the server (/v1/load_lora_adapter), false loads the
+    adapter merged into the weights (the server's /collective_rpc), as TRL merges before its NCCL push."""
+    for value, expected in (("true", "adapter"), ("false", "merged")):
+        cfg = _config(tmp_path, f"{BATCH}adapter: lora\ntrl:\n  vllm_lora_sync: {value}\n"
+                                "rollout:\n  engine: vllm_server\n")
+        assert (cfg.rollout.engine, cfg.rollout.vllm.lora_sync) == ("vllm_server", expected)
+
+
 def test_prefetch_depth_is_rollout_prefetch_depth_with_the_lag_it_asks_for(tmp_path, capsys):
     """axolotl's background thread samples prefetch_depth generation batches ahead with no other cap; posttrain's lag
     is the smaller of prefetch_depth and max_staleness, so an unset max_staleness follows the depth."""
@@ -100,8 +109,6 @@ def test_prefetch_depth_is_rollout_prefetch_depth_with_the_lag_it_asks_for(tmp_p
      "trl.streaming_partial_batch: false (axolotl's key): what posttrain does"),
     (BATCH + "adapter:\ntrl:\n  use_vllm: true\n  vllm_lora_sync: false\n",
      "trl.vllm_lora_sync: false (axolotl's key): what posttrain does under full fine-tuning"),
-    (BATCH + "trl:\n  vllm_lora_sync: true\nrollout:\n  engine: vllm_server\n",
-     "trl.vllm_lora_sync: true (axolotl's key): what rollout.engine vllm_server does"),
     (BATCH + "trl:\n  use_vllm: true\n  vllm_sync_interval: 1\n",
      "trl.vllm_sync_interval 1: the engine gets the policy once per round"),
 ])
@@ -143,8 +150,6 @@ def test_vllm_sync_interval_makes_a_round_the_batches_between_two_pushes(tmp_pat
      r"trl.vllm_lora_sync: true sends vLLM a LoRA adapter, but this run trains the full model"),
     (BATCH + "trl:\n  vllm_lora_sync: true\n", r"trl.vllm_lora_sync: true: how a LoRA adapter reaches vLLM, but this "
                                               r"run samples with rollout.engine transformers"),
-    (BATCH + "trl:\n  vllm_lora_sync: false\nrollout:\n  engine: vllm_server\n",
-     r"trl.vllm_lora_sync: false merges the adapter into the weights, but rollout.engine vllm_server"),
     (BATCH + "trl:\n  vllm_sync_interval: 2\n",
      r"trl.vllm_sync_interval: 2: how often axolotl pushes the trainer's weights to vLLM, but this run samples with "
      r"rollout.engine transformers"),

@@ -46,11 +46,6 @@ def test_colocate_and_no_server_keys_stay_in_process(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("adapter:\ntrl:\n  use_vllm: true\n  vllm_server_host: 0.0.0.0\n",
-     r"trl.vllm_server_host: the vLLM server takes each round's policy as a LoRA adapter .*adapter: none.* set "
-     r"adapter: lora, or trl.vllm_mode: colocate \(rollout.engine: vllm"),
-    ("grpo:\n  adapter: none\ntrl:\n  use_vllm: true\n  vllm_mode: server\n",
-     r"trl.vllm_mode: server: the vLLM server takes each round's policy as a LoRA adapter"),
     ("trl:\n  use_vllm: false\n  vllm_server_port: 8000\n", r"trl.vllm_server_port: .* trl.use_vllm is false"),
     ("vllm:\n  host: 0.0.0.0\n", r"vllm.host: .* trl.use_vllm is null .*set trl.use_vllm: true"),
     ("trl:\n  use_vllm: true\n  vllm_mode: colocate\n  vllm_server_host: h\n",
@@ -65,19 +60,22 @@ def test_colocate_and_no_server_keys_stay_in_process(tmp_path):
      r"vllm.port: generating on a vLLM server is rollout.engine vllm_server, but rollout.engine is 'vllm'"),
     ("trl:\n  use_vllm: true\n  vllm_server_host: h\nrollout:\n  vllm:\n    server_urls: ['http://other:8000']\n",
      r"trl.vllm_server_host \(axolotl's key\) and rollout.vllm.server_urls are the same setting"),
-], ids=["full_fine_tuning", "full_fine_tuning_grpo_adapter", "use_vllm_false", "no_use_vllm", "colocate_and_host",
+], ids=["use_vllm_false", "no_use_vllm", "colocate_and_host",
         "ports_differ", "bad_port", "url_as_host", "negative_timeout", "other_engine", "server_urls_twice"])
 def test_server_keys_posttrain_cannot_honour_are_errors_naming_them(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(tmp_path, GRPO + text)
 
 
-def test_vllm_server_engine_under_full_fine_tuning_is_a_config_error():
-    with pytest.raises(ValueError, match=r"rollout.engine: vllm_server loads each round's policy into the server as "
-                                         r"a LoRA adapter, but grpo.adapter is 'none'.*set grpo.adapter: lora, or "
-                                         r"rollout.engine: vllm"):
-        PipelineConfig.model_validate({"rl": "grpo", "rollout": {"engine": "vllm_server"},
-                                       "grpo": {"adapter": "none"}})
+def test_full_fine_tuning_generates_on_the_server_too(tmp_path):
+    """The server takes each round's full weights in place (vllm_server: /collective_rpc), so a config that
+    trains the whole model keeps axolotl's two terminals."""
+    for text in ("adapter:\ntrl:\n  use_vllm: true\n  vllm_server_host: 0.0.0.0\n",
+                 "grpo:\n  adapter: none\ntrl:\n  use_vllm: true\n  vllm_mode: server\n"):
+        cfg = load(tmp_path, GRPO + text)
+        assert (cfg.rollout.engine, cfg.grpo.adapter) == ("vllm_server", "none")
+    cfg = PipelineConfig.model_validate({"rl": "grpo", "rollout": {"engine": "vllm_server"}, "grpo": {"adapter": "none"}})
+    assert cfg.rollout.engine == "vllm_server"
 
 
 def test_vllm_serve_refuses_a_bad_config_naming_the_key_under_both_spellings(tmp_path, capsys):
@@ -85,10 +83,10 @@ def test_vllm_serve_refuses_a_bad_config_naming_the_key_under_both_spellings(tmp
 
     (tmp_path / "model").mkdir()
     path = tmp_path / "axolotl.yaml"
-    path.write_text(GRPO.format(model=tmp_path / "model") + "adapter:\ntrl:\n  use_vllm: true\n  vllm_mode: server\n")
+    path.write_text(GRPO.format(model=tmp_path / "model") + "trl:\n  use_vllm: false\n  vllm_mode: server\n")
     for command in ("vllm-serve", "serve-vllm"):
         assert main([command, str(path), "--print"]) == 2
-        assert "trl.vllm_mode: server: the vLLM server takes each round's policy as a LoRA adapter" in \
+        assert "trl.vllm_mode: server: the vLLM server a run generates on, but trl.use_vllm is false" in \
             capsys.readouterr().err
 
 
@@ -106,6 +104,18 @@ def test_serve_command_listens_where_asked_and_enables_lora_for_a_lora_policy(tm
     argv, env = serve_command(tmp_path / "model", 8011, 32, options, lora=False)
     assert "--enable-lora" not in argv and "--max-lora-rank" not in argv and "--host 127.0.0.1" in " ".join(argv)
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    # every server takes full weights in place: vLLM's dev-mode /collective_rpc calling posttrain's worker extension
+    assert argv[argv.index("--worker-extension-cls") + 1] == "stages.rollout.engines.vllm_local.WeightUpdateExtension"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_vllm_serve_enables_lora_only_where_the_adapter_is_sent_as_one():
+    """On this CPU machine lora_sync auto merges the adapter into the weights (vLLM's CPU LoRA kernels cost ~4x):
+    the server needs no LoRA; lora_sync adapter needs it; full fine-tuning never does."""
+    from stages.rollout.engines.vllm_server import serves_adapters
+
+    assert (serves_adapters("lora", "auto"), serves_adapters("lora", "merged")) == (False, False)
+    assert serves_adapters("lora", "adapter") and not serves_adapters("none", "adapter")
 
 
 def test_the_engine_waits_for_a_server_that_is_not_up_saying_what_for(tmp_path, caplog):

@@ -403,9 +403,9 @@ AXOLOTL_DOC_TRANSLATIONS = {
                         # generation batches (2 x 4 completions, one step each) between vllm_sync_interval 3's pushes
                         "rollout.max_prompt_length": 768,  # sequence_len 1024
                         # its trl.vllm_server_host/port: the server the run generates on, the round's adapter
-                        # loaded into it (vllm_lora_sync: true, a note)
+                        # registered on it (vllm_lora_sync: true)
                         "rollout.engine": "vllm_server", "rollout.vllm.server_urls": ["http://127.0.0.1:8000"],
-                        "rollout.vllm.serve_host": "127.0.0.1", "rollout.vllm.lora_sync": "auto",
+                        "rollout.vllm.serve_host": "127.0.0.1", "rollout.vllm.lora_sync": "adapter",
                         "grpo.adapter": "lora"},
     "ebft strided": {"ebft.mode": "strided", "rollout.num_generations": 4, "rollout.max_completion_length": 8,
                      "rollout.temperature": 0.6, "ebft.rl_coef": 1.0, "grpo.adapter": "none"},
