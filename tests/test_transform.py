@@ -220,12 +220,29 @@ USER_TRANSFORM = """
     def prompt_only(cfg):
         return (lambda example: {"prompt": example["q"]}), {"remove_columns": ["q", "a"]}
 
+    def drop_all(cfg):
+        return (lambda example: {"prompt": example["q"], "answer": example["a"]}), {"remove_columns": "__all__"}
+
+    def drop_one(cfg):
+        return (lambda example: {"prompt": example["q"], "answer": example["a"]}), {"remove_columns": "src"}
+
     def not_a_dict(cfg):
         return (lambda example, tokenizer=None: [example]), {}
 
     def bad_prompt(cfg):
         return (lambda example, tokenizer=None: {"prompt": [{"text": "x"}], "answer": "1"}), {}
 """
+
+
+def test_remove_columns_all_or_one_name_as_axolotl_writes_them(tmp_path, out_dir, user_module):
+    """axolotl's transforms return remove_columns as "__all__" (every raw column) or one name: neither is a set of
+    letters."""
+    name = user_module(USER_TRANSFORM)
+    rows = [{"q": "1+1?", "a": "2", "src": "x", "s": 1}]
+    for fn, columns in (("drop_all", ["prompt_id", "prompt", "answer"]),
+                        ("drop_one", ["prompt_id", "prompt", "answer", "q", "a", "s"])):
+        transform.run(TransformConfig(type=f"{name}.{fn}"), {"train": _raw_file(tmp_path, "jsonl", rows)}, out_dir)
+        assert sorted(pq.read_table(out_dir / "train.parquet").column_names) == sorted(columns), fn
 
 
 def test_user_transform_axolotl_convention(tmp_path, out_dir, user_module):

@@ -155,6 +155,21 @@ def _normalize_prompt(prompt: Any) -> list[dict]:
     raise TypeError("prompt must be a string or a list of {role, content} messages")
 
 
+ALL_COLUMNS = "__all__"
+"""`remove_columns: "__all__"` (axolotl's transforms): drop every column of the raw row, keep what the transform
+returns."""
+
+
+def removed_columns(value, type_name: str) -> set:
+    """The columns a transform's `remove_columns` option drops: a list of names, one name, or ALL_COLUMNS."""
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, (list, tuple, set)) and all(isinstance(v, str) for v in value):
+        return set(value)
+    raise ValueError(f"transform {type_name!r}: remove_columns {value!r}; use a list of column names or "
+                     f"{ALL_COLUMNS!r}")
+
+
 def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, example: dict, split: str,
                    index: int) -> dict:
     """One raw row as a prompts row; BadRowError(reason) when it cannot be one."""
@@ -176,7 +191,7 @@ def _transform_row(cfg: TransformConfig, transform_fn: Callable, remove: set, ex
         raise BadRowError(f"field 'prompt': {e}") from None
     if cfg.system_prompt:
         prompt = [{"role": "system", "content": cfg.system_prompt}] + prompt
-    row = {k: v for k, v in example.items() if k not in remove}
+    row = {k: v for k, v in example.items() if k not in remove and ALL_COLUMNS not in remove}
     row.update(new)
     # no answer: fine for rewards that need none (format, a reward model); accuracy rewards and eval refuse it
     row.update(prompt=prompt, answer=None if new.get("answer") is None else str(new["answer"]))
@@ -192,7 +207,7 @@ def split_rows(cfg: TransformConfig, rows: list, split: str, source: str, first_
     is the config key of the type, for its errors."""
     builder = load_function(cfg.type, what, BUILTINS)
     transform_fn, options = builder(cfg)
-    remove = set((options or {}).get("remove_columns", []))
+    remove = removed_columns((options or {}).get("remove_columns", []), cfg.type)
     good, bad = [], []
     for position, item in enumerate(rows):
         index, example = item if isinstance(item, tuple) else (position, item)
