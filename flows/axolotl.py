@@ -57,6 +57,9 @@ AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "e
                     "reroll_max_groups": ("grpo", "reroll_max_groups"),
                     "skip_zero_advantage_batches": ("grpo", "skip_zero_advantage_batches"),
                     "reward_num_workers": ("score", "reward_num_workers"),
+                    **{k: ("grpo", k) for k in ("scope_rl", "scope_target_entropy", "scope_alpha",
+                                                "scope_temperature_min", "scope_temperature_max",
+                                                "scope_positive_threshold")},
                     "rollout_func": ("rollout", "rollout_func")}
 """axolotl's `trl:` section (TRL's GRPOConfig names) -> the section key each one is. trl.rollout_func is the same
 thing, a `module.fn` that samples the completions itself, called with posttrain's arguments (preflight checks them)."""
@@ -116,7 +119,6 @@ AXOLOTL_NOT_BUILT = {
     "fp8": "FP8 training (float8 matmuls on Hopper-class GPUs) is not built here; train.precision is fp32, bf16 or fp16",
     "plugins": "axolotl's plugins (axolotl.integrations.*: NeMo Gym, Liger, ...) are not loaded here; an environment's "
                "rollouts are rollout.rollout_func, a verifier over HTTP score.remote_verifiers",
-    "trl.scope_rl": "SCOPE-RL entropy control is not built here (health.* warns on entropy collapse instead)",
 }
 """axolotl keys (top level, or `trl.` ones) for what posttrain does not build, and why: an error naming the key."""
 AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")

@@ -523,6 +523,11 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"grpo.reroll_max_groups is {self.grpo.reroll_max_groups} but a round samples "
                              f"rollout.prompts_per_round = {self.rollout.prompts_per_round} prompts; re-rolled "
                              "prompts take the place of the round's own, so set it at most that")
+        if self.grpo.scope_rl and (self.rl == "ebft" or self.rollout.source == "atropos"):
+            raise ValueError(f"grpo.scope_rl under {'rl: ebft' if self.rl == 'ebft' else 'rollout.source: atropos'}: "
+                             "SCOPE-RL resamples groups of the round's own prompts and keeps those that reach "
+                             "score.reward_funcs' scope_positive_threshold, which this method does not score with "
+                             "(axolotl: rl grpo only); remove it")
         if self.grpo.streaming_partial_batch and self.score.scale_rewards == "batch" and (
                 self.rl == "ebft" or self.rollout.source == "atropos"):
             raise ValueError("grpo.streaming_partial_batch with score.scale_rewards batch: streaming divides each "

@@ -48,6 +48,9 @@ ROUND_METRICS = {  # parent-run metric name -> (stage, summary key)
     "rollout/prompts_truncated_frac": ("rollout", "prompts_truncated_frac"),
     "rollout/prompts_too_long": ("rollout", "prompts_too_long"),  # left out under transform.on_bad_rows: drop
     "train/replayed_rows": ("optimize", "replayed_rows"),
+    # grpo.scope_rl (axolotl's names): the auxiliary groups' temperature, and the share of them kept as positives
+    "scope/temperature": ("rollout", "scope/temperature"),
+    "scope/positive_frac": ("score", "scope/positive_frac"),
     # policy collapse, from the round's completions (stages/evaluation/health.py collapse_metrics)
     "rollout/distinct_completions_per_group": ("score", "rollout/distinct_completions_per_group"),
     "rollout/frac_identical_groups": ("score", "rollout/frac_identical_groups"),

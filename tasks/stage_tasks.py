@@ -26,7 +26,7 @@ from stages.runtime.keys import key_fields
 from stages.scoring import replay, score
 from stages.scoring.reward_workers import is_model_name, resolve_model_name, split_reward_funcs
 from stages.scoring.rewards import BUILTIN_REWARDS
-from stages.training import dpo, ebft, ebft_strided, export, grpo, reward_model, sft
+from stages.training import dpo, ebft, ebft_strided, export, grpo, reward_model, scope_rl, sft
 from tasks.calls import (ON_METRICS, OUT_DIR, WORK_DIR, Arg, Call, Config, InputDir, InputFile, Notes, Progress,
                          UserFile)
 from tasks.lineage import Lineage
@@ -340,7 +340,8 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
         round_index=round_index, out_dir=OUT_DIR,
         engine_settings=EngineSettings(cfg, ctx.config.grpo.lora_r, placement(ctx)),
         on_progress=Progress(ctx.reporter.progress(f"rollout r{round_index}", "completion")),
-        reroll_prompt_ids=list(reroll_prompt_ids)),
+        reroll_prompt_ids=list(reroll_prompt_ids),  # grpo.scope_rl: its groups' share and temperature
+        **scope_rl.sampling(ctx.config.grpo, adapter.manifest["summary"].get("entropy") if adapter else None)),
         label=f"rollout r{round_index}",
         runner=(lambda _, kwargs: worker.run(**kwargs)) if worker else in_process)
 
@@ -443,7 +444,9 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_mod
         out_dir=OUT_DIR, reward_model_dir=InputDir(rm) if rm else None,
         devices=placement(ctx) if rm or folders or models else None,  # only where a reward model runs
         log_dir=WORK_DIR,  # where reward_errors.log stays when a function fails too often
-        reward_models=models or None, streaming=ctx.config.grpo.streaming_partial_batch), label=f"score r{round_index}")
+        reward_models=models or None, streaming=ctx.config.grpo.streaming_partial_batch,
+        scope_positive_threshold=ctx.config.grpo.scope_positive_threshold if ctx.config.grpo.scope_rl else None),
+        label=f"score r{round_index}")
 
 
 @task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)

@@ -202,8 +202,6 @@ VALID_BLOCKS = {
 and the guide's config has it). BASE has no `use_vllm`: rollout.engine transformers unless a block says so."""
 
 REFUSED_BLOCKS = {
-    "scope-rl": ("trl:\n  use_data_producer: true\n  scope_rl: true\n  scope_target_entropy: 0.5\n"
-                 "  scope_alpha: 0.015625\n  scope_positive_threshold: 1.0\n", "trl.scope_rl: SCOPE-RL"),
     "fp8": ("fp8: true\ntorch_compile: true\n", "fp8: FP8 training"),
     # ZeRO-3 is FSDP's full shard here (tests/test_axolotl_translation.py); its use_reentrant: true is axolotl's
     # workaround for DeepSpeed's CheckpointError, and posttrain's checkpointing is non-reentrant
@@ -218,7 +216,8 @@ REFUSED_BLOCKS = {
 }
 """The guides' blocks posttrain does not build, and the start of the one line that says so. grpo.qmd's "reward model
 from the hub" block is tests/test_reward_model_hub.py's (it needs the model in a hub cache), its "streaming partial
-batch" block tests/test_axolotl_streaming.py's (under the async section's async_prefetch)."""
+batch" block tests/test_axolotl_streaming.py's (under the async section's async_prefetch), its SCOPE-RL block
+tests/test_scope_rl.py's."""
 
 
 @pytest.fixture

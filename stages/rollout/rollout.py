@@ -21,6 +21,7 @@ from stages.data.schemas import ROLLOUTS, write_table
 from stages.data.sources import BadRowError
 from stages.rollout.engines import Policy, Sampling, engine_lock, get_engine
 from stages.runtime.keys import key_when_set, not_in_key
+from stages.training import scope_rl
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,15 @@ def with_rerolls(picked: list[dict], rows: list[dict], reroll_prompt_ids: list[s
     return kept + extra, set(reroll_prompt_ids)
 
 
+def _sample(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling, progress) -> list[dict]:
+    """The engine's completions of `prompts`, or the user's rollout_func's; `progress(n)` after each."""
+    if not cfg.rollout_func:
+        return engine.generate(policy, prompts, sampling, on_progress=progress)
+    generated = _user_rollout(cfg, engine, policy, prompts, sampling)
+    progress(len(generated))
+    return generated
+
+
 def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
     """Call the user's rollout_func and check what it returns, naming the function and the row."""
     from transformers import AutoTokenizer
@@ -488,28 +498,21 @@ def prompts_that_do_not_fit(stage: str, mode: str, rows: list[dict], prompts_pat
 
 def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int, out_dir: Path,
         engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
-        reroll_prompt_ids: list[str] = ()) -> dict:
+        reroll_prompt_ids: list[str] = (), scope_alpha: float = 0.0, scope_temperature: float = 1.0) -> dict:
     """Sample the round's completions into out_dir/rollouts.parquet; return a summary.
-    `reroll_prompt_ids`: prompts sampled again in place of the last of the round's slice."""
+    `reroll_prompt_ids`: prompts sampled again in place of the last of the round's slice. `scope_alpha` > 0
+    (grpo.scope_rl): that share of the round's groups sampled once more at `scope_temperature` times the temperature,
+    appended as whole groups marked `scope_aux` (stages/training/scope_rl.py)."""
     import time
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(prompts_path).to_pylist()
-    too_long = check_prompt_lengths(cfg, rows, prompts_path, policy.base_dir)
-    if too_long:  # too_long_prompts: drop: out of the pool every round draws from (the same rows in every round)
-        i, pid, n = too_long[0]
-        if (str(prompts_path), len(too_long)) not in _warned:  # once per process, not every round
-            _warned.add((str(prompts_path), len(too_long)))
-            log.warning("rollout: left out %d prompt(s) of %s longer than the model's context leaves beside "
-                        "rollout.max_completion_length %d (rollout.too_long_prompts: drop), e.g. row %d (prompt_id "
-                        "%s, %d tokens)", len(too_long), prompts_path, cfg.max_completion_length, i, pid, n)
-        dropped = {i for i, _, _ in too_long}
-        rows = [row for i, row in enumerate(rows) if i not in dropped]
+    rows, too_long = _fitting_rows(cfg, pq.read_table(prompts_path).to_pylist(), prompts_path, policy)
     picked = select_prompts(rows, round_index, cfg.prompts_per_round, cfg.seed)
     picked, rerolled = with_rerolls(picked, rows, list(reroll_prompt_ids))
-    expanded = [(row, g) for row in picked for g in range(cfg.num_generations)]
+    aux = [picked[i] for i in scope_rl.aux_groups(len(picked), scope_alpha, cfg.seed * 100_003 + round_index)]
+    expanded = [(row, g) for row in picked + aux for g in range(cfg.num_generations)]
     total = len(expanded)
     done = 0
 
@@ -527,24 +530,25 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
     cut = 0
     if cfg.max_prompt_length:
         prompts, cut = left_truncated(prompts, policy.base_dir, cfg.max_prompt_length)
+    main = len(picked) * cfg.num_generations
+    aux_sampling = Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature * scope_temperature,
+                            top_p=cfg.top_p, seed=sampling.seed + 1)  # SCOPE-RL's groups, at their temperature
     with engine_lock(engine):
         started = time.perf_counter()
-        if cfg.rollout_func:
-            generated = _user_rollout(cfg, engine, policy, prompts, sampling)
-            progress(len(generated))
-            engine_name = f"{cfg.engine}+{cfg.rollout_func}"
-        else:
-            generated = engine.generate(policy, prompts, sampling, on_progress=progress)
-            engine_name = cfg.engine
+        generated = _sample(cfg, engine, policy, prompts[:main], sampling, progress)
+        if aux:
+            generated += _sample(cfg, engine, policy, prompts[main:], aux_sampling, progress)
         seconds = time.perf_counter() - started
+    engine_name = f"{cfg.engine}+{cfg.rollout_func}" if cfg.rollout_func else cfg.engine
     passthrough = [c for c in rows[0] if c not in ROLLOUTS.names]
     records = []
-    for (row, g), gen in zip(expanded, generated):
+    for i, ((row, g), gen) in enumerate(zip(expanded, generated)):
         rec = {c: row[c] for c in passthrough}
         rec.update(gen)
-        rec.update(rollout_id=f"r{round_index}-{row['prompt_id']}-g{g}", prompt_id=row["prompt_id"],
-                   group_index=g, prompt=row["prompt"], round_index=round_index, policy_version=policy.version,
-                   engine=engine_name, rerolled=row["prompt_id"] in rerolled)
+        rec.update(rollout_id=f"r{round_index}-{row['prompt_id']}-{'aux-' if i >= main else ''}g{g}",
+                   prompt_id=row["prompt_id"], group_index=g, prompt=row["prompt"], round_index=round_index,
+                   policy_version=policy.version, engine=engine_name, rerolled=row["prompt_id"] in rerolled,
+                   **({scope_rl.AUX_COLUMN: i >= main} if aux else {}))
         records.append(rec)
     write_table(pa.Table.from_pylist(records), out_dir / "rollouts.parquet", ROLLOUTS, extra_ok=True)
     lengths = [len(r["completion_token_ids"]) for r in records]
@@ -561,13 +565,35 @@ def run(cfg: RolloutConfig, policy: Policy, prompts_path: Path, round_index: int
         "tokens_per_s": sum(lengths) / max(seconds, 1e-9),
         "policy_version": policy.version,
         "staleness": round_index - policy.version,
+        **({"scope/temperature": scope_temperature, "scope/aux_rows": len(records) - main} if aux else {}),
     }
+    return {**metrics, **_share_metrics(cfg, engine, seconds)}
+
+
+def _fitting_rows(cfg: RolloutConfig, rows: list[dict], prompts_path: Path, policy: Policy) -> tuple[list, list]:
+    """(the prompt rows a round draws from, the too-long ones left out): rollout.too_long_prompts drop leaves out
+    every round the same rows, with one warning per process; fail stops here (`check_prompt_lengths`)."""
+    too_long = check_prompt_lengths(cfg, rows, prompts_path, policy.base_dir)
+    if too_long:
+        i, pid, n = too_long[0]
+        if (str(prompts_path), len(too_long)) not in _warned:  # once per process, not every round
+            _warned.add((str(prompts_path), len(too_long)))
+            log.warning("rollout: left out %d prompt(s) of %s longer than the model's context leaves beside "
+                        "rollout.max_completion_length %d (rollout.too_long_prompts: drop), e.g. row %d (prompt_id "
+                        "%s, %d tokens)", len(too_long), prompts_path, cfg.max_completion_length, i, pid, n)
+        dropped = {i for i, _, _ in too_long}
+        rows = [row for i, row in enumerate(rows) if i not in dropped]
+    return rows, too_long
+
+
+def _share_metrics(cfg: RolloutConfig, engine, seconds: float) -> dict:
+    """Data parallel over several vLLM servers or Ray engines: how the round was shared out ({} otherwise)."""
     shares = getattr(engine, "last_call", None) or {}
-    if len(shares) > 1:  # data parallel over several vLLM servers or Ray engines: how the round was shared out
-        prefix = "servers" if cfg.engine == "vllm_server" else "engines"
-        metrics[f"{prefix}/count"] = len(shares)
-        metrics[f"{prefix}/answered"] = sum(s["completions"] > 0 for s in shares.values())
-        for index, share in enumerate(shares.values()):  # servers: in rollout.vllm.server_urls order
-            metrics[f"{prefix}/{index}/completions"] = share["completions"]
-            metrics[f"{prefix}/{index}/completions_per_s"] = share["completions"] / max(seconds, 1e-9)
+    if len(shares) <= 1:
+        return {}
+    prefix = "servers" if cfg.engine == "vllm_server" else "engines"
+    metrics = {f"{prefix}/count": len(shares), f"{prefix}/answered": sum(s["completions"] > 0 for s in shares.values())}
+    for index, share in enumerate(shares.values()):  # servers: in rollout.vllm.server_urls order
+        metrics[f"{prefix}/{index}/completions"] = share["completions"]
+        metrics[f"{prefix}/{index}/completions_per_s"] = share["completions"] / max(seconds, 1e-9)
     return metrics

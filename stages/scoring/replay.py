@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from stages.data.schemas import REPLAYED, write_table
 from stages.scoring.advantages import ZERO_ADVANTAGE
+from stages.training.scope_rl import AUX_COLUMN
 
 FAILED_REWARD = 1e-6  # |reward| below this counts as a failure for re-roll (axolotl's test)
 
@@ -140,7 +141,9 @@ class RoundSignals:
     def after_scoring(self, round_index: int, scored_path: Path, source_key: str) -> list[Replacement]:
         """Take in round `round_index`'s scored table: return the replacements for its zero-signal groups
         (from earlier rounds' groups), then cache its groups with signal and queue its failed prompts."""
-        rows = pq.read_table(scored_path, columns=["prompt_id", "rewards", "reward", "advantage"]).to_pylist()
+        aux = [AUX_COLUMN] if AUX_COLUMN in pq.read_schema(scored_path).names else []
+        rows = pq.read_table(scored_path, columns=["prompt_id", "rewards", "reward", "advantage", *aux]).to_pylist()
+        rows = [r for r in rows if not r.get(AUX_COLUMN)]  # SCOPE-RL's groups: not replaced, cached nor re-rolled
         signals = group_signals(rows)
         replacements = []
         if self.buffer is not None:
@@ -179,7 +182,7 @@ def run(scored_path: Path, replacements: list[Replacement], round_index: int, ou
         path, prompt_id = rep.group.source_path, rep.group.prompt_id
         if path not in sources:
             sources[path] = pq.read_table(path).to_pylist()
-        found = [r for r in sources[path] if r["prompt_id"] == prompt_id]
+        found = [r for r in sources[path] if r["prompt_id"] == prompt_id and not r.get(AUX_COLUMN)]
         if not found:
             raise ValueError(f"replay: {path} has no rows of prompt {prompt_id!r} "
                              f"(cached from round {rep.group.round_index})")
@@ -187,7 +190,7 @@ def run(scored_path: Path, replacements: list[Replacement], round_index: int, ou
     out, done = [], set()
     for row in table.to_pylist():
         pid = row["prompt_id"]
-        if pid not in by_replaced:
+        if pid not in by_replaced or row.get(AUX_COLUMN):  # (SCOPE-RL's auxiliary rows stay as they are)
             out.append({**row, "replayed": False})
         elif pid not in done:
             done.add(pid)

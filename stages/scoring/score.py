@@ -53,6 +53,7 @@ from stages.scoring.reward_pools import shared_pool
 from stages.scoring.reward_workers import (REWARD_MODEL_PREFIX, RewardFunctionError, is_model_name, resolve_model_name,
                                            reward_model_source)
 from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
+from stages.training.scope_rl import AUX_COLUMN
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
 log = logging.getLogger(__name__)
@@ -180,7 +181,8 @@ too many failures stopped it."""
 
 def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Path,
         reward_model_dir: Path | None = None, devices=None, log_dir: Path | None = None,
-        reward_models: dict | None = None, streaming: bool = False) -> dict:
+        reward_models: dict | None = None, streaming: bool = False,
+        scope_positive_threshold: float | None = None) -> dict:
     """Score rollouts into out_dir/scored.parquet; return reward metrics. `reward_model_dir`: the
     folder the reward function named `reward_model` scores with (this run's reward_model stage).
     `reward_models`: {reward_funcs entry: its ModelSource} for the reward models named TRL's way (a hub id or a
@@ -188,14 +190,16 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     `devices` (stages/runtime/devices.py): where the workers run reward models (None: the folder alone, auto).
     `log_dir`: where reward_errors.log goes when a function fails too often (the stage then stops and its
     output folder is discarded); None: out_dir. `streaming` (grpo.streaming_partial_batch): every advantage statistic
-    is its group's, as axolotl's streaming scorer computes them (advantages.py `streaming_advantages`)."""
+    is its group's, as axolotl's streaming scorer computes them (advantages.py `streaming_advantages`).
+    `scope_positive_threshold` (grpo.scope_rl): SCOPE-RL's auxiliary rows get advantage 1 where their total reward
+    reaches it, else 0 (`_scope_rl`); the round's reward statistics are its main rows'."""
     sources = worker_sources(cfg, reward_model_dir, devices, reward_models)
     table = pq.read_table(rollouts_path)
     rows = table.to_pylist()
     n = len(rows)
     if n % num_generations:
         raise ValueError(f"{rollouts_path}: {n} rows is not a multiple of num_generations={num_generations}")
-    columns = [c for c in table.column_names if c not in ROLLOUTS.names or c in ("prompt_id",)]
+    columns = [c for c in table.column_names if (c not in ROLLOUTS.names or c in ("prompt_id",)) and c != AUX_COLUMN]
     weights = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
 
     worker_stats: list = []
@@ -238,6 +242,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     else:
         advantages = group_advantages(totals, num_generations, cfg.scale_rewards)
     _all_finite(totals, advantages, [r["rollout_id"] for r in rows])
+    main, scope_metrics = _scope_rl(table, totals, advantages, scope_positive_threshold)
 
     rewards_column = [
         [(name, None if math.isnan(matrix[i, f]) else float(matrix[i, f])) for f, name in enumerate(cfg.reward_funcs)]
@@ -251,19 +256,38 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     )
     write_table(scored, out_dir / "scored.parquet", SCORED, extra_ok=True)
     metrics = {
-        **reward_spread(totals, num_generations),
+        **reward_spread(totals[:main], num_generations),
+        **scope_metrics,
         "score/samples": n,
         "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
         # per function: samples it failed on (their tracebacks in reward_errors.log)
         **{f"score/errors/{metric_name(name)}": len(failed[name]) for name in cfg.reward_funcs if failed[name]},
-        **_function_metrics(cfg, matrix),
+        **_function_metrics(cfg, matrix[:main]),
         **_worker_metrics(worker_stats, scoring_s, reward_pool(cfg, cfg.reward_funcs, sources) if ray else None),
     }
     # policy collapse (rollout/top_answer_frac, ...; the most common answer as `top_answer`), for
     # stages/evaluation/health.py
-    metrics.update(collapse_metrics([r["prompt_id"] for r in rows], [r["completion"] for r in rows],
-                                    [r["answer"] for r in rows] if "answer" in table.column_names else None))
+    metrics.update(collapse_metrics([r["prompt_id"] for r in rows[:main]], [r["completion"] for r in rows[:main]],
+                                    [r["answer"] for r in rows[:main]] if "answer" in table.column_names else None))
     return metrics
+
+
+def _scope_rl(table: pa.Table, totals, advantages, threshold: float | None) -> tuple[int, dict]:
+    """SCOPE-RL's auxiliary rows (grpo.scope_rl: the round's last groups, marked scope_aux by the rollout stage):
+    advantage 1 where the total reward reaches `threshold`, else 0 (Eq. 11's positive samples; in place). Returns
+    (the main rows' count, {scope/positive_frac}); a table without them: (all its rows, {})."""
+    if AUX_COLUMN not in table.column_names:
+        return len(totals), {}
+    if threshold is None:
+        raise ValueError("rollouts with SCOPE-RL's auxiliary rows (scope_aux) need grpo.scope_positive_threshold; "
+                         "score them with grpo.scope_rl on")
+    aux = torch.tensor(table.column(AUX_COLUMN).to_pylist(), dtype=torch.bool)
+    main = int((~aux).sum())
+    if not aux[main:].all():
+        raise ValueError("SCOPE-RL's auxiliary rows (scope_aux) must follow the round's main rows")
+    positive = (totals[aux] >= threshold).to(advantages.dtype)
+    advantages[aux] = positive
+    return main, {"scope/positive_frac": float(positive.mean())}
 
 
 def reward_pool(cfg: ScoreConfig, names: list[str], sources: dict):

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.runtime.imports import LazyModule
 from stages.runtime.keys import key_when_set, not_in_key
 from stages.scoring.advantages import ZERO_ADVANTAGE
-from stages.training import logprobs
+from stages.training import logprobs, scope_rl
 from stages.training.grpo_loss import LossConfig, LossInputs, grpo_loss, off_policy_mask, sampling_correction
 
 torch = LazyModule("torch")  # imported on first use: loading a config does not import torch
@@ -174,6 +174,27 @@ class GRPOConfig(BaseModel):
     streaming_min_groups: int | None = key_when_set(None, ge=1)
     """Prompt groups per streaming chunk (axolotl's trl.streaming_min_groups); unset: 1, axolotl's default. Higher:
     micro-batches mix more groups. Only with streaming_partial_batch."""
+    scope_rl: bool = False
+    """SCOPE-RL entropy control (arXiv:2510.08141, axolotl's trl.scope_rl; stages/training/scope_rl.py): each round
+    also samples a share scope_alpha of its prompt groups again at the sampling temperature times
+    clip(1 + scope_target_entropy - H, scope_temperature_min, scope_temperature_max), H the entropy of the policy
+    sampled (its round's mean), keeps those completions whose total reward reaches scope_positive_threshold at
+    advantage 1 (the rest 0) and adds them to the loss weighted by scope_alpha (their rows' KL not counted, their
+    sampling correction 1). Entropy below the target samples hotter, above it colder, holding it near the target
+    where GRPO's falls. Costs about scope_alpha more generation (at least one group a round). loss_type grpo or
+    dr_grpo (token-normalized losses would weigh rows by length); rl grpo or gdpo on the round's own prompts; not with
+    streaming_partial_batch. False: off."""
+    scope_target_entropy: float = Field(0.5, ge=0)
+    """SCOPE-RL's target entropy H0 (nats per token, as the optimize stage's `entropy`)."""
+    scope_alpha: float = Field(1 / 64, gt=0, le=1)
+    """SCOPE-RL's share of prompt groups resampled each round (at least one group), and the weight of their term in
+    the loss. 1/64 (axolotl's default): 8 groups of a 512-prompt round."""
+    scope_temperature_min: float = Field(0.8, gt=0)
+    """Lowest auxiliary temperature, relative to the sampling temperature (entropy above the target)."""
+    scope_temperature_max: float = Field(1.2, gt=0)
+    """Highest auxiliary temperature, relative to the sampling temperature (entropy collapsed below the target)."""
+    scope_positive_threshold: float = 1.0
+    """Total reward (score's weighted sum) at or above which an auxiliary completion is kept, at advantage 1."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length (finish_reason "length") out of the loss: their
     tokens get mask 0 and do not count in dapo's normalizer (TRL `mask_truncated_completions`, DAPO's
@@ -255,10 +276,25 @@ class GRPOConfig(BaseModel):
         if self.streaming_min_groups is not None and not self.streaming_partial_batch:
             raise ValueError(f"streaming_min_groups {self.streaming_min_groups}: the chunk size of "
                              "streaming_partial_batch, which is off; set streaming_partial_batch: true or remove it")
+        if self.scope_rl and self.streaming_partial_batch:
+            raise ValueError("scope_rl with streaming_partial_batch: SCOPE-RL's auxiliary groups are weighed over "
+                             "the whole round, which streaming cuts into chunks (axolotl refuses the pair too); set "
+                             "one of them")
         if self.streaming_partial_batch and self.replay_buffer_size:
             raise ValueError(f"streaming_partial_batch with replay_buffer_size {self.replay_buffer_size}: axolotl's "
                              "streaming scorer only stores groups and never swaps them in, so the buffer would do "
                              "nothing; set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _scope_rl_fits_the_loss(self):
+        if self.scope_rl and self.loss_type not in ("grpo", "dr_grpo"):
+            raise ValueError(f"scope_rl with loss_type {self.loss_type}: SCOPE-RL weighs its auxiliary rows against "
+                             "the main ones per row, which a token-normalized loss undoes (rows weigh by length); set "
+                             "loss_type: grpo or dr_grpo (axolotl requires it too)")
+        if self.scope_temperature_min > self.scope_temperature_max:
+            raise ValueError(f"scope_temperature_min {self.scope_temperature_min} is above scope_temperature_max "
+                             f"{self.scope_temperature_max}; swap them")
         return self
 
     @model_validator(mode="after")
@@ -364,9 +400,15 @@ def loss_inputs(cfg: GRPOConfig, batch: dict, logps: torch.Tensor, old_logps: to
                                          cfg.vllm_importance_sampling_cap)
     if cfg.off_policy_mask_threshold is not None:
         keep = off_policy_mask(batch["advantages"], logps, sampling_logps, mask, cfg.off_policy_mask_threshold)
+    row_weights = kl_weights = None
+    if "scope_aux" in batch:  # SCOPE-RL: its rows weighed, not corrected (sampled hotter or colder on purpose), no KL
+        aux = batch["scope_aux"]
+        row_weights, kl_weights = batch["scope_weight"], batch["scope_weight"] * (1 - aux)
+        if is_weights is not None:
+            is_weights = torch.where(aux.bool().unsqueeze(1), torch.ones_like(is_weights), is_weights)
     return LossInputs(logps, old_logps, batch["advantages"], mask, num_items_in_batch=num_items,
                       gradient_accumulation_steps=micro_batches, ref_logps=ref_logps, is_weights=is_weights,
-                      off_policy_keep=keep)
+                      off_policy_keep=keep, row_weights=row_weights, kl_weights=kl_weights)
 
 
 # ---------------------------------------------------------------- one round
@@ -552,6 +594,18 @@ def micro_batches(cfg: GRPOConfig, rows: list[dict], rng: random.Random) -> list
     return cut
 
 
+def _weigh_scope_rows(cfg: GRPOConfig, rows: list[dict]) -> None:
+    """SCOPE-RL's rows (a round with `scope_aux` rows): each row's `scope_weight` over the whole round
+    (scope_rl.row_weights: the loss is mean(main) + scope_alpha * mean(auxiliary)); none in other rounds."""
+    if not rows or scope_rl.AUX_COLUMN not in rows[0]:
+        return
+    if not cfg.scope_rl:
+        raise ValueError("scored rows with SCOPE-RL's auxiliary rows (scope_aux) need grpo.scope_rl on")
+    weights = scope_rl.row_weights(torch.tensor([float(r[scope_rl.AUX_COLUMN]) for r in rows]), cfg.scope_alpha)
+    for row, weight in zip(rows, weights.tolist()):
+        row["scope_weight"] = weight
+
+
 def plan_round(cfg: GRPOConfig, rows: list[dict], round_index: int) -> RoundPlan:
     """Shuffle the round's rows, cut them into micro-batches (`micro_batches`) and those into optimizer steps of
     gradient_accumulation_steps, and decide what each step computes and whether pi_old needs a pass of its own."""
@@ -564,6 +618,7 @@ def plan_round(cfg: GRPOConfig, rows: list[dict], round_index: int) -> RoundPlan
     # the round is clipped against it. One step of one pass: the step's own forward.
     pi_old_is_step = (cfg.reuse_sampling_logps and cfg.num_iterations == 1 and len(steps) == 1
                       and not (replayed and cfg.replay_recompute_logps))
+    _weigh_scope_rows(cfg, rows)
     return RoundPlan(rows, steps, [_step_runs(cfg, mbs, masked_out) for mbs in steps], masked_out, replayed,
                      pi_old_is_step, len(steps) * cfg.num_iterations)
 
@@ -639,6 +694,9 @@ class RoundTrainer:
         `old` (rollout id -> log-probs), pi_old's log-probs `old_logps`: built on the host, copied once."""
         batch = collate(micro_batch, self.tokenizer.pad_token_id)
         batch["keep"] = torch.tensor([r["rollout_id"] not in masked_out for r in micro_batch], dtype=torch.float32)
+        if "scope_weight" in micro_batch[0]:  # SCOPE-RL's round: the rows' weights and which are auxiliary
+            batch["scope_weight"] = torch.tensor([r["scope_weight"] for r in micro_batch], dtype=torch.float32)
+            batch["scope_aux"] = torch.tensor([r[scope_rl.AUX_COLUMN] for r in micro_batch], dtype=torch.float32)
         if old is not None:
             batch["old_logps"] = pad([old[r["rollout_id"]] for r in micro_batch], 0.0, "right", torch.float32)
         return self.placement.to_device(batch, self.devices)
@@ -680,7 +738,7 @@ class RoundTrainer:
     def _sampled_by_round_start(self, row: dict) -> bool:
         """The row's sampling log-probs are pi_old's own (grpo.reuse_sampling_logps)."""
         return (self.cfg.reuse_sampling_logps and row.get("engine") == "transformers" and not row.get("replayed")
-                and row.get("policy_version") == self.round_index)
+                and row.get("policy_version") == self.round_index and not row.get(scope_rl.AUX_COLUMN))
 
     def reference_logps(self, batch: dict):
         """The reference policy's log-probs, or None when nothing weighs the KL (beta 0, as TRL) or there is

@@ -46,6 +46,8 @@ class LossInputs:
     ref_logps: torch.Tensor | None = None  # the reference policy's; None: no KL
     is_weights: torch.Tensor | None = None  # (B, T) or (B, 1), from `sampling_correction`
     off_policy_keep: torch.Tensor | None = None  # (B, 1) 1 = keep, 0 = drop, from `off_policy_mask`
+    row_weights: torch.Tensor | None = None  # (B,) the policy term's weight per row (SCOPE-RL: scope_rl.row_weights)
+    kl_weights: torch.Tensor | None = None  # (B,) the KL term's weight per row (SCOPE-RL: 0 on its auxiliary rows)
 
 
 @dataclass
@@ -75,11 +77,14 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
         per_token_loss = per_token_loss * inputs.off_policy_keep
     if inputs.is_weights is not None:
         per_token_loss = per_token_loss * inputs.is_weights
+    if inputs.row_weights is not None:
+        per_token_loss = per_token_loss * inputs.row_weights.unsqueeze(1)
     kl = None
     if inputs.ref_logps is not None:
         kl = k3_kl(inputs.logps, inputs.ref_logps, ratio if cfg.use_bias_correction_kl else None)
         if cfg.beta != 0.0:
-            per_token_loss = per_token_loss + cfg.beta * kl
+            weighted = kl if inputs.kl_weights is None else kl * inputs.kl_weights.unsqueeze(1)
+            per_token_loss = per_token_loss + cfg.beta * weighted
     loss = aggregate(per_token_loss, mask, cfg.loss_type, cfg.max_completion_length, inputs.num_items_in_batch,
                      inputs.gradient_accumulation_steps)
     with torch.no_grad():
