@@ -152,15 +152,16 @@ def move_top_level_keys(data):
     return data
 
 
-def move_training_keys(data):
+def move_training_keys(data, posttrain_keys: frozenset[str]):
     """axolotl's `trl:` section (AXOLOTL_TRL_KEYS) and top-level training keys (AXOLOTL_TRAINING_KEYS: to
     `grpo` for grpo/gdpo/ebft, to `dpo` for the DPO family, to `reward_model`); `posttrain validate` shows
     where each went. A key of theirs with no counterpart here is an error naming it, as is a value of
-    AXOLOTL_FIXED_KEYS other than the one posttrain honours."""
+    AXOLOTL_FIXED_KEYS other than the one posttrain honours. `posttrain_keys`: the top-level keys of posttrain's
+    config (PipelineConfig's fields), which tell a config written in axolotl's terms (`is_axolotl_config`)."""
     if not isinstance(data, dict):
         return data
     data = dict(data)
-    written_as_axolotl = is_axolotl_config(data)
+    written_as_axolotl = is_axolotl_config(data, posttrain_keys)
     trl_keys = {f"trl.{k}" for k in data.get("trl") or {}} if isinstance(data.get("trl"), dict) else set()
     for key in [k for k in AXOLOTL_NOT_BUILT if k in data or k in trl_keys]:
         raise ValueError(f"{key}: {AXOLOTL_NOT_BUILT[key]}; remove it")
@@ -453,10 +454,12 @@ def _trl_moves(trl: dict, server: bool = False) -> list[tuple[str, str, str, obj
 
 
 def _default_of(section: str, field: str):
-    """The default value of posttrain's `section`.`field` (dotted for a nested section: vllm.dtype)."""
-    from flows.config import PipelineConfig
+    """The default of posttrain's `section`.`field` for the sections AXOLOTL_TRL_KEYS writes (grpo, rollout, score),
+    read from their config models (dotted for a nested field: vllm.dtype)."""
+    from stages.rollout.rollout import RolloutConfig
+    from stages.scoring.score import ScoreConfig
 
-    model = PipelineConfig.model_fields[section].annotation
+    model = {"grpo": GRPOConfig, "rollout": RolloutConfig, "score": ScoreConfig}[section]
     for part in field.split("."):
         info = model.model_fields[part]
         value, model = info.get_default(call_default_factory=True), info.annotation
@@ -575,12 +578,11 @@ def _lora_sync(value, engine: str, adapter: str, notes: list[str]) -> list[tuple
     return [("trl.vllm_lora_sync", "rollout", "vllm.lora_sync", "adapter" if value else "merged")]
 
 
-def is_axolotl_config(data: dict) -> bool:
-    """Whether the raw config is written in axolotl's terms: a top-level key that is not one of posttrain's sections
-    (base_model, datasets, trl, micro_batch_size, ...). `rl` alone is posttrain's own key too (configs/ebft.yaml)."""
-    from flows.config import PipelineConfig
-
-    return any(key not in PipelineConfig.model_fields for key in data)
+def is_axolotl_config(data: dict, posttrain_keys: frozenset[str]) -> bool:
+    """Whether the raw config is written in axolotl's terms: a top-level key that is not one of posttrain's
+    (`posttrain_keys`: base_model, datasets, trl, micro_batch_size, ...). `rl` alone is posttrain's own key too
+    (configs/ebft.yaml)."""
+    return any(key not in posttrain_keys for key in data)
 
 
 def _adapter(data: dict) -> str:

@@ -271,7 +271,7 @@ class PipelineConfig(BaseModel):
     @classmethod
     def _axolotl_training_keys(cls, data):
         """axolotl's `trl:`, `vllm:` and top-level training keys into their sections (flows/axolotl.py)."""
-        return axolotl.move_training_keys(data)
+        return axolotl.move_training_keys(data, frozenset(cls.model_fields))
 
     @model_validator(mode="before")
     @classmethod
