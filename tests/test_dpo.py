@@ -168,11 +168,15 @@ def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny,
                 tiny / "prefs", tmp_path / "none")
 
 
+def unpaired_rows(pairs: list[dict]) -> list[dict]:
+    """KTO rows from pairs: odd rows keep the chosen turn (desirable), even rows the rejected one."""
+    return [{"pair_id": f"train-{i:06d}", "kind": "unpaired", "prompt": p["prompt"],
+             "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
+            for i, p in enumerate(pairs)]
+
+
 def test_kto_trains_on_unpaired_rows(tiny, tmp_path):
-    pairs = dpo.read_rows(tiny / "prefs" / "train.parquet")[:16]
-    unpaired = [{"pair_id": f"train-{i:06d}", "kind": "unpaired", "prompt": p["prompt"],
-                 "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
-                for i, p in enumerate(pairs)]
+    unpaired = unpaired_rows(dpo.read_rows(tiny / "prefs" / "train.parquet")[:16])
     prefs = tmp_path / "prefs"
     prefs.mkdir()
     write_split(unpaired, prefs / "train.parquet")
@@ -199,10 +203,7 @@ def test_kto_reports_its_heldout_rewards(tiny, tmp_path):
     the numbers are the trained adapter's log-prob changes from the starting policy, recomputed here."""
     from stages.runtime.policy import load_policy
 
-    pairs = dpo.read_rows(tiny / "prefs" / "train.parquet")[:32]
-    unpaired = [{"pair_id": f"row-{i:06d}", "kind": "unpaired", "prompt": p["prompt"],
-                 "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
-                for i, p in enumerate(pairs)]
+    unpaired = unpaired_rows(dpo.read_rows(tiny / "prefs" / "train.parquet")[:32])
     prefs = tmp_path / "prefs"
     prefs.mkdir()
     write_split(unpaired[:24], prefs / "train.parquet")
