@@ -172,8 +172,10 @@ def test_serve_vllm_prints_a_server_command_for_the_starting_policy(prefect_harn
     line = capsys.readouterr().out.strip().splitlines()[-1]
     sft_dirs = list((tmp_path / "artifacts" / "sft").iterdir())
     assert len(sft_dirs) == 1 and (sft_dirs[0] / MANIFEST).exists()  # the policy was built and cached
-    assert f"--model {sft_dirs[0]}" in line and "--enable-lora" in line and "--port 8123" in line
-    assert line.startswith("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    assert f"--model {sft_dirs[0]}" in line and "--port 8123" in line
+    # on CPU lora_sync auto loads each round's adapter merged into the weights (POST /collective_rpc): no LoRA
+    assert "--worker-extension-cls" in line and "--enable-lora" not in line
+    assert line.startswith("VLLM_SERVER_DEV_MODE=1")
 
 
 def test_dpo_pipeline_end_to_end_then_cached(prefect_harness, tiny_config, tmp_path):

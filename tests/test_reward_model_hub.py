@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -201,6 +202,7 @@ def axolotl_config(made, tmp_path, monkeypatch):
                                                    for i in range(8)))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)  # another test's rewards.py, imported first
 
     def write(reward_model: str) -> Path:
         path = tmp_path / "config.yaml"
