@@ -422,6 +422,81 @@ def _same_completions(got: list[dict], expected: list[dict]) -> None:
     assert gap < 1e-6, gap
 
 
+class _ResettingProxy:
+    """A TCP proxy in front of a real server that resets (RST) the connection carrying the `reset_at`-th
+    POST /v1/completions instead of passing it on, as uvicorn does to a keep-alive connection it closes
+    while idle just as a request arrives on it. Everything else is passed through unchanged."""
+
+    def __init__(self, upstream: str, reset_at: int):
+        import threading
+
+        self.upstream = ("127.0.0.1", int(upstream.rsplit(":", 1)[1]))
+        self.reset_at, self.posts, self.resets = reset_at, 0, 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        import struct
+
+        try:
+            while chunk := src.recv(65536):
+                if from_client and chunk.startswith(b"POST /v1/completions"):
+                    with self.lock:
+                        self.posts += 1
+                        reset = self.posts == self.reset_at
+                        self.resets += reset
+                    if reset:
+                        src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        break
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_reset_connection_is_sent_again_not_a_lost_server(server, tiny, caplog):
+    """One connection reset mid-round by a server that still answers costs one resend: the completions
+    are the ones the server gives directly, and no server is dropped."""
+    from stages.rollout.engines import Policy
+    from stages.rollout.engines.vllm_server import VLLMServerEngine
+
+    policy = Policy(tiny["base"], version=0)
+    direct = VLLMServerEngine(tiny["base"], server_url=server, server_timeout_s=120, max_lora_rank=8)
+    proxy = _ResettingProxy(server, reset_at=3)
+    through = VLLMServerEngine(tiny["base"], server_url=proxy.url, server_timeout_s=120, max_lora_rank=8,
+                               max_concurrency=2)
+    try:
+        expected = direct.generate(policy, MANY[:8], sampling(seed=5))
+        with caplog.at_level(logging.INFO, logger="stages.rollout.engines.vllm_server"):
+            got = through.generate(policy, MANY[:8], sampling(seed=5))
+        assert proxy.resets == 1 and proxy.posts == 9  # 8 prompts, one of them sent twice
+        _same_completions(got, expected)
+        assert "dropped a connection" in caplog.text and "stopped answering" not in caplog.text
+    finally:
+        direct.close()
+        through.close()
+        proxy.close()
+
+
 def test_two_servers_give_one_servers_completions(server, second_server, tiny):
     """Data parallel over two replicas: both serve a share, and per-prompt seeds make the result the
     single server's, for every adapter version (each loaded on both servers)."""

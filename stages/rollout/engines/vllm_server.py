@@ -167,6 +167,32 @@ class _Server:
         self.loaded.clear()
         self.model_name = self.root = self.device_type = self.weights = None
 
+    def post(self, path: str, **kwargs):
+        """POST to the server; a dropped connection (reset, refused, closed) is tried once more on a new one
+        if GET /health still answers, as a keep-alive connection the server closed while idle is, and the
+        request is otherwise `ServerLost`. A timeout is `ServerLost` at once (a hung server)."""
+        import httpx
+
+        for attempt in (1, 2):
+            try:
+                return self.client.post(f"{self.url}{path}", **kwargs)
+            except httpx.TimeoutException as exc:
+                raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+            except httpx.TransportError as exc:
+                if attempt == 2 or not self.answers():
+                    raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+                log.info("vllm_server: %s dropped a connection (%s: %s) and still answers; sending %s again",
+                         self.url, type(exc).__name__, exc, path)
+
+    def answers(self) -> bool:
+        """Whether GET /health answers 200 within 10 s, on a connection of its own."""
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
@@ -323,8 +349,6 @@ class VLLMServerEngine:
 
     def _load_adapter(self, server: _Server, policy: Policy) -> str:
         """Register the policy's adapter on `server` under a name unique to this version; return the name."""
-        import httpx
-
         adapter_dir = Path(policy.adapter_dir).resolve()
         weights = adapter_dir / "adapter_model.safetensors"
         stamp = weights.stat().st_mtime_ns if weights.exists() else 0
@@ -333,10 +357,7 @@ class VLLMServerEngine:
         if name in server.loaded:
             return name
         path = adapter_path(adapter_dir, self.adapter_root)
-        try:
-            resp = server.client.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
-        except httpx.TransportError as exc:
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        resp = server.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         if resp.status_code == 404:
             raise VLLMServerError(f"vllm_server: {server.url} does not accept runtime LoRA loading (POST "
                                   "/v1/load_lora_adapter: 404); restart it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
@@ -364,8 +385,6 @@ class VLLMServerEngine:
     def _hold_weights(self, server: _Server, folder: str) -> None:
         """Make `server` sample from `folder`'s weights (a path as the server sees it) if it holds other ones:
         loaded in place through POST /collective_rpc, then its prefix cache reset and its weight version set."""
-        import httpx
-
         if server.weights == folder:
             return
         if server.device_type is None:
@@ -374,16 +393,11 @@ class VLLMServerEngine:
                                   f"restart it with `posttrain vllm-serve CONFIG`, or VLLM_SERVER_DEV_MODE=1 and "
                                   f"--worker-extension-cls {WEIGHT_LOADER}; or use lora_sync: adapter for a LoRA "
                                   f"policy")
-        try:
-            resp = server.client.post(f"{server.url}/collective_rpc",
-                                      json={"method": "load_policy_weights", "args": [folder]})
-            if resp.status_code == 200:
-                resp = server.client.post(f"{server.url}/reset_prefix_cache")  # its KV blocks are the old weights'
-            if resp.status_code == 200:
-                resp = server.client.post(f"{server.url}/update_weight_version",
-                                          json={"new_version": VERSION_PREFIX + folder})
-        except httpx.TransportError as exc:
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        resp = server.post("/collective_rpc", json={"method": "load_policy_weights", "args": [folder]})
+        if resp.status_code == 200:
+            resp = server.post("/reset_prefix_cache")  # its KV blocks are the old weights'
+        if resp.status_code == 200:
+            resp = server.post("/update_weight_version", json={"new_version": VERSION_PREFIX + folder})
         if resp.status_code != 200:
             server.weights = None  # a half-done load: push again next time
             raise VLLMServerError(f"vllm_server: {server.url} could not load the weights in {folder} "
@@ -404,8 +418,6 @@ class VLLMServerEngine:
         return self._load_adapter(server, policy) if policy.adapter_dir else server.model_name
 
     def _complete(self, server: _Server, model: str, prompt_ids: list[int], sampling: Sampling, seed: int) -> dict:
-        import httpx
-
         body = {
             "model": model,
             "prompt": prompt_ids,
@@ -420,10 +432,7 @@ class VLLMServerEngine:
         }
         if self.tokenizer.eos_token_id is not None:
             body["stop_token_ids"] = [self.tokenizer.eos_token_id]
-        try:
-            resp = server.client.post(f"{server.url}/v1/completions", json=body)
-        except httpx.TransportError as exc:  # refused, reset, timed out: the server is gone or hung
-            raise ServerLost(f"{type(exc).__name__}: {exc}") from exc
+        resp = server.post("/v1/completions", json=body)  # ServerLost: the server is gone or hung
         if resp.status_code != 200:
             raise VLLMServerError(f"vllm_server: POST {server.url}/v1/completions failed "
                                   f"({resp.status_code}: {resp.text[:500]})")
