@@ -27,7 +27,8 @@ PREFERENCE_RL = ("dpo", "ipo", "kto", "orpo", "simpo", "reward_model")
 """The methods that train on the preferences table; axolotl's `datasets`/`test_datasets` are its rows there."""
 AXOLOTL_DEVICE_KEYS = {"bf16": "precision", "fp16": "precision", "tf32": None, "attn_implementation":
                        "attn_implementation", "gradient_checkpointing":
-                       "gradient_checkpointing", "torch_compile": "compile", "flash_attention": "attn_implementation",
+                       "gradient_checkpointing", "gradient_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+                       "torch_compile": "compile", "flash_attention": "attn_implementation",
                        "sdp_attention": "attn_implementation", "eager_attention": "attn_implementation"}
 """axolotl's top-level precision and kernel keys and the `train.*` key each one sets (`device_settings`)."""
 AXOLOTL_TRL_KEYS = {"beta": ("grpo", "beta"), "epsilon": ("grpo", "epsilon"), "epsilon_high": ("grpo", "epsilon_high"),
@@ -107,8 +108,6 @@ AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the 
                       "remove_unused_columns": (False, "each stage reads the columns it needs from the tables"),
                       "lora_target_linear": (True, "LoRA goes on every linear layer by default (lora_target_modules "
                                                    "names them); to pick fewer, set lora_target_modules"),
-                      "gradient_checkpointing_kwargs": ({"use_reentrant": False}, "train.gradient_checkpointing "
-                                                                                  "runs with use_reentrant: false"),
                       "skip_prepare_dataset": (True, "the transform stage writes the prompts table; no stage "
                                                      "pre-tokenizes it"),
                       "context_parallel_size": (1, "sequence parallelism, each sequence split across GPUs with ring "
@@ -290,6 +289,8 @@ def device_settings(keys: dict) -> dict[str, tuple]:
             if not isinstance(keys[key], bool):
                 raise ValueError(f"{key}: {keys[key]!r}; use true or false")
             out[field] = (keys[key], key)
+    if "gradient_checkpointing_kwargs" in keys:  # train.gradient_checkpointing_kwargs checks what is in it
+        out["gradient_checkpointing_kwargs"] = (keys["gradient_checkpointing_kwargs"], "gradient_checkpointing_kwargs")
     kernels = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
     chosen = [k for k in kernels if keys.get(k) is True]
     if len(chosen) > 1:

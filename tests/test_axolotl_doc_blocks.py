@@ -24,8 +24,10 @@ adapter: lora
 micro_batch_size: 2
 gradient_accumulation_steps: 4
 max_steps: 20
+gradient_checkpointing: true
 """
-"""A new user's GRPO config; each block goes under it (its `trl:` section where the block has none)."""
+"""A new user's GRPO config (checkpointing on, as the guides' Quick Start); each block goes under it (its `trl:`
+section where the block has none)."""
 
 REWARDS = '''
 def accuracy_reward(completions, answer, **kwargs):
@@ -194,6 +196,15 @@ VALID_BLOCKS = {
     "rlhf lora sync": ("adapter: lora\nlora_r: 32\nlora_alpha: 64\nlora_target_linear: true\n\ntrl:\n"
                        "  use_vllm: true\n  vllm_lora_sync: true         # Enable native LoRA sync\n",
                        {"grpo.adapter": "lora", "grpo.lora_r": 32, "rollout.vllm.lora_sync": "adapter"}),
+    # ZeRO-3 is FSDP2's full shard here (tests/test_axolotl_translation.py); use_reentrant: true is axolotl's
+    # workaround for DeepSpeed's CheckpointError, honoured as torch's reentrant checkpointing
+    "deepspeed": ("deepspeed: deepspeed_configs/zero3_bf16.json\ngradient_checkpointing_kwargs:\n"
+                  "  use_reentrant: true   # Required -- non-reentrant causes CheckpointError with ZeRO-3\n",
+                  {"train.strategy": "fsdp", "train.precision": "bf16", "train.gradient_checkpointing": True,
+                   "train.gradient_checkpointing_kwargs": {"use_reentrant": True}}),
+    "rlhf deepspeed": ("deepspeed: deepspeed_configs/zero3_bf16.json\ngradient_checkpointing_kwargs:\n"
+                       "  use_reentrant: true   # Required for ZeRO-3\n",
+                       {"train.strategy": "fsdp", "train.gradient_checkpointing_kwargs": {"use_reentrant": True}}),
     "rlhf aggregation": ("rl: grpo\ntrl:\n    multi_objective_aggregation: normalize_then_sum  # GDPO behavior\n"
                          "    # or: sum_then_normalize  # Default GRPO behavior\n",
                          {"rl": "grpo", "score.multi_objective_aggregation": "normalize_then_sum"}),
@@ -203,14 +214,6 @@ and the guide's config has it). BASE has no `use_vllm`: rollout.engine transform
 
 REFUSED_BLOCKS = {
     "fp8": ("fp8: true\ntorch_compile: true\n", "fp8: FP8 training"),
-    # ZeRO-3 is FSDP's full shard here (tests/test_axolotl_translation.py); its use_reentrant: true is axolotl's
-    # workaround for DeepSpeed's CheckpointError, and posttrain's checkpointing is non-reentrant
-    "deepspeed": ("deepspeed: deepspeed_configs/zero3_bf16.json\ngradient_checkpointing_kwargs:\n"
-                  "  use_reentrant: true   # Required -- non-reentrant causes CheckpointError with ZeRO-3\n",
-                  "gradient_checkpointing_kwargs: {'use_reentrant': True} is not honoured here"),
-    "rlhf deepspeed": ("deepspeed: deepspeed_configs/zero3_bf16.json\ngradient_checkpointing_kwargs:\n"
-                       "  use_reentrant: true   # Required for ZeRO-3\n",
-                       "gradient_checkpointing_kwargs: {'use_reentrant': True} is not honoured here"),
     "rlhf sequence parallelism": ("rl: gdpo\ncontext_parallel_size: 2\n",
                                   "context_parallel_size: 2 is not honoured here (sequence parallelism"),
 }
@@ -565,26 +568,17 @@ def test_the_ebft_structured_config_loads_as_written(user):
 
 def test_the_ebft_strided_config_needs_flex_attention_on_cuda(user):
     """docs/rlhf.qmd's EBFT strided config: attn_implementation flex_attention (CUDA; posttrain's strided mode builds
-    its block mask itself) and its use_reentrant: true ("required for flex_attention") are each one line naming
-    the key; without them the rest loads."""
+    its block mask itself) is one line naming the key; without it the rest loads, its use_reentrant: true too."""
     with pytest.raises(ConfigError, match=r"attn_implementation: flex_attention \(PyTorch's compiled FlexAttention"):
         load_config(user(EBFT_STRIDED))
     without_flex = EBFT_STRIDED.replace("attn_implementation: flex_attention   # Strided mode uses flex_attention\n", "")
-    with pytest.raises(ConfigError, match=r"gradient_checkpointing_kwargs: \{'use_reentrant': True\} is not honoured"):
-        load_config(user(without_flex))
-    cfg = load_config(user(without_flex.split("gradient_checkpointing_kwargs")[0]))
+    cfg = load_config(user(without_flex))
+    assert cfg.train.gradient_checkpointing_kwargs == {"use_reentrant": True}
     assert (cfg.ebft.mode, cfg.ebft.stride, cfg.ebft.context_length, cfg.rollout.max_completion_length,
             cfg.rollout.num_generations, cfg.rollout.temperature) == ("strided", 8, 8, 8, 4, 0.6)
     assert (cfg.ebft.use_whitening, cfg.ebft.rl_coef, cfg.ebft.ce_coef, cfg.ebft.advantage_estimator) == (
         True, 1.0, 0.03, "rloo")
     assert cfg.train.gradient_checkpointing and cfg.grpo.adapter == "none"
-
-
-def test_the_deepspeed_block_is_fsdp_but_for_its_reentrant_checkpointing(user):
-    """docs/grpo.qmd's and docs/rlhf.qmd's DeepSpeed ZeRO-3 block without its use_reentrant: true: zero3_bf16.json
-    is FSDP2's full shard in bf16 here."""
-    cfg = load_config(user(with_block("deepspeed: deepspeed_configs/zero3_bf16.json\n")))
-    assert (cfg.train.strategy, cfg.train.precision) == ("fsdp", "bf16")
 
 
 @pytest.mark.parametrize("name", list(NEMO_GYM))

@@ -350,9 +350,7 @@ AXOLOTL_DOC_EXAMPLES = {
     "rlhf kto": ("rl: kto\nrl_beta: 0.1  # default\nkto_desirable_weight: 1.0  # default\n"
                  "kto_undesirable_weight: 1.0  # default\n\nremove_unused_columns: false\n\ndatasets:\n"
                  "  - path: {prefs}\n    type: llama3.ultra\n    split: train\n\ngradient_checkpointing: true\n"
-                 "gradient_checkpointing_kwargs:\n  use_reentrant: true\n",
-                 (r"gradient_checkpointing_kwargs: \{'use_reentrant': True\} is not honoured here",
-                  ["gradient_checkpointing_kwargs"])),
+                 "gradient_checkpointing_kwargs:\n  use_reentrant: true\n", None),
     "rlhf grpo vllm": ("base_model: {model}\n\nvllm:\n    host: 0.0.0.0\n    port: 8000\n    tensor_parallel_size: 2\n"
                        "    gpu_memory_utilization: 0.85\n    dtype: auto\n\nrl: grpo\ntrl:\n    use_vllm: true\n"
                        "    vllm_server_host: 0.0.0.0\n    vllm_server_port: 8000\n    vllm_server_timeout: 300\n",

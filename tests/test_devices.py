@@ -231,6 +231,41 @@ def test_gradient_checkpointing_gives_the_same_round(tiny):
             torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), atol=1e-5, rtol=1e-4)
 
 
+def test_reentrant_checkpointing_gives_a_lora_adapter_the_same_gradients(tiny):
+    """train.gradient_checkpointing_kwargs use_reentrant: true (axolotl's ZeRO-3 and FlexAttention blocks): the
+    layers run torch's reentrant checkpoint, and the adapter's gradients under a frozen base are those without
+    checkpointing (the embeddings' output is made to require grad, else reentrant checkpointing passes none)."""
+    root, scored = tiny
+    cfg = grpo.GRPOConfig(adapter="lora", micro_batch_size=8)
+    batch = grpo.collate(pq.read_table(scored).to_pylist()[:8], 0)
+    reentrant = DeviceConfig(device="cpu", gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": True})
+    grads = {}
+    for name, devices_cfg in (("plain", FP32), ("reentrant", reentrant)):
+        torch.manual_seed(0)  # the same initial adapter
+        model, _ = grpo._load_trainable(cfg, root / "model", None, devices_cfg)
+        funcs = {getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
+                 if getattr(m, "gradient_checkpointing", False)}
+        assert [f.keywords for f in funcs if f is not None] == ([{"use_reentrant": True}] if name == "reentrant"
+                                                                else [])
+        logps, _ = logprobs.batch_logps(model, batch, 1.0)
+        (logps * batch["completion_mask"]).sum().backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["plain"].keys() == grads["reentrant"].keys()
+    assert all(grads["reentrant"][n].abs().sum() > 0 for n in grads["reentrant"] if "lora_B" in n)
+    for n in grads["plain"]:
+        torch.testing.assert_close(grads["reentrant"][n], grads["plain"][n], atol=1e-6, rtol=1e-4)
+
+
+def test_reentrant_checkpointing_without_checkpointing_names_both_keys():
+    with pytest.raises(ValueError, match="use_reentrant: true, but train.gradient_checkpointing is false"):
+        DeviceConfig(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="gradient_checkpointing_kwargs: preserve_rng_state is not honoured"):
+        DeviceConfig(gradient_checkpointing=True, gradient_checkpointing_kwargs={"preserve_rng_state": False})
+    reentrant = DeviceConfig(device="cpu", gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert devices.trainer_arguments(reentrant)["gradient_checkpointing_kwargs"] == {"use_reentrant": True}
+
+
 def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
     root, _ = tiny
     model, _ = load_policy(root / "model", devices=BF16)

@@ -130,6 +130,26 @@ def test_dpo_trains_in_bf16_autocast(tiny, tmp_path, adapter):
     assert (tmp_path / "out" / ("adapter_model.safetensors" if adapter == "lora" else "model.safetensors")).exists()
 
 
+def test_kto_lora_under_reentrant_checkpointing_trains_the_same_adapter(tiny, tmp_path):
+    """A TRL Trainer stage (KTO, LoRA) with train.gradient_checkpointing_kwargs use_reentrant: true (axolotl's KTO
+    guide block): the adapter after two steps is the one non-reentrant checkpointing trains, and it moved."""
+    from safetensors.torch import load_file
+
+    adapters = []
+    for reentrant in (False, True):
+        devices_cfg = DeviceConfig(device="cpu", gradient_checkpointing=True,
+                                   gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        cfg = dpo.PreferenceOptimizationConfig(rl="kto", adapter="lora", max_steps=STEPS, save_steps=STEPS,
+                                               micro_batch_size=4, logging_steps=1, lora_r=4, lora_alpha=8)
+        torch.manual_seed(0)
+        out = tmp_path / f"reentrant_{reentrant}"
+        dpo.run(cfg, tiny / "model", tiny / "prefs", out, work_dir=tmp_path / f"work_{reentrant}", devices=devices_cfg)
+        adapters.append(load_file(str(out / "adapter_model.safetensors")))
+    plain, reentrant = adapters
+    assert plain.keys() == reentrant.keys() and all(torch.equal(plain[k], reentrant[k]) for k in plain)
+    assert max(v.abs().max().item() for k, v in reentrant.items() if "lora_B" in k) > 0
+
+
 @pytest.mark.parametrize("kind, data, metric", [("orm", "prefs", "eval_pairwise_accuracy"),
                                                 ("prm", "steps", "eval_step_accuracy")])
 def test_reward_models_train_in_bf16_autocast_and_score_in_bf16(tiny, tmp_path, kind, data, metric):

@@ -1,7 +1,7 @@
 """Where models run and in which precision: the one policy every stage loads, places and casts its models by.
 
-`DeviceConfig` holds the five settings (the config's `train.device`, `train.precision`,
-`train.gradient_checkpointing`, `train.compile`, `train.attn_implementation`; TrainConfig extends it). A stage takes one
+`DeviceConfig` holds the six settings (the config's `train.device`, `train.precision`,
+`train.gradient_checkpointing` and its `train.gradient_checkpointing_kwargs`, `train.compile`, `train.attn_implementation`; TrainConfig extends it). A stage takes one
 (default: `DeviceConfig()`, i.e. CUDA with bf16 where torch sees a GPU, else CPU with fp32) and calls:
 
 - `load_trainable(auto_class, path, devices)` for weights it trains, `load_frozen(...)` for weights it only
@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.runtime.imports import LazyModule
 
@@ -58,6 +58,23 @@ class DeviceConfig(BaseModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them: less memory, ~30% more compute
     (axolotl's `gradient_checkpointing`). Same gradients, so in no key."""
+    gradient_checkpointing_kwargs: dict[str, bool] = Field(default_factory=dict)
+    """What HF's `gradient_checkpointing_kwargs` passes to torch.utils.checkpoint; the one key honoured is
+    `use_reentrant` (default false: PyTorch's recommended non-reentrant checkpointing; true: the reentrant
+    autograd.Function, which axolotl's guides ask for with DeepSpeed ZeRO-3 and FlexAttention; true needs
+    gradient_checkpointing: true). Same gradients, so in no key."""
+
+    @model_validator(mode="after")
+    def _checkpointing_kwargs_honoured(self):
+        unknown = sorted(set(self.gradient_checkpointing_kwargs) - {"use_reentrant"})
+        if unknown:
+            raise ValueError(f"train.gradient_checkpointing_kwargs: {', '.join(unknown)} is not honoured here; the "
+                             "one key taken is use_reentrant (true or false)")
+        if self.gradient_checkpointing_kwargs.get("use_reentrant") and not self.gradient_checkpointing:
+            raise ValueError("train.gradient_checkpointing_kwargs: use_reentrant: true, but train.gradient_checkpointing "
+                             "is false (axolotl's and HF's `gradient_checkpointing`): the kwargs are for it; set "
+                             "gradient_checkpointing: true or remove them")
+        return self
     compile: bool = False
     """torch.compile each transformer block of the models being trained (optimize, sft, the dpo family, reward
     models), as torchtune does: elementwise ops fused into fewer kernels, so a GPU waits less on the host's
@@ -186,11 +203,18 @@ def compiled(model, devices: DeviceConfig | None = None):
 
 def checkpointed(model, devices: DeviceConfig | None = None):
     """`model` with gradient checkpointing on when `devices` asks for it (also for a frozen base under a LoRA
-    adapter: the activations are the adapter's to keep). Non-reentrant, so frozen inputs need no grad."""
+    adapter: the activations are the adapter's to keep). Non-reentrant unless train.gradient_checkpointing_kwargs
+    says use_reentrant: true (transformers then makes the embeddings' output require grad, so a frozen base's
+    checkpointed layers still pass gradients to the adapter)."""
     if devices is not None and devices.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(devices))
         model.config.use_cache = False
     return model
+
+
+def checkpointing_kwargs(devices: DeviceConfig) -> dict:
+    """torch.utils.checkpoint's keyword arguments for `devices` (use_reentrant false unless set)."""
+    return {"use_reentrant": bool(devices.gradient_checkpointing_kwargs.get("use_reentrant", False))}
 
 
 def load_frozen(auto_class, path: Path | str, devices: DeviceConfig | None = None, **kwargs):
@@ -240,7 +264,8 @@ def trainer_arguments(devices: DeviceConfig | None = None) -> dict:
     resolved = precision(devices)
     return {"use_cpu": device(devices).type == "cpu", "bf16": resolved == "bf16", "fp16": resolved == "fp16",
             "gradient_checkpointing": devices.gradient_checkpointing,
-            **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if devices.gradient_checkpointing else {})}
+            **({"gradient_checkpointing_kwargs": checkpointing_kwargs(devices)} if devices.gradient_checkpointing
+               else {})}
 
 
 def to_device(batch: dict, devices: DeviceConfig | None = None) -> dict:
