@@ -87,8 +87,10 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
     root.mkdir(parents=True, exist_ok=True)
     lineage = Lineage(root, cfg.name)
     flow_run_id = str(flow_run.get_id() or "")
+    continued = None  # why this start continues an earlier run by itself (not `posttrain resume`)
     if purpose == "train" and resume is None:
         resume = lineage.unfinished_run(cfg.hash(), flow_run_id)
+        continued = resume
     previous = lineage.client.get_run(resume) if resume else None
     if previous is not None:  # its user modules are found where the first attempt found them (its config's folder)
         add_code_dirs(json.loads(previous.data.tags.get(CODE_DIRS_TAG) or "[]"))
@@ -111,7 +113,10 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
             (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.run_config(), sort_keys=False))
         if checked:
             lineage.log_code(resume, checked.functions)
-        return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), resume, run_dir
+        ctx = RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet))
+        if continued:
+            announce(ctx, continuing_message(previous, run_name, flow_run_id), logging.WARNING)
+        return ctx, resume, run_dir
     run_name = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}" + ("" if purpose == "train" else f"-{purpose}")
     base, n = run_name, 1
     while True:  # another run of this config started in the same second: <name>-2, -3, ...
@@ -141,6 +146,18 @@ def open_run(config_path: str, overrides: list[str] | dict | None, quiet: bool, 
         OPENED.append((run_name, root))
         lineage.log_code(parent, checked.functions)
     return RunContext(cfg, ArtifactStore(root), lineage, Reporter(root, quiet=quiet)), parent, run_dir
+
+
+def continuing_message(previous, run_name: str, flow_run_id: str) -> str:
+    """The line a start that continues an unfinished run of the same config by itself shows (`open_run`)."""
+    if flow_run_id and previous.data.tags.get("prefect.flow_run_id") == flow_run_id:
+        why = "this Prefect flow run started it"
+    elif previous.info.status == "FAILED":
+        why = "its last attempt failed"
+    else:
+        why = "its process died before it finished"
+    return (f"continuing run {run_name} ({why}): the stages and rounds it finished are reused, the same MLflow run "
+            "goes on; to start a new run instead, change the config (name, a seed) or set artifacts_dir elsewhere")
 
 
 def announce(ctx: RunContext, message: str, level: int) -> None:

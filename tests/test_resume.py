@@ -103,7 +103,9 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store
     resume = ["resume", run_name, "--artifacts", str(killed), "--quiet"]
     code, output = run_until(killed, "score", 2, *resume, sig=signal.SIGTERM, group=False)  # `kill` mid-score r2
     check_stopped(code, output, signal.SIGTERM, run_name, killed)
-    run_until(killed, "export", ROUNDS, *args)  # the same command again; killed while exporting
+    _, output = run_until(killed, "export", ROUNDS, *args)  # the same command again; killed while exporting
+    assert f"continuing run {run_name} (its last attempt failed)" in output, output[-3000:]  # says so, once
+    assert output.count("continuing run") == 1
     again = posttrain(*resume, env_root=killed)
     assert again.returncode == 0, again.stderr[-3000:]
 
