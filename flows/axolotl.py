@@ -595,16 +595,19 @@ def _adapter(data: dict) -> str:
 
 
 def full_fine_tuning_default(data: dict, written_as_axolotl: bool) -> dict:
-    """axolotl trains the whole model where its config has no `adapter:` key: under a round method, grpo.adapter none
-    with a note (`posttrain validate` prints it), unless grpo.adapter is set or the config is posttrain's own."""
-    grpo = section_dict(data, "grpo")
-    if (not written_as_axolotl or "adapter" in data or grpo is None or "adapter" in grpo
-            or data.get("rl", "grpo") not in ROUND_RL):
+    """axolotl trains the whole model where its config has no `adapter:` key: under a round method grpo.adapter none,
+    under the DPO family dpo.adapter none, each with a note (`posttrain validate` prints it), unless the section's
+    adapter is set or the config is posttrain's own. (reward_model's default is already the whole model.)"""
+    rl = data.get("rl", "grpo")
+    section = "grpo" if rl in ROUND_RL else "dpo" if rl in PREFERENCE_RL and rl != "reward_model" else None
+    target = section_dict(data, section) if section else None
+    if not written_as_axolotl or "adapter" in data or target is None or "adapter" in target:
         return data
-    keep_notes(["adapter: not set: axolotl trains the whole model then (full fine-tuning) -> grpo.adapter: none, "
-                "every weight trained and sent to the rollout engine each round; for a LoRA adapter set adapter: "
-                "lora"])
-    return {**data, "grpo": {**grpo, "adapter": "none"}}
+    sent = ", every weight trained and sent to the rollout engine each round" if section == "grpo" else \
+        ", every weight trained (the reference is a frozen copy of the starting model)"
+    keep_notes([f"adapter: not set: axolotl trains the whole model then (full fine-tuning) -> {section}.adapter: "
+                f"none{sent}; for a LoRA adapter set adapter: lora"])
+    return {**data, section: {**target, "adapter": "none"}}
 
 
 def _training_moves(data: dict, trainer: str) -> list[tuple[str, str, str, object]]:

@@ -144,23 +144,28 @@ def test_a_zero3_json_of_the_users_is_read(tmp_path):
 
 # ---------------------------------------------------------------- no `adapter:`: the whole model, as in axolotl
 
-@pytest.mark.parametrize("text, adapter", [
-    ("base_model: {model}\nrl: grpo\n", "none"),  # axolotl trains the whole model without `adapter:`
-    ("base_model: {model}\nrl: ebft\n", "none"),
-    ("rl: grpo\nmicro_batch_size: 2\n", "none"),  # axolotl's keys, no base_model
-    ("base_model: {model}\nadapter: lora\n", "lora"),
-    ("base_model: {model}\nadapter:\n", "none"),  # axolotl's null: full fine-tuning
-    ("base_model: {model}\ngrpo:\n  adapter: lora\n", "lora"),  # posttrain's own key wins
-    ("rl: grpo\ngrpo:\n  rounds: 2\n", "lora"),  # a posttrain config (rl is posttrain's key too): its default
+@pytest.mark.parametrize("text, section, adapter", [
+    ("base_model: {model}\nrl: grpo\n", "grpo", "none"),  # axolotl trains the whole model without `adapter:`
+    ("base_model: {model}\nrl: ebft\n", "grpo", "none"),
+    ("rl: grpo\nmicro_batch_size: 2\n", "grpo", "none"),  # axolotl's keys, no base_model
+    ("base_model: {model}\nadapter: lora\n", "grpo", "lora"),
+    ("base_model: {model}\nadapter:\n", "grpo", "none"),  # axolotl's null: full fine-tuning
+    ("base_model: {model}\ngrpo:\n  adapter: lora\n", "grpo", "lora"),  # posttrain's own key wins
+    ("rl: grpo\ngrpo:\n  rounds: 2\n", "grpo", "lora"),  # a posttrain config (rl is posttrain's key too): its default
+    ("base_model: {model}\nrl: dpo\n", "dpo", "none"),  # the DPO family too
+    ("base_model: {model}\nrl: kto\nmicro_batch_size: 2\n", "dpo", "none"),
+    ("base_model: {model}\nrl: orpo\nadapter: lora\n", "dpo", "lora"),
+    ("rl: dpo\ndpo:\n  rl_beta: 0.2\n", "dpo", "lora"),
 ])
-def test_an_axolotl_config_without_adapter_trains_the_whole_model(tmp_path, capsys, text, adapter):
+def test_an_axolotl_config_without_adapter_trains_the_whole_model(tmp_path, capsys, text, section, adapter):
     (tmp_path / "model").mkdir()
     path = tmp_path / "config.yaml"
     path.write_text(text.format(model=tmp_path / "model"))
     cfg = load_config(path)
-    assert cfg.grpo.adapter == adapter
-    said = any(n.startswith("adapter: not set: axolotl trains the whole model") for n in cfg.translation_notes)
-    assert said == (adapter == "none" and "adapter" not in text)  # the note says what the default chose
+    assert getattr(cfg, section).adapter == adapter
+    said = [n for n in cfg.translation_notes if n.startswith("adapter: not set: axolotl trains the whole model")]
+    assert bool(said) == (adapter == "none" and "adapter" not in text)  # the note says what the default chose
+    assert all(f"-> {section}.adapter: none" in n for n in said)
     assert PipelineConfig.model_validate(cfg.run_config()) == cfg
 
 
