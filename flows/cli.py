@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
+    from flows import diff
+
+    diff.add_arguments(sub.add_parser("diff", help="two runs prompt by prompt on their shared held-out set: flipped "
+                                                   "verdicts with both completions, answers, rewards per round"))
+
     from flows import init, resume, retrain, serve_rewards, server, verify
 
     p = init.add_arguments(sub.add_parser("init", help="write a new task that runs as it is: a config, five rows of "
