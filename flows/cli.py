@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                                                            "(sha256); --repair sets damaged ones aside"))
     p.set_defaults(handler=verify.verify_command, extras_into=None)
 
+    from flows import rescore
+
+    rescore.add_arguments(sub.add_parser("rescore", help="re-score a run's stored rollouts with other reward functions "
+                                                         "(same score stage and cache) and show how rewards and "
+                                                         "group advantages change per round"))
+
     p = server.add_arguments(sub.add_parser("server", help="local Prefect server (SQLite under artifacts/) and a "
                                                            "process worker for prefect.yaml's deployments"))
     p.set_defaults(handler=server.serve, extras_into=None)
