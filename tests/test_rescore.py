@@ -128,6 +128,7 @@ def dpo_run(folder, run_a):
     ("module fails to import", ["rescore_broken.fn"], "importing 'rescore_broken' failed: RuntimeError: cannot load"),
     ("no such function", ["rescore_rewards.digit"], "did you mean rescore_rewards.digits"),
     ("function raises", ["rescore_rewards.broken"], "reward function 'rescore_rewards.broken' failed on 32 of 32"),
+    ("weights", ["accuracy", "--reward-weights", "1", "2"], "--reward-weights: 2 weights for 1 reward functions"),
 ])
 def test_bad_input_is_one_line_naming_it_exit_2_nothing_cached(folder, run_a, dpo_run, capsys, case, funcs, named):
     from flows.cli import main
