@@ -74,10 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: <artifacts>/compare-<names>.png)")
     p.set_defaults(handler=compare_command, extras_into="runs")
 
-    from flows import diff
-
-    diff.add_arguments(sub.add_parser("diff", help="two runs prompt by prompt on their shared held-out set: flipped "
-                                                   "verdicts with both completions, answers, rewards per round"))
+    p = sub.add_parser("diff", help="two runs prompt by prompt on their shared held-out set: flipped verdicts with "
+                                    "both completions, answers, rewards per round")
+    p.add_argument("runs", nargs=2, metavar="RUN",
+                   help="run name (e.g. quickstart-20261122-031500) or MLflow run id; A first, then B")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead (completions in full)")
+    p.add_argument("--limit", type=flip_count, default=None,
+                   help="flips shown per direction (default: 10 in the terminal, all with --json)")
+    p.set_defaults(handler=diff_command, extras_into=None)
 
     from flows import init, resume, retrain, serve_rewards, server, verify
 
@@ -254,6 +259,21 @@ def compare_command(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def flip_count(text: str) -> int:
+    """`posttrain diff --limit`: a count, 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a count of flips, 0 or more")
+    return value
+
+
+def diff_command(args) -> int:
+    """`posttrain diff` (flows/diff.py, imported only for it: it reads MLflow, a second to import)."""
+    from flows import diff
+
+    return diff.diff_command(args)
 
 
 def serve_vllm(cfg, args) -> int:

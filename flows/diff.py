@@ -18,7 +18,6 @@ Loading (`load_*`, `diff_command_data`) reads MLflow and the artifact folders; t
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -354,25 +353,6 @@ def diff_command_data(refs: list[str], artifacts_dir: str, limit: int | None = N
 
 
 # ---------------------------------------------------------------- command line
-
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: a count of flips, 0 or more")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("runs", nargs=2, metavar="RUN",
-                        help="run name (e.g. quickstart-20261122-031500) or MLflow run id; A first, then B")
-    parser.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: "
-                                                                 "artifacts)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead (completions in full)")
-    parser.add_argument("--limit", type=non_negative, default=None,
-                        help=f"flips shown per direction (default: {FLIPS_SHOWN} in the terminal, all with --json)")
-    parser.set_defaults(handler=diff_command, extras_into=None)
-    return parser
-
 
 def diff_command(args) -> int:
     """`posttrain diff`: print the report (or --json); exit 2 naming the problem on bad input."""
