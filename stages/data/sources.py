@@ -11,6 +11,8 @@ A source's `path` is one of:
   way; without, through `datasets.load_dataset(folder, name)`, which finds the splits by file name
   (train.jsonl, data/test-00000-of-00001.parquet, ...) or the folder's README `configs`;
 - `json`, `parquet` or `csv` with `data_files` (axolotl's `path: json`): those local files;
+- `reasoning_gym` with name (a task), size, seed and config: the rows reasoning-gym makes of that task
+  (stages/data/reasoning_gym_source.py); `revision` is the package version, which validation fills in;
 - a hub dataset id (`org/name`) at `revision`: through `datasets.load_dataset(id, name, revision=<commit>)`.
   `hub_revision` resolves the revision to its commit first (the transform's key holds it): asked of the hub
   online, read from the hub cache's `refs/` when HF_HUB_OFFLINE is set or the hub cannot be reached. Offline
@@ -34,9 +36,14 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from stages.data import hub
+from stages.data import reasoning_gym_source as gym
+from stages.runtime.keys import key_when_set
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-BUILTIN_TYPES = ("question_answer", "messages", "text")
+ROW_TYPES = ("question_answer", "messages", "text")
+"""The built-in transforms for rows of any source (errors offer these)."""
+BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym")
+"""ROW_TYPES and `reasoning_gym`, the type of a path: reasoning_gym source's rows (set for it)."""
 AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
                  "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
                  "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
@@ -59,7 +66,8 @@ class SourceLocation(BaseModel):
     """A hub dataset id (org/name), a local file (jsonl, json, parquet, csv), a local folder, or `json` /
     `parquet` / `csv` with data_files (axolotl's `path: json`)."""
     name: str | None = None
-    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders."""
+    """The dataset's config (`datasets.load_dataset(path, name)`), for hub datasets and folders; path:
+    reasoning_gym: the task (countdown, leg_counting, ..., composite)."""
     split: str | None = None
     """Which rows, in the slice syntax of `datasets`: train, train[:2000], train[10%:20%], train+test.
     Unset: train (a local file is one table, the split train)."""
@@ -68,7 +76,32 @@ class SourceLocation(BaseModel):
     to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
     revision: str | None = None
     """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
-    to, so a new commit on the branch is a new key."""
+    to, so a new commit on the branch is a new key. path: reasoning_gym: the package version (unset: the
+    installed one, filled in; another installed version stops the transform)."""
+    size: int | None = key_when_set(None, ge=1)
+    """path: reasoning_gym: how many items of the task (its rows)."""
+    seed: int | None = key_when_set(None)
+    """path: reasoning_gym: the task's seed; item i is drawn from Random(seed + i), so a held-out source of the
+    same task takes a seed at or past this one + size (validation refuses seeds that meet)."""
+    config: dict | None = key_when_set(None)
+    """path: reasoning_gym: the task's own config (`create_dataset(name, size=, seed=, **config)`), e.g.
+    {min_numbers: 3, max_numbers: 4}; name: composite: {datasets: [{name, weight, config}, ...]}."""
+
+    @model_validator(mode="after")
+    def _reasoning_gym_task(self):
+        task_fields = [f for f in ("size", "seed", "config") if getattr(self, f) is not None]
+        if self.path != gym.PATH:
+            if task_fields:
+                raise ValueError(f"source {self.path!r}: {', '.join(task_fields)} "
+                                 f"{'apply' if len(task_fields) > 1 else 'applies'} to path: {gym.PATH} only")
+            return self
+        lacking = [f for f in ("name", "size", "seed") if getattr(self, f) is None]
+        if lacking or self.data_files:
+            raise ValueError(f"source {gym.PATH}: set name (the task), size (rows) and seed"
+                             + (f"; {', '.join(lacking)} lacking" if lacking else "; data_files does not apply"))
+        gym.create(self.name, self.size, self.seed, self.config)  # the package, the task and its config
+        self.revision = self.revision or gym.version()
+        return self
 
 
 class DatasetSource(SourceLocation):
@@ -89,13 +122,15 @@ class DatasetSource(SourceLocation):
 
     @model_validator(mode="after")
     def _supported_type(self):
+        if self.type is None and self.path == gym.PATH:
+            self.type = "reasoning_gym"  # its rows' columns, whatever transform.type says for the others
         if self.type is None or self.type in BUILTIN_TYPES:
             return self
         module = self.type.split(".")[0]
         hint = " (axolotl's completion is type: text here)" if module == "completion" else ""
         if "." not in self.type or module in AXOLOTL_TYPES:
             raise ValueError(f"source {self.path!r}: type {self.type!r} is not supported{hint}; use one of "
-                             f"{', '.join(BUILTIN_TYPES)}, or your own transform as module.fn (axolotl's custom "
+                             f"{', '.join(ROW_TYPES)}, or your own transform as module.fn (axolotl's custom "
                              "prompt-strategy convention: fn(cfg) -> (transform_fn, {remove_columns}))")
         return self
 
@@ -282,15 +317,18 @@ BUILDERS = ("json", "parquet", "csv")
 def describe(source: SourceLocation) -> str:
     """How errors and counts name a source: `path (name=..., split=...)`."""
     parts = [f"name={source.name}"] if source.name else []
+    parts += [f"{f}={getattr(source, f)}" for f in ("size", "seed") if getattr(source, f) is not None]
     if source.revision:
         parts.append(f"revision={source.revision[:12] if len(source.revision) == 40 else source.revision}")
     parts.append(f"split={source.split or 'train'}")
     return f"{source.path} ({', '.join(parts)})"
 
 
-def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub"]:
+def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub", "reasoning_gym"]:
     """file: one local table; files: local files listed in data_files; folder: a local folder `datasets` reads;
-    hub: a hub dataset id."""
+    hub: a hub dataset id; reasoning_gym: a task of the reasoning-gym package (`./reasoning_gym` is a folder)."""
+    if source.path == gym.PATH:
+        return "reasoning_gym"
     local = Path(source.path).expanduser()
     if local.is_file():
         if source.name or source.data_files:
@@ -338,7 +376,7 @@ def data_files(source: SourceLocation) -> dict[str, list[Path]]:
 def local_paths(source: SourceLocation) -> list[Path]:
     """The local files or folder a source reads (what the transform's key digests); [] for a hub dataset."""
     which = kind(source)
-    if which == "hub":
+    if which in ("hub", "reasoning_gym"):
         return []
     if which == "files" and source.path in BUILDERS:
         return [f for split_files in data_files(source).values() for f in split_files]
@@ -416,6 +454,8 @@ def load(source: SourceLocation) -> list[tuple[int, dict]]:
         splits = {split: [row for f in files for row in read_rows(f)] for split, files in data_files(source).items()}
     elif which == "folder":
         splits = _load_dataset(source, str(Path(source.path).expanduser()))
+    elif which == "reasoning_gym":
+        splits = {"train": _task_rows(source)}
     else:
         splits = _hub_splits(source)
     spec = source.split or "train"
@@ -432,6 +472,17 @@ def load(source: SourceLocation) -> list[tuple[int, dict]]:
     if not rows:
         raise SourceError(f"{describe(source)}: no rows")
     return rows
+
+
+def _task_rows(source: SourceLocation) -> list[dict]:
+    """A reasoning-gym source's rows, made by the package version its revision names."""
+    try:
+        if source.revision not in (None, gym.version()):
+            raise gym.TaskError(f"this source was made with {gym.PACKAGE} {source.revision}; {gym.version()} is "
+                                f"installed: pip install {gym.PACKAGE}=={source.revision}, or remove revision")
+        return gym.rows(source.name, source.size, source.seed, source.config)
+    except gym.TaskError as e:
+        raise SourceError(f"{describe(source)}: {e}") from None
 
 
 def _dataset_rows(dataset, start: int, stop: int) -> list[dict | UnreadableRow]:

@@ -91,7 +91,24 @@ class TransformConfig(BaseModel):
             raise ValueError("transform.test_datasets and transform.val_set_size both make the eval split; use one")
         if holdout and self.val_set_size >= 1 and self.val_set_size != int(self.val_set_size):
             raise ValueError(f"transform.val_set_size {self.val_set_size:g}: a fraction below 1 or a whole row count")
+        self._held_out_tasks_apart()
         return self
+
+    def _held_out_tasks_apart(self):
+        """A reasoning-gym source of test_datasets draws none of the seeds of a datasets source of the same task
+        and config (item i of seed s comes from Random(s + i): seeds that meet repeat the train problems)."""
+        def tasks(entries):
+            return [(i, {"name": s.name, "size": s.size, "seed": s.seed, "config": s.config})
+                    for i, s in enumerate(entries or []) if s.path == sources.gym.PATH]
+
+        for i, train in tasks(self.datasets):
+            for j, held in tasks(self.test_datasets):
+                if (both := sources.gym.overlap(train, held)) is not None:
+                    raise ValueError(
+                        f"transform.test_datasets.{j}: {held['name']} seeds {both.start}..{both.stop - 1} are also "
+                        f"drawn by transform.datasets.{i} (item i of seed s is reasoning-gym's Random(s + i)), so the "
+                        f"eval would repeat train problems; set its seed to {sources.gym.seeds(train).stop} or more, "
+                        "or use val_set_size")
 
 
 MAX_LISTED = 10  # bad rows named in a BadRowsError message
@@ -141,7 +158,20 @@ def _text(cfg: TransformConfig):
     return transform_fn, {"remove_columns": [cfg.text_field]}
 
 
-BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text}
+def _reasoning_gym(cfg: TransformConfig):
+    """A reasoning-gym source's rows (stages/data/reasoning_gym_source.py): the question as the prompt, the
+    answer as gold (None where the task has no single one: its scorer checks the answer against the entry), the
+    `reasoning_gym` column kept for the `reasoning_gym` reward."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        if not example.get("question") or not example.get("reasoning_gym"):
+            raise KeyError("question and reasoning_gym (the rows of a path: reasoning_gym source)")
+        return {"prompt": [{"role": "user", "content": example["question"]}], "answer": example.get("answer")}
+
+    return transform_fn, {"remove_columns": ["question"]}
+
+
+BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text,
+                                 "reasoning_gym": _reasoning_gym}
 
 
 

@@ -54,11 +54,11 @@ class EvalConfig(BaseModel):
     reward_funcs: list[str] | None = Field(None, min_length=1)
     """The task's verifier: reward functions (names as in score.reward_funcs) whose reward decides whether a
     completion is correct. Unset: the run's verifiers, which are the entries of score.reward_funcs that are not
-    built-in (your `module.fn` and `remote:<name>`: the task's own scorer), or `accuracy` (math-verify) when
-    score.reward_funcs names only built-ins (accuracy, stated_accuracy, format, code_execution, reward models),
-    so the built-in task is judged as before (`verifier_funcs`). Set it when a function of yours is a shaping term
-    (a length or format bonus), not a verdict. With several, a completion's reward is their mean (None, "does not
-    apply", left out)."""
+    built-in (your `module.fn` and `remote:<name>`: the task's own scorer) and the built-in `reasoning_gym` (the
+    task's own scorer too), or `accuracy` (math-verify) when score.reward_funcs names no verifier (accuracy,
+    stated_accuracy, format, code_execution, reward models), so the built-in task is judged as before
+    (`verifier_funcs`). Set it when a function of yours is a shaping term (a length or format bonus), not a verdict.
+    With several, a completion's reward is their mean (None, "does not apply", left out)."""
     correct_threshold: float = Field(1.0, allow_inf_nan=False)
     """A completion is correct when its verifier reward is at least this. 1.0: a 0/1 verifier's right answers
     (partial credit, e.g. 0.5 for a right number in a wrong format, is not correct); lower it for a graded one."""
@@ -89,21 +89,24 @@ VERIFIER_DEFAULT = ["accuracy"]
 
 def verifier_funcs(cfg: EvalConfig, score_funcs: list[str]) -> list[str]:
     """The reward functions the eval judges with: eval.reward_funcs when set; else the entries of the run's
-    score.reward_funcs that are not built-in (`module.fn`, `remote:<name>`), or `accuracy` when it names only
-    built-ins (format is a shaping term; a reward model scores preferences, not correctness).
+    score.reward_funcs that are a task's own verifier (`module.fn`, `remote:<name>`, and the built-ins of
+    TASK_VERIFIERS: `reasoning_gym`), or `accuracy` when it names none (format is a shaping term; a reward model
+    scores preferences, not correctness).
 
     >>> verifier_funcs(EvalConfig(), ["accuracy", "format"]), verifier_funcs(EvalConfig(), ["mytask.check", "format"])
     (['accuracy'], ['mytask.check'])
+    >>> verifier_funcs(EvalConfig(), ["reasoning_gym", "format"])
+    ['reasoning_gym']
     >>> verifier_funcs(EvalConfig(reward_funcs=["stated_accuracy"]), ["mytask.check"])
     ['stated_accuracy']
     """
     from stages.scoring.reward_workers import REWARD_MODEL_PREFIX, is_model_name
-    from stages.scoring.rewards import BUILTIN_REWARDS
+    from stages.scoring.rewards import BUILTIN_REWARDS, TASK_VERIFIERS
 
     if cfg.reward_funcs:
         return list(cfg.reward_funcs)
-    own = [name for name in score_funcs if name not in BUILTIN_REWARDS and name != "reward_model"
-           and not name.startswith(REWARD_MODEL_PREFIX) and not is_model_name(name)]
+    own = [name for name in score_funcs if (name not in BUILTIN_REWARDS or name in TASK_VERIFIERS)
+           and name != "reward_model" and not name.startswith(REWARD_MODEL_PREFIX) and not is_model_name(name)]
     return own or list(VERIFIER_DEFAULT)
 
 
