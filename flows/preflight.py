@@ -33,8 +33,12 @@ HEAD_ROWS = 32
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "prompt_id")
 """What every reward call passes besides the prompts table's own columns (stages/scoring/score.py `run`)."""
 
-BUILTIN_COLUMNS = {"accuracy": "answer", "stated_accuracy": "answer", "code_execution": "test_cases"}
+BUILTIN_COLUMNS = {"accuracy": "answer", "stated_accuracy": "answer", "code_execution": "test_cases",
+                   "reasoning_gym": "reasoning_gym"}
 """The column each built-in reward needs on every row (their signatures default it to None)."""
+BUILTIN_COLUMN_FIX = {"reasoning_gym": "read the rows from a reasoning-gym source (datasets: - path: reasoning_gym, "
+                                       "name: TASK; docs/your-own/data.md), which writes it"}
+"""How a user gives a built-in its column, where that is not mapping one of their columns to it."""
 
 ROLLOUT_FUNC_KEYWORDS = ("prompts", "engine", "policy", "sampling", "tokenizer")
 """What rollout.rollout_func is called with (stages/rollout/rollout.py `_user_rollout`)."""
@@ -488,9 +492,9 @@ def _reward(name: str, key: str, report: Report, where: str) -> None:
     if name in BUILTIN_COLUMNS:
         column = BUILTIN_COLUMNS[name]
         if any(r.get(column) is None for r in rows):
+            fix = BUILTIN_COLUMN_FIX.get(name, "map your column to it in the transform (transform.answer_field)")
             report.problem(key, f"{name} needs column {column!r} on every row, which the train split's rows lack "
-                                f"(columns: {', '.join(sorted(columns))}); map your column to it in the transform "
-                                f"(transform.answer_field) or use another reward")
+                                f"(columns: {', '.join(sorted(columns))}); {fix}, or use another reward")
         return
     parameters = _parameters(fn)
     if parameters is None:

@@ -162,6 +162,20 @@ def test_validate_exits_2_naming_an_unknown_task(tmp_path):
     assert "reasoning-gym has no task 'countdow' (did you mean countdown" in done.stderr + done.stdout
 
 
+def test_the_reward_on_rows_of_another_source_names_the_source_it_needs(tmp_path, capsys):
+    from flows.cli import main
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"question": f"{i} + 1?", "answer": str(i + 1)}) for i in range(8)))
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"datasets": [{"path": str(rows), "type": "question_answer"}],
+                                "score": {"reward_funcs": ["reasoning_gym"]}}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "reasoning_gym needs column 'reasoning_gym' on every row" in err
+    assert "read the rows from a reasoning-gym source (datasets: - path: reasoning_gym, name: TASK" in err
+
+
 def test_a_revision_other_than_the_installed_package_stops_the_transform(out_dir):
     cfg = TransformConfig(datasets=[source(revision="0.1.24")], val_set_size=2)
     with pytest.raises(SourceError, match=r"reasoning_gym \(name=leg_counting, size=6, seed=1, revision=0.1.24, "
