@@ -84,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="flips shown per direction (default: 10 in the terminal, all with --json)")
     p.set_defaults(handler=diff_command, extras_into=None)
 
+    p = sub.add_parser("trace", help="one prompt of a run traced to its sources: eval completion and verdict, the "
+                                     "model's artifact chain, each round's rollouts of it, reward code, source row")
+    p.add_argument("run", metavar="RUN", help="run name (e.g. quickstart-20261122-031500) or MLflow run id")
+    p.add_argument("prompt_id", nargs="?", default=None, metavar="PROMPT_ID",
+                   help="an eval or train prompt id (e.g. eval-000003); none: list the first eval rows")
+    p.add_argument("--eval-row", type=flip_count, default=None, help="the final eval's row N instead of a prompt id")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.set_defaults(handler=trace_command, extras_into=None)
+
     from flows import init, resume, retrain, serve_rewards, server, verify
 
     p = init.add_arguments(sub.add_parser("init", help="write a new task that runs as it is: a config, five rows of "
@@ -274,6 +284,13 @@ def diff_command(args) -> int:
     from flows import diff
 
     return diff.diff_command(args)
+
+
+def trace_command(args) -> int:
+    """`posttrain trace` (flows/trace.py, imported only for it, as diff is)."""
+    from flows import trace
+
+    return trace.trace_command(args)
 
 
 def serve_vllm(cfg, args) -> int:
