@@ -134,6 +134,19 @@ def copy_warm_stages(warm, artifacts) -> None:
         shutil.copytree(warm / stage, artifacts / stage, ignore=shutil.ignore_patterns(".*"))
 
 
+def warm_tiny_folder(root, warm, mlflow_store):
+    """`root`/tiny.yaml (the tiny config) on `root`/artifacts: a copy of the empty MLflow store and of `warm`'s
+    WARM_STAGES, so a run of it computes only its rounds on. Returns the artifacts folder."""
+    import shutil
+
+    artifacts = root / "artifacts"
+    artifacts.mkdir()
+    shutil.copyfile(mlflow_store, artifacts / "mlflow.db")
+    copy_warm_stages(warm, artifacts)
+    (root / "tiny.yaml").write_text(tiny_text(artifacts))
+    return artifacts
+
+
 @pytest.fixture
 def out_dir(tmp_path):
     """An empty folder a stage writes into."""

@@ -5,13 +5,12 @@ logic on hand-built eval tables."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import copy_warm_stages, tiny_text
+from conftest import tiny_text, warm_tiny_folder
 
 from flows.cli import main
 from flows.compare import CompareError, RunData
@@ -39,11 +38,7 @@ def runs(prefect_harness, tiny_warm_store, empty_mlflow_store, tmp_path_factory)
     from flows.pipeline import posttrain_pipeline
 
     root = tmp_path_factory.mktemp("diff")
-    artifacts = root / "artifacts"
-    artifacts.mkdir()
-    shutil.copyfile(empty_mlflow_store, artifacts / "mlflow.db")
-    copy_warm_stages(tiny_warm_store, artifacts)
-    (root / "tiny.yaml").write_text(tiny_text(artifacts))
+    artifacts = warm_tiny_folder(root, tiny_warm_store, empty_mlflow_store)
     (root / "diff_verdicts.py").write_text(VERDICTS)
     config = yaml.safe_load(tiny_text(artifacts))
     dpo = {k: v for k, v in config.items() if k not in ("rollout", "score", "grpo")}  # a DPO run reads none

@@ -4,12 +4,11 @@ sources, in a store made once for this module. A run resumed after a kill is not
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import copy_warm_stages, tiny_text
+from conftest import warm_tiny_folder
 
 from flows.cli import main
 from tasks.store import MANIFEST
@@ -21,11 +20,7 @@ def run(prefect_harness, tiny_warm_store, empty_mlflow_store, tmp_path_factory):
     from flows.pipeline import posttrain_pipeline
 
     root = tmp_path_factory.mktemp("trace")
-    artifacts = root / "artifacts"
-    artifacts.mkdir()
-    shutil.copyfile(empty_mlflow_store, artifacts / "mlflow.db")
-    copy_warm_stages(tiny_warm_store, artifacts)
-    (root / "tiny.yaml").write_text(tiny_text(artifacts))
+    artifacts = warm_tiny_folder(root, tiny_warm_store, empty_mlflow_store)
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
         result = posttrain_pipeline(str(root / "tiny.yaml"), [], quiet=True)
