@@ -1033,7 +1033,7 @@ def move_training_length(data) -> tuple[object, list[str]]:
         data, note = _sequence_len(data, given.pop("sequence_len"), settings)
         notes.append(note)
     if given:
-        data, note = _rounds_from_length(data, given, settings)
+        data, note = (_strided_rounds if settings.strided else _rounds_from_length)(data, given, settings)
         notes.append(note)
         data, note = _schedule_horizon(data)
         notes += [note] if note else []
@@ -1094,10 +1094,14 @@ def _sequence_len(data: dict, value, s: RoundSettings) -> tuple[dict, str]:
                                       "sequence_len", "rollout")
         return data, (f"sequence_len: {length} (axolotl's key) -> rollout.atropos.max_token_len: {length} (the "
                       "environments drop longer prompt + completion sequences)")
-    if s.strided or s.rollout.rollout_func:
-        where = "ebft.mode: strided writes blocks of documents" if s.strided else \
-            "rollout.rollout_func samples the prompts itself"
-        raise ValueError(f"sequence_len: {where}, so posttrain cannot bound prompt + completion there; remove it")
+    if s.strided:  # axolotl's strided transforms cut each document to sequence_len tokens
+        data["ebft"] = _with_value(section_dict(data, "ebft"), "max_document_tokens", length, "sequence_len", "ebft")
+        return data, (f"sequence_len: {length} (axolotl's key) -> ebft.max_document_tokens: {length} (strided mode "
+                      "cuts each document to it, a prompt + completion row's completion first, as axolotl's "
+                      "strided transforms do)")
+    if s.rollout.rollout_func:
+        raise ValueError("sequence_len: rollout.rollout_func samples the prompts itself, so posttrain cannot bound "
+                         "prompt + completion there; remove it")
     room = length - s.max_completion_length
     if room < 1:  # axolotl's own GRPO example (sequence_len = max_completion_length): what axolotl does there
         return data, (f"sequence_len: {length} (axolotl's key) is not above max_completion_length "
@@ -1200,6 +1204,56 @@ def _rounds_from_length(data: dict, given: dict, s: RoundSettings) -> tuple[dict
     what = "one generation batch" if pushes == 1 else f"the {pushes} generation batches between two weight pushes"
     return data, (f"{source} -> grpo.rounds: {rounds}, rollout.prompts_per_round: {prompts}: one round is {what} "
                   f"({why}); {per_round}{exact}")
+
+
+def _strided_rounds(data: dict, given: dict, s: RoundSettings) -> tuple[dict, str]:
+    """max_steps / num_epochs under ebft.mode strided. axolotl's strided trainer is a plain Trainer over documents:
+    a micro-batch is micro_batch_size documents, each with its n samples at every anchor, and an optimizer step
+    gradient_accumulation_steps micro-batches. Here a round is one such step: rollout.prompts_per_round
+    micro_batch_size x gradient_accumulation_steps documents, trained in one optimizer step (a micro-batch per anchor,
+    its n samples; as many accumulated as the round's documents have anchors at most, under sequence_len);
+    grpo.rounds is max_steps, or num_epochs passes over the documents."""
+    other = [k for k in given if k.startswith("trl.")]
+    if other:
+        raise ValueError(f"{other[0]}: TRL's generation batch; ebft.mode strided has none (axolotl's strided trainer "
+                         "samples each micro-batch's documents itself): remove it")
+    length_keys = [k for k in ("max_steps", "num_epochs") if k in given]
+    if s.rounds_set:
+        raise ValueError(f"{length_keys[0]} (axolotl's key) and grpo.rounds are the same setting (how long EBFT "
+                         "trains); set one of them")
+    ebft = section_dict(data, "ebft") or {}
+    cap = ebft.get("max_document_tokens")
+    if cap is None:
+        raise ValueError(f"{length_keys[0]}: under ebft.mode strided a step's size depends on the documents' length: "
+                         "set sequence_len (axolotl's strided transforms cut documents to it; axolotl's default is 512)")
+    mbs, gas = s.grpo.micro_batch_size, s.grpo.gradient_accumulation_steps
+    stride, context = ebft.get("stride") or 8, ebft.get("context_length") or 8
+    blocks = max((cap - s.max_completion_length - context) // stride + 1, 1)
+    documents = mbs * gas
+    if "prompts_per_round" in s.set_in_rollout and s.rollout.prompts_per_round != documents:
+        raise ValueError(f"rollout.prompts_per_round {s.rollout.prompts_per_round} and {length_keys[0]}: under "
+                         f"ebft.mode strided a step is micro_batch_size {mbs} x gradient_accumulation_steps {gas} = "
+                         f"{documents} documents; set one of them")
+    if "max_steps" in given:
+        rounds = _whole("max_steps", given["max_steps"], "optimizer steps")
+        source = f"max_steps: {rounds} (axolotl's key)"
+    else:
+        epochs = given["num_epochs"]
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < float("inf"):
+            raise ValueError(f"num_epochs: {epochs!r}; expected a number > 0 (passes over the documents)")
+        count, where = _train_prompts(data)
+        rounds = max(math.ceil(epochs * -(-count // documents)), 1)
+        source = f"num_epochs: {epochs:g} (axolotl's key: passes over the {count} documents of {where})"
+    groups = documents * blocks  # a micro-batch per anchor: its n samples
+    data["rollout"] = {**section_dict(data, "rollout"), "prompts_per_round": documents}
+    data["grpo"] = {**section_dict(data, "grpo"), "rounds": rounds, "micro_batch_size": s.num_generations,
+                    "gradient_accumulation_steps": groups}
+    return data, (f"{source} -> grpo.rounds: {rounds}, rollout.prompts_per_round: {documents}: under ebft.mode "
+                  f"strided a round is one of axolotl's optimizer steps, micro_batch_size {mbs} x "
+                  f"gradient_accumulation_steps {gas} documents, each with num_generations {s.num_generations} "
+                  f"samples at up to {blocks} anchors (sequence_len {cap}), trained in one optimizer step: "
+                  f"grpo.micro_batch_size: {s.num_generations} (an anchor's samples), "
+                  f"grpo.gradient_accumulation_steps: {groups} (every anchor of the round)")
 
 
 def _synced_round(given: dict, prompts: int, why: str, s: RoundSettings) -> tuple[int, int, str]:

@@ -585,9 +585,19 @@ class PipelineConfig(BaseModel):
         for key, (bad, wanted, why) in problems.items():
             if bad:
                 raise ValueError(f"ebft.mode: strided {why}; {key} must be {wanted}")
+        entries = (self.transform.datasets or []) + (self.transform.test_datasets or [])
+        types = {s.type or self.transform.type for s in entries} if entries else {self.transform.type}
+        if self.ebft.min_completion_prefix and types <= RAW_DOCUMENT_TYPES:
+            raise ValueError(f"ebft.min_completion_prefix: {self.ebft.min_completion_prefix} places blocks after a "
+                             f"prompt, and transform.type {' and '.join(sorted(types))} makes raw documents, which have "
+                             "none; remove it, or use type ebft_strided_structured.transform (prompt + completion rows)")
 
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:12]
+
+
+RAW_DOCUMENT_TYPES = frozenset({"text", "ebft_pretrain.transform"})
+"""transform.type built-ins whose rows are raw documents (no prompt before the text) in ebft.mode: strided."""
 
 
 def _numbers(value, key: str = ""):

@@ -229,6 +229,12 @@ def _transform(cfg: PipelineConfig, report: Report, where: str) -> None:
     for key, name in types:
         if name not in transform.BUILTINS:
             loaded_ok &= _function(name, key, report, where) is not None
+        elif "." in name:  # axolotl's transforms by their names: a file of that name is the user's copy of one
+            copies = [Path(folder) / f"{name.split('.')[0]}.py" for folder in where.split(" or ")]
+            for copy in dict.fromkeys(c for c in copies if c.is_file()):
+                report.notes.append(f"{key}: {name} is axolotl's strided EBFT transform, built in here (stages/data/"
+                                    f"transform.py: the rollout tokenizes with the policy's tokenizer): "
+                                    f"./{copy.name} is not imported ({copy.parent})")
     if not (tcfg.paths or tcfg.datasets):
         report.notes.append(f"transform: the built-in demo task's data (demo_data), splits {', '.join(_demo_splits())}")
         return

@@ -443,7 +443,7 @@ ebft:
 
 datasets:
   - path: {rows}
-    type: text
+    type: ebft_strided_structured.transform
     split: train[:1%]
 
 attn_implementation: flex_attention   # Strided mode uses flex_attention
@@ -451,8 +451,50 @@ gradient_checkpointing: true
 gradient_checkpointing_kwargs:
   use_reentrant: true    # Required for flex_attention
 """
-"""docs/rlhf.qmd's EBFT strided-mode config; its dataset type, axolotl's ebft_strided_structured.transform (prompt and
-completion tokenized into one sequence, anchors in the completion), is not built here: raw documents are `type: text`."""
+"""docs/rlhf.qmd's EBFT strided-mode config, its dataset type (axolotl's ebft_strided_structured.transform: prompt and
+completion as one document, blocks in the completion) as written."""
+
+EBFT_STRIDED_STRUCTURED = """base_model: {model}
+rl: ebft
+
+ebft:
+  mode: strided
+  stride: 8                    # Tokens between anchor points
+  context_length: 8            # Context window per block
+  generate_max_len: 8          # Tokens to generate per block
+  n_samples_per_prompt: 4      # Independent rollouts per document
+  temperature: 0.6
+  feature_layers: [0.25, 0.5, 0.75]
+  embed_method: last_token
+  use_whitening: true
+  alignment_coef: 1.0
+  diversity_coef: 1.0
+  rl_coef: 1.0                # RL policy gradient loss weight
+  ce_coef: 0.03               # Cross-entropy loss on GT tokens
+  advantage_estimator: rloo    # rloo, group_norm, or reinforce
+  min_completion_prefix: 8     # Skip anchors in prompt region
+
+datasets:
+  - path: {rows}
+    type: ebft_strided_structured.transform
+    split: train[:50%]
+
+sequence_len: 2048
+micro_batch_size: 1
+gradient_accumulation_steps: 2
+
+adapter: lora
+lora_r: 16
+lora_alpha: 32
+lora_target_linear: true
+
+bf16: auto
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: true          # Required with flex_attention
+"""
+"""docs/ebft.qmd's Strided Mode Configuration (its attn_implementation: flex_attention left out: CUDA's; the line that
+names it is test_the_ebft_strided_config_needs_flex_attention_on_cuda's)."""
 
 NEMO_GYM = {
     "single-turn": "base_model: {model}\n\nrl: grpo\nchat_template: tokenizer_default\n\ntrl:\n  use_vllm: false\n"
@@ -579,6 +621,27 @@ def test_the_ebft_strided_config_needs_flex_attention_on_cuda(user):
     assert (cfg.ebft.use_whitening, cfg.ebft.rl_coef, cfg.ebft.ce_coef, cfg.ebft.advantage_estimator) == (
         True, 1.0, 0.03, "rloo")
     assert cfg.train.gradient_checkpointing and cfg.grpo.adapter == "none"
+    assert cfg.transform.datasets[0].type == "ebft_strided_structured.transform"
+
+
+def test_the_ebft_strided_structured_config_loads_as_written(user):
+    """docs/ebft.qmd's strided block on prompt + completion rows: its transform is the built-in of that name (a file
+    of that name beside the config is not imported: the note says so), min_completion_prefix lands in ebft, and
+    sequence_len is the document cap axolotl's transform cuts at."""
+    from pathlib import Path
+
+    Path("ebft_strided_structured.py").write_text("def transform(cfg, *args, **kwargs):\n    raise RuntimeError\n")
+    path = user(EBFT_STRIDED_STRUCTURED)
+    cfg = load_config(path)
+    assert (cfg.ebft.mode, cfg.ebft.min_completion_prefix, cfg.ebft.max_document_tokens) == ("strided", 8, 2048)
+    assert (cfg.grpo.adapter, cfg.grpo.lora_r, cfg.train.gradient_checkpointing_kwargs) == (
+        "lora", 16, {"use_reentrant": True})
+    from flows import preflight
+
+    report = preflight.inspect_config(cfg, path)  # the rows transformed; the model folder here is a stand-in
+    assert [p.split(":")[0] for p in report.problems] == ["model.path"], report.problems
+    assert any("sequence_len: 2048 (axolotl's key) -> ebft.max_document_tokens: 2048" in n for n in report.notes)
+    assert any("./ebft_strided_structured.py is not imported" in n for n in report.notes), report.notes
 
 
 @pytest.mark.parametrize("name", list(NEMO_GYM))

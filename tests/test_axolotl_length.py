@@ -208,3 +208,48 @@ def test_sequence_len_equal_to_the_completion_length_cuts_nothing_as_in_axolotl(
     assert cfg.rollout.max_prompt_length is None
     assert any("sequence_len: 16 (axolotl's key) is not above max_completion_length 16" in n and "cuts nothing" in n
                for n in cfg.translation_notes)
+
+
+def test_under_strided_ebft_a_round_is_one_of_axolotls_steps_and_takes_one(tmp_path):
+    """ebft.mode strided (axolotl's strided trainer: micro_batch_size documents per micro-batch, each sampled at
+    every anchor): max_steps is rounds of micro_batch_size x gradient_accumulation_steps documents, and a real round
+    of them (prompt + completion rows, documents cut at sequence_len) takes one optimizer step; num_epochs passes over
+    the documents; without sequence_len, or with TRL's generation batch keys, a one-line error."""
+    import json
+    import random
+
+    from conftest import tiny_model
+
+    from stages.data import transform
+    from stages.rollout.engines import Policy
+    from stages.training import ebft, ebft_strided
+
+    rng = random.Random(0)
+    tiny_model(tmp_path, [" ".join(str(rng.randrange(10)) for _ in range(24)) for _ in range(100)])
+    rows = [{"input": "1 2 3", "output": " ".join(str(rng.randrange(10)) for _ in range(8 + 3 * i))} for i in range(5)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    strided = ("rl: ebft\nebft:\n  mode: strided\n  stride: 4\n  context_length: 4\n  generate_max_len: 4\n"
+               f"  n_samples_per_prompt: 2\ndatasets:\n  - path: {tmp_path / 'docs.jsonl'}\n"
+               "    type: ebft_strided_structured.transform\n"
+               "micro_batch_size: 1\ngradient_accumulation_steps: 2\n")
+    cfg = load_config_text(tmp_path, strided + "sequence_len: 24\nmax_steps: 3\n")
+    assert (cfg.grpo.rounds, cfg.rollout.prompts_per_round, cfg.ebft.max_document_tokens) == (3, 2, 24)
+    assert (cfg.grpo.micro_batch_size, cfg.grpo.gradient_accumulation_steps) == (2, 2 * 5)  # 5 anchors at most
+    assert load_config_text(tmp_path, strided + "sequence_len: 24\nnum_epochs: 2\n").grpo.rounds == 6  # 5 docs / 2
+    for text, message in ((strided + "max_steps: 3\n", r"max_steps: under ebft.mode strided .* set sequence_len"),
+                          (strided + "sequence_len: 24\nmax_steps: 3\ntrl:\n  steps_per_generation: 2\n",
+                           r"trl.steps_per_generation: TRL's generation batch; ebft.mode strided has none")):
+        with pytest.raises(ConfigError, match=message):
+            load_config_text(tmp_path, text)
+
+    (tmp_path / "prompts").mkdir()
+    transform.run(cfg.transform, None, tmp_path / "prompts")
+    picked = ebft_strided.rollout(cfg.ebft, cfg.rollout.model_copy(update={"seed": 1}), Policy(tmp_path / "model"),
+                                  tmp_path / "prompts" / "train.parquet", 0, tmp_path)
+    assert picked["documents"] == 2 and picked["rows"] > cfg.grpo.micro_batch_size * 2
+    ebft.run(cfg.ebft, tmp_path / "rollouts.parquet", tmp_path / "model", cfg.rollout.num_generations, "group",
+             tmp_path)
+    (tmp_path / "out").mkdir()
+    metrics = grpo.run(cfg.grpo, tmp_path / "model", None, tmp_path / "scored.parquet", 0, 1.0, 4, tmp_path / "out",
+                       devices=DeviceConfig(device="cpu"))
+    assert metrics["optimizer_steps"] + metrics["skipped_steps"] == 1

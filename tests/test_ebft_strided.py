@@ -230,6 +230,130 @@ def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
         ebft_strided.rollout(some, rollout_cfg, policy, tmp_path / "questions.parquet", 0, tmp_path)
 
 
+AXOLOTL_STRIDED_STRUCTURED = '''
+def transform(cfg, *args, **kwargs):
+    seq_len = cfg.sequence_len
+
+    def transform_fn(example, tokenizer=None):
+        prompt_text = example.get("input", example.get("prompt", example.get("question", "")))
+        completion_text = example.get("output", example.get("completion", example.get("answer", "")))
+        if tokenizer is None:
+            return {"prompt": prompt_text}
+        pad_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+        prompt_enc = tokenizer(prompt_text, truncation=False, add_special_tokens=True, return_tensors=None)
+        completion_enc = tokenizer(completion_text, truncation=False, add_special_tokens=False, return_tensors=None)
+        prompt_ids = prompt_enc["input_ids"]
+        completion_ids = completion_enc["input_ids"]
+        total_len = len(prompt_ids) + len(completion_ids)
+        if total_len > seq_len:
+            max_completion = seq_len - len(prompt_ids)
+            if max_completion < 1:
+                prompt_ids = prompt_ids[: seq_len - 1]
+                completion_ids = completion_ids[:1]
+            else:
+                completion_ids = completion_ids[:max_completion]
+        input_ids = prompt_ids + completion_ids
+        prompt_length = len(prompt_ids)
+        labels = [-100] * prompt_length + completion_ids
+        pad_len = seq_len - len(input_ids)
+        attention_mask = [1] * len(input_ids) + [0] * pad_len
+        labels = labels + [-100] * pad_len
+        input_ids = input_ids + [pad_id] * pad_len
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                "prompt_length": prompt_length}
+
+    return transform_fn, {"remove_columns": "__all__"}
+'''
+"""axolotl's examples/ebft/ebft_strided_structured.py (its comments left out): what the built-in of that name must
+tokenize as."""
+
+
+@pytest.fixture(scope="module")
+def digits_model(tmp_path_factory):
+    """tiny_model (untrained) with a tokenizer trained on digit strings, under <root>/model."""
+    import random
+
+    from conftest import tiny_model
+
+    root = tmp_path_factory.mktemp("digits")
+    rng = random.Random(0)
+    tiny_model(root, [" ".join(str(rng.randrange(10)) for _ in range(24)) for _ in range(100)])
+    return root / "model"
+
+
+def test_prompt_completion_rows_are_tokenized_as_axolotls_transform_does(digits_model, tmp_path, monkeypatch):
+    """The built-in ebft_strided_structured.transform's rows, tokenized by the strided rollout, are the tokens and
+    prompt length axolotl's own transform makes with the same tokenizer and sequence_len (uncut, completion cut,
+    prompt cut); the anchors start min_completion_prefix tokens into the completion (context_length when that is
+    further), and the axolotl names of raw fields are read in its order."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from stages.data import transform
+
+    (tmp_path / "axolotl_strided.py").write_text(AXOLOTL_STRIDED_STRUCTURED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from axolotl_strided import transform as axolotl_transform
+
+    tokenizer = AutoTokenizer.from_pretrained(digits_model)
+    raw = [{"input": "3 1 4", "output": "7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7", "question": "not read"},
+           {"prompt": "2 7 1 8 2 8 1 8 2 8 4 5 9 0", "completion": "7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7"},
+           {"question": "5 5", "answer": "7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7 7"}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    transform.run(transform.TransformConfig(type="ebft_strided_structured.transform"),
+                  {"train": tmp_path / "rows.jsonl"}, tmp_path)
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert [r["document_prompt"] for r in rows] == ["3 1 4", "2 7 1 8 2 8 1 8 2 8 4 5 9 0", "5 5"]
+    for cap in (64, 20, 6):  # uncut; the completion cut; the prompt cut (one completion token kept)
+        theirs, _ = axolotl_transform(SimpleNamespace(sequence_len=cap))
+        for example, row in zip(raw, rows):
+            made = theirs(example, tokenizer=tokenizer)
+            ids, prompt_tokens = ebft_strided.document_ids(tokenizer, row, "rows", max_tokens=cap)
+            assert ids == made["input_ids"][: sum(made["attention_mask"])]
+            assert prompt_tokens == made["prompt_length"]
+    cfg = ebft.EBFTConfig(mode="strided", stride=4, context_length=8, generate_max_len=4, min_completion_prefix=2)
+    ids, prompt_tokens = ebft_strided.document_ids(tokenizer, rows[1], "rows")
+    assert prompt_tokens == len(tokenizer(rows[1]["document_prompt"])["input_ids"]) > 8
+    blocks = ebft_strided.document_anchors(cfg, len(ids), prompt_tokens)
+    assert blocks[0] == prompt_tokens + 2 and {b - a for a, b in zip(blocks, blocks[1:])} == {4}
+    assert blocks[-1] + 4 <= len(ids) < blocks[-1] + 8  # every block that fits, the last one included
+    ids, prompt_tokens = ebft_strided.document_ids(tokenizer, rows[0], "rows")
+    assert prompt_tokens + 2 < 8 and ebft_strided.document_anchors(cfg, len(ids), prompt_tokens)[0] == 8  # context
+
+
+def test_a_strided_round_on_prompt_completion_rows_writes_blocks_in_the_completion(digits_model, tmp_path):
+    """The rollout's blocks on prompt + completion rows: each block's prompt is the row's prompt and a part of its
+    completion (at least min_completion_prefix tokens of it), and its reference is the completion's next tokens."""
+    import json
+
+    from stages.data import transform
+    from stages.rollout.rollout import RolloutConfig
+
+    raw = [{"input": "1 2 3 4 5 6 7 8 9 0", "output": " ".join(["7"] * (12 + i))} for i in range(4)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    transform.run(transform.TransformConfig(type="ebft_strided_structured.transform"),
+                  {"train": tmp_path / "rows.jsonl"}, tmp_path)
+    cfg = ebft.EBFTConfig(mode="strided", stride=4, context_length=4, generate_max_len=4, min_completion_prefix=3)
+    summary = ebft_strided.rollout(cfg, RolloutConfig(num_generations=2, prompts_per_round=4, max_completion_length=4),
+                                   Policy(digits_model), tmp_path / "train.parquet", 0, tmp_path)
+    assert summary["documents"] == 4
+    rows = pq.read_table(tmp_path / "rollouts.parquet").to_pylist()
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(digits_model)(raw[0]["input"])["input_ids"]
+    assert min(r["anchor"] for r in rows) == len(prompt) + 3
+    for r in rows:
+        assert r["prompt_token_ids"][: len(prompt)] == prompt and len(r["prompt_token_ids"]) == r["anchor"]
+        assert set(r["reference"].split()) == {"7"} and "document_prompt" not in r
+    with pytest.raises(ConfigError, match=r"ebft.min_completion_prefix: 3 places blocks after a prompt, and "
+                                          r"transform.type text makes raw documents"):
+        _config(tmp_path, "rl: ebft\nebft: {mode: strided, min_completion_prefix: 3}\ntransform: {type: text}\n")
+    with pytest.raises(ConfigError, match="ebft.min_completion_prefix belongs to mode: strided"):
+        _config(tmp_path, "rl: ebft\nebft: {min_completion_prefix: 3}\n")
+
+
 def test_keys_cover_the_blocks_and_the_feature_model(monkeypatch, tmp_path):
     """A strided rollout's key changes with what decides its blocks (stride, context_length, generate_max_len)
     and not with the score-only options; a strided eval's key changes with the frozen feature model."""

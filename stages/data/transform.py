@@ -39,7 +39,8 @@ class TransformConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: str = "question_answer"
-    """A built-in (`question_answer`, `messages`, `text`) or `module.fn` (axolotl convention)."""
+    """A built-in (`question_answer`, `messages`, `text`, `reasoning_gym`; under ebft.mode strided axolotl's
+    `ebft_strided_structured.transform` and `ebft_pretrain.transform`) or `module.fn` (axolotl convention)."""
     paths: dict[str, str] | None = None
     """Local files per split, e.g. {train: data/train.jsonl, eval: data/eval.jsonl}
     (jsonl, json, parquet, csv). Unset: the built-in demo task's splits."""
@@ -170,8 +171,46 @@ def _reasoning_gym(cfg: TransformConfig):
     return transform_fn, {"remove_columns": ["question"]}
 
 
+def _first(example: dict, fields: tuple[str, ...]):
+    """The value of the first of `fields` the row has (axolotl's nested `example.get(a, example.get(b, ...))`)."""
+    return next((example[f] for f in fields if f in example), None)
+
+
+def _ebft_strided_structured(cfg: TransformConfig):
+    """axolotl's `ebft_strided_structured.transform` (strided EBFT on prompt + completion rows): the prompt from
+    `input`, else `prompt`, else `question`, the completion from `output`, else `completion`, else `answer` (its
+    fields, in its order). The row keeps both texts, the prompt as `document_prompt`, the completion as `text`;
+    the strided rollout tokenizes them with the policy's tokenizer, as axolotl's transform does, and writes blocks
+    in the completion only (stages/training/ebft_strided.py)."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        completion = _first(example, ("output", "completion", "answer"))
+        if completion in (None, ""):
+            raise KeyError("output (or completion, or answer: the completion)")
+        prompt = _first(example, ("input", "prompt", "question"))
+        return {"prompt": [], "answer": "", "text": str(completion), "document_prompt": str(prompt or "")}
+
+    return transform_fn, {"remove_columns": ALL_COLUMNS}
+
+
+def _ebft_pretrain(cfg: TransformConfig):
+    """axolotl's example `ebft_pretrain.transform` (strided EBFT on raw text): the document from `question`, else
+    `text`, tokenized with the tokenizer's special tokens (`document_prompt` empty), as its transform does."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        text = _first(example, ("question", "text"))
+        if text in (None, ""):
+            raise KeyError("question (or text: the document)")
+        return {"prompt": [], "answer": "", "text": str(text), "document_prompt": ""}
+
+    return transform_fn, {"remove_columns": ["question", "answer"]}
+
+
 BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text,
-                                 "reasoning_gym": _reasoning_gym}
+                                 "reasoning_gym": _reasoning_gym,
+                                 "ebft_strided_structured.transform": _ebft_strided_structured,
+                                 "ebft_pretrain.transform": _ebft_pretrain}
+"""Built-in transform types; the last two are axolotl's strided EBFT transforms by their names (axolotl ships the
+first and its examples the second; both tokenize with the policy's tokenizer, which posttrain's strided rollout
+does), so its configs run as written and a file of that name beside the config is not imported."""
 
 
 

@@ -104,6 +104,14 @@ class EBFTConfig(BaseModel):
     """strided: where the first anchor is, i.e. the fewest document tokens a block reads (unset: 8,
     axolotl's default); block b reads the document's first context_length + b * stride tokens. Structured
     mode: an error."""
+    min_completion_prefix: int = Field(0, ge=0)
+    """strided, on prompt + completion rows (transform.type ebft_strided_structured.transform): completion tokens
+    every block reads before it writes, at the least: the first anchor is max(prompt tokens + this,
+    context_length) (axolotl's). 0: blocks may start right after the prompt. Raw documents have no prompt: there
+    it is an error."""
+    max_document_tokens: int | None = Field(None, ge=1)
+    """strided: tokens of a document kept at most (axolotl's `sequence_len` there); a longer one is cut, a prompt +
+    completion row's completion first, then its prompt (one completion token kept). Unset: whole documents."""
     generate_max_len: int | None = Field(None, ge=1)
     """Tokens generated per completion (strided: per block): sets rollout.max_completion_length. Unset:
     rollout's (strided: 8, axolotl's default, unless rollout.max_completion_length is set)."""
@@ -130,7 +138,7 @@ class EBFTConfig(BaseModel):
         return "grpo" if value == "group_norm" else value
 
     BLOCK_FIELDS: ClassVar[tuple[str, ...]] = ("stride", "context_length", "generate_max_len", "feature_layers",
-                                              "embed_method")
+                                              "embed_method", "min_completion_prefix", "max_document_tokens")
     """The fields that decide strided mode's blocks and the features they are compared by: the strided rollout's
     and eval's keys hold these (the rest of the section is scoring's: its key holds the whole section)."""
 
@@ -170,8 +178,8 @@ class EBFTConfig(BaseModel):
     @model_validator(mode="after")
     def _mode_options(self):
         if self.mode == "structured":
-            for key in ("stride", "context_length"):
-                if getattr(self, key) is not None:
+            for key in ("stride", "context_length", "max_document_tokens", "min_completion_prefix"):
+                if getattr(self, key) not in (None, 0):
                     raise ValueError(f"ebft.{key} belongs to mode: strided (anchors in raw documents); leave it "
                                      "out, or set ebft.mode: strided")
             return self

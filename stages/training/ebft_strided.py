@@ -21,12 +21,20 @@ reference with the frozen feature network (each layer L2-normalized per token, a
 trainer) -- the same features the strided mask gives, since a block sees exactly that -- and the
 optimize stage trains on the rows with the GRPO loss.
 
+Prompt + completion rows (axolotl's `ebft_strided_structured.transform`: transform.type of that name writes the
+prompt to `document_prompt` and the completion to `text`) are one document, the prompt tokenized with the tokenizer's
+special tokens and the completion without, as axolotl's transform does; anchors start at max(prompt tokens +
+`min_completion_prefix`, context_length) (axolotl's anchor offset), so every block and its reference lie in the
+completion. `max_document_tokens` (axolotl's `sequence_len`) cuts a document as axolotl's transform does.
+
 Departures from axolotl: the round's rows are trained by the optimize stage (one policy-gradient pass per
 round, grpo.* options; axolotl: one REINFORCE step per batch inside its trainer); a document is
 processed with its n samples as one batch (axolotl: the batch's documents padded to one length); no KV
 cache (each step re-reads the document: fine for the short documents this runs on, on CPU); `ce_coef`'s
 cross-entropy is over the blocks' references, i.e. the document's tokens from the first anchor on
-(axolotl: over all of the document's tokens).
+(axolotl: over all of the document's tokens); documents are not padded to `sequence_len` (axolotl pads them, and its
+anchors then run on into the padding); the anchor offset is each document's own (axolotl: the batch's longest
+prompt, the same with its `micro_batch_size: 1` examples).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ torch = LazyModule("torch")
 TEXT_COLUMN = "text"
 """The prompts-table column holding a document (transform.type: text writes it)."""
 ENGINE = "transformers+strided"
+STRUCTURED_NEEDS = ("; a prompt + completion row, its prompt's tokens + ebft.min_completion_prefix + "
+                    "ebft.generate_max_len, if that is more")
 
 
 def anchors(num_tokens: int, context_length: int, stride: int, generate_max_len: int) -> list[int]:
@@ -138,13 +148,54 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def document_ids(tokenizer, row: dict, where: str) -> list[int]:
-    """A prompts row's document as token ids (no special tokens added); a missing text column is an error."""
+PROMPT_COLUMN = "document_prompt"
+"""The prompts-table column holding a prompt + completion row's prompt (transform.type
+ebft_strided_structured.transform writes it; `text` is then the completion): the prompt is context only, anchors
+sit in the completion."""
+
+
+def document_ids(tokenizer, row: dict, where: str, max_tokens: int | None = None) -> tuple[list[int], int]:
+    """A prompts row's document as token ids, and how many of them are a prompt (0 for a raw document).
+
+    A raw document (`text`): its tokens, no special tokens added. A prompt + completion row (`document_prompt`
+    too, axolotl's ebft_strided_structured): the prompt tokenized with the tokenizer's special tokens, then the
+    completion without, as axolotl's transform does; an empty prompt (axolotl's ebft_pretrain) leaves the
+    special tokens at the document's start. `max_tokens` (ebft.max_document_tokens, axolotl's sequence_len)
+    cuts a longer one as axolotl does: the completion first, then the prompt, keeping one completion token. A
+    missing text column is an error."""
     if TEXT_COLUMN not in row:
         raise ValueError(f"{where}: ebft.mode strided reads documents from column {TEXT_COLUMN!r}, which the prompt "
                          f"rows do not have (columns: {sorted(row)}); use transform.type: text (with "
                          "transform.text_field naming your column) or demo_data.records_per_document")
-    return tokenizer(str(row[TEXT_COLUMN] or ""), add_special_tokens=False)["input_ids"]
+    text = str(row[TEXT_COLUMN] or "")
+    prompt = row.get(PROMPT_COLUMN)
+    if prompt is None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[:max_tokens], 0
+    prompt_ids = tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
+    completion_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not prompt:  # no prompt: the special tokens begin the document
+        return (prompt_ids + completion_ids)[:max_tokens], 0
+    if max_tokens is not None and len(prompt_ids) + len(completion_ids) > max_tokens:
+        if max_tokens - len(prompt_ids) < 1:
+            prompt_ids, completion_ids = prompt_ids[: max_tokens - 1], completion_ids[:1]
+        else:
+            completion_ids = completion_ids[: max_tokens - len(prompt_ids)]
+    return prompt_ids + completion_ids, len(prompt_ids)
+
+
+def document_anchors(ebft, num_tokens: int, prompt_tokens: int) -> list[int]:
+    """The anchors of a document: from context_length on, or for a prompt + completion row from
+    max(prompt tokens + ebft.min_completion_prefix, context_length) on (axolotl's anchor offset), so that no block
+    is written inside the prompt.
+
+    >>> from types import SimpleNamespace as N
+    >>> document_anchors(N(context_length=8, stride=8, generate_max_len=8, min_completion_prefix=4), 48, 10)
+    [14, 22, 30, 38]
+    """
+    offset = max(prompt_tokens + ebft.min_completion_prefix, ebft.context_length) if prompt_tokens else \
+        ebft.context_length
+    return anchors(num_tokens, offset, ebft.stride, ebft.generate_max_len)
 
 
 def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out_dir: Path,
@@ -159,11 +210,11 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
     model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir, devices=devices)
     n, length = rollout_cfg.num_generations, ebft.generate_max_len
     generator = torch.Generator(device=model.device).manual_seed(rollout_cfg.seed * 100_003 + round_index)
-    passthrough = [c for c in rows[0] if c not in ROLLOUTS.names and c != TEXT_COLUMN]
+    passthrough = [c for c in rows[0] if c not in ROLLOUTS.names and c not in (TEXT_COLUMN, PROMPT_COLUMN)]
     records, skipped, started = [], 0, time.perf_counter()
     for done, row in enumerate(picked, start=1):
-        ids = document_ids(tokenizer, row, str(prompts_path))
-        block_anchors = anchors(len(ids), ebft.context_length, ebft.stride, length)
+        ids, prompt_tokens = document_ids(tokenizer, row, str(prompts_path), ebft.max_document_tokens)
+        block_anchors = document_anchors(ebft, len(ids), prompt_tokens)
         if not block_anchors:
             skipped += 1
             continue
@@ -189,7 +240,8 @@ def rollout(ebft, rollout_cfg, policy, prompts_path: Path, round_index: int, out
     if not records:
         raise ValueError(f"{prompts_path}: none of the round's {len(picked)} documents has room for one block "
                          f"(a document needs at least ebft.context_length + ebft.generate_max_len = "
-                         f"{ebft.context_length + length} tokens); lower them or use longer documents")
+                         f"{ebft.context_length + length} tokens{STRUCTURED_NEEDS}); lower them or use longer "
+                         "documents")
     table = pa.Table.from_pylist(records)
     column = table.schema.get_field_index("reference_token_ids")  # int32, as the score step writes it
     table = table.set_column(column, "reference_token_ids", table.column(column).cast(pa.list_(pa.int32())))
@@ -220,8 +272,8 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
     length = ebft.generate_max_len
     blocks = []
     for done, row in enumerate(rows, start=1):
-        ids = document_ids(tokenizer, row, str(prompts_path))
-        block_anchors = anchors(len(ids), ebft.context_length, ebft.stride, length)
+        ids, prompt_tokens = document_ids(tokenizer, row, str(prompts_path), ebft.max_document_tokens)
+        block_anchors = document_anchors(ebft, len(ids), prompt_tokens)
         if block_anchors:
             tokens, _ = generate_blocks(model, ids, block_anchors, length, 1, greedy=True)
             blocks += [(row["prompt_id"], a, ids[:a], tokens[0, b].tolist(), ids[a : a + length])
@@ -230,7 +282,8 @@ def evaluate(ebft, max_documents: int | None, model_dir: Path, adapter_dir: Path
             on_progress(done, len(rows))
     if not blocks:
         raise ValueError(f"{prompts_path}: no held-out document has room for one block "
-                         f"(ebft.context_length + ebft.generate_max_len = {ebft.context_length + length} tokens)")
+                         f"(ebft.context_length + ebft.generate_max_len = {ebft.context_length + length} tokens"
+                         f"{STRUCTURED_NEEDS})")
     del model
     network = FeatureNetwork(feature_model_dir, ebft.feature_layers, normalize_layers=True, devices=devices)
     prompt_lengths = [len(p) for _, _, p, _, _ in blocks]
