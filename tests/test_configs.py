@@ -373,13 +373,13 @@ AXOLOTL_DOC_EXAMPLES = {
         "gradient_accumulation_steps: 4\nmax_steps: 20\nlearning_rate: 5.0e-6\nbf16: auto\n"
         "gradient_checkpointing: true\noutput_dir: ./outputs/ebft-quickstart\n",
         None),
-    "ebft strided": (  # docs/ebft.qmd's strided settings; its dataset type ebft_pretrain.transform is axolotl's
-        # own module: here raw documents are `type: text`
+    "ebft strided": (  # docs/ebft.qmd's strided settings with its example's dataset type, axolotl's
+        # ebft_pretrain.transform (raw text from `question`), built in here
         "base_model: {model}\nrl: ebft\nebft:\n  mode: strided\n  stride: 8              # tokens between anchor "
         "points\n  context_length: 8      # context window per block\n  generate_max_len: 8    # tokens generated "
         "per block\n  n_samples_per_prompt: 4  # independent rollouts per document\n  temperature: 0.6\n"
         "  rl_coef: 1.0           # RL loss weight\n  advantage_estimator: rloo  # rloo, group_norm, or reinforce\n"
-        "flash_attention: false\ndatasets:\n  - path: {prompts}\n    type: text\n", None),
+        "flash_attention: false\ndatasets:\n  - path: {prompts}\n    type: ebft_pretrain.transform\n", None),
     "reward_modelling prm": ("base_model: {model}\nmodel_type: AutoModelForTokenClassification\nnum_labels: 2\n\n"
                              "process_reward_model: true\ndatasets:\n  - path: {prefs}\n    type: stepwise_supervised\n"
                              "    split: train\n\nval_set_size: 0.1\neval_steps: 100\n", None),
