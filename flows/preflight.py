@@ -42,6 +42,8 @@ BUILTIN_COLUMN_FIX = {"reasoning_gym": "read the rows from a reasoning-gym sourc
 
 ROLLOUT_FUNC_KEYWORDS = ("prompts", "engine", "policy", "sampling", "tokenizer")
 """What rollout.rollout_func is called with (stages/rollout/rollout.py `_user_rollout`)."""
+AXOLOTL_ROLLOUT_KEYWORDS = ("model", "processing_class", "prompts")
+"""What a rollout_func with axolotl's guide's parameters is called with (generation_config too where it takes one)."""
 
 
 class PreflightError(ConfigError):
@@ -98,7 +100,17 @@ def inspect_config(cfg: PipelineConfig, config_path: str | Path) -> Report:
     if cfg.uses_rounds and cfg.rollout.rollout_func:
         fn = _function(cfg.rollout.rollout_func, "rollout.rollout_func", report, where)
         if fn is not None:
-            _takes_keywords(fn, cfg.rollout.rollout_func, "rollout.rollout_func", ROLLOUT_FUNC_KEYWORDS, report)
+            from stages.rollout.rollout import is_axolotl_rollout_func
+
+            axolotl = is_axolotl_rollout_func(fn)
+            passed = ROLLOUT_FUNC_KEYWORDS if not axolotl else AXOLOTL_ROLLOUT_KEYWORDS + (
+                ("generation_config",) if "generation_config" in inspect.signature(fn).parameters else ())
+            _takes_keywords(fn, cfg.rollout.rollout_func, "rollout.rollout_func", passed, report)
+            if axolotl:
+                report.notes.append(f"rollout.rollout_func: {cfg.rollout.rollout_func} takes axolotl's guide's "
+                                    "(model, processing_class, prompts, generation_config): it gets the round's policy "
+                                    "as a transformers model and returns completion strings; their log-probs are the "
+                                    "policy's, computed after it")
     if cfg.preferences is not None:
         _preferences(cfg, report, where)
     return report

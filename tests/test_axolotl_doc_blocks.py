@@ -568,20 +568,72 @@ def test_the_rlhf_grpo_reward_config_loads_as_written(user):
     assert cfg.transform.datasets[0].type == "rewards.oai_gsm8k_transform" and cfg.grpo.adapter == "none"
 
 
-def test_the_openenv_rollout_func_is_posttrains_and_validate_checks_its_signature(user, capsys):
-    """docs/rlhf.qmd's OpenEnv block: trl.rollout_func is rollout.rollout_func; posttrain calls it with (prompts,
-    engine, policy, sampling, tokenizer), so the guide's math_solver_rollout(model, processing_class, prompts, ...)
-    is refused by `posttrain validate`, naming the key and the parameters."""
-    text = ("base_model: {model}\nrl: grpo\n\ntrl:\n  beta: 0.001\n  max_completion_length: 512\n  num_generations: 4\n"
-            "  rollout_func: \"math_env.math_solver_rollout\"  # Custom rollout function\n"
-            "  reward_funcs: [\"math_env.math_reward\"]\n  reward_weights: [1.0]\n\ndatasets:\n  - path: {rows}\n"
-            "    type: math_env.math_transform\n")
-    cfg = load_config(user(text))
+OPENENV = ("base_model: {model}\nrl: grpo\n\ntrl:\n  beta: 0.001\n  max_completion_length: 512\n  num_generations: 4\n"
+           "  rollout_func: \"math_env.math_solver_rollout\"  # Custom rollout function\n"
+           "  reward_funcs: [\"math_env.math_reward\"]\n  reward_weights: [1.0]\n\ndatasets:\n  - path: {rows}\n"
+           "    type: math_env.math_transform\n")
+"""docs/rlhf.qmd's OpenEnv block (openai/gsm8k -> the local rows)."""
+
+
+def test_the_openenv_rollout_func_loads_with_axolotls_signature(user):
+    """docs/rlhf.qmd's OpenEnv block: trl.rollout_func is rollout.rollout_func, and its function's signature (model,
+    processing_class, prompts, generation_config) is axolotl's guide's, which posttrain calls as the guide says."""
+    from flows import preflight
+
+    path = user(OPENENV)
+    cfg = load_config(path)
     assert (cfg.rollout.rollout_func, cfg.score.reward_funcs, cfg.rollout.num_generations) == (
         "math_env.math_solver_rollout", ["math_env.math_reward"], 4)
-    assert main(["validate", str(user(text))]) == 2
-    err = capsys.readouterr().err
-    assert "rollout.rollout_func: math_env.math_solver_rollout needs 'model', 'processing_class'" in err
+    report = preflight.inspect_config(cfg, path)  # the model folder here is a stand-in
+    # the guide's math_reward(prompts, completions, answers, **kwargs) needs an `answers` column its own transform
+    # does not write (it writes `answer`; TRL would fail on it too): named, with the fix
+    assert [p.split(":")[0] for p in report.problems] == ["model.path", "score.reward_funcs.0"], report.problems
+    assert "answers" in report.problems[1]
+    assert any(n.startswith("rollout.rollout_func: math_env.math_solver_rollout takes axolotl's guide's")
+               for n in report.notes)
+
+
+def test_an_axolotl_rollout_func_gets_the_policy_and_its_strings_become_the_rollouts(tmp_path, monkeypatch):
+    """A round through a rollout_func written to axolotl's guide (it generates with the model and generation config
+    it is given and returns strings): the rows are its strings, tokenized after the chat-templated prompt, with the
+    policy's own log-probs of them, cut at max_completion_length; one that returns a wrong count is an error naming
+    it."""
+    import pyarrow.parquet as pq
+    from conftest import tiny_say_policy
+
+    from stages.rollout import rollout
+    from stages.rollout.engines import Policy
+
+    tiny_say_policy(tmp_path, num_prompts=4)
+    (tmp_path / "openenv.py").write_text('''
+def solve(model, processing_class, prompts, generation_config=None):
+    texts = [processing_class.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    batch = processing_class(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**batch, generation_config=generation_config)
+    return processing_class.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def short(model, processing_class, prompts):
+    return ["1"]
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = rollout.RolloutConfig(num_generations=2, prompts_per_round=2, max_completion_length=6,
+                                rollout_func="openenv.solve")
+    summary = rollout.run(cfg, Policy(tmp_path / "model"), tmp_path / "prompts" / "train.parquet", 0, tmp_path)
+    rows = pq.read_table(tmp_path / "rollouts.parquet").to_pylist()
+    assert summary["rows"] == len(rows) == 4 and {r["engine"] for r in rows} == {"transformers+openenv.solve"}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    for r in rows:
+        assert tokenizer.decode(r["completion_token_ids"]) == r["completion"]
+        assert len(r["sampling_logprobs"]) == len(r["completion_token_ids"]) <= 6
+        assert all(lp <= 0 for lp in r["sampling_logprobs"])
+    with pytest.raises(ValueError, match=r"rollout.rollout_func openenv.short: returned 1 items for 4 prompts "
+                                         r"\(axolotl's rollout_func returns one completion string per prompt\)"):
+        rollout.run(cfg.model_copy(update={"rollout_func": "openenv.short"}), Policy(tmp_path / "model"),
+                    tmp_path / "prompts" / "train.parquet", 0, tmp_path / "short")
 
 
 def test_the_gdpo_config_loads_as_written(user):

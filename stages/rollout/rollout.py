@@ -336,6 +336,22 @@ def _sample(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling:
     return generated
 
 
+AXOLOTL_ROLLOUT_PARAMETERS = ("model", "processing_class")
+"""A rollout_func with these parameters is called as axolotl's GRPO guide (its OpenEnv section) describes:
+fn(model, processing_class, prompts, generation_config) -> one completion string per prompt."""
+
+
+def is_axolotl_rollout_func(fn) -> bool:
+    """fn takes axolotl's guide's parameters (`model`, `processing_class`) rather than posttrain's."""
+    import inspect
+
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in names for name in AXOLOTL_ROLLOUT_PARAMETERS)
+
+
 def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
     """Call the user's rollout_func and check what it returns, naming the function and the row."""
     from transformers import AutoTokenizer
@@ -343,6 +359,8 @@ def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sam
     from stages.runtime.imports import load_function
 
     fn = load_function(cfg.rollout_func, "rollout.rollout_func", {})
+    if is_axolotl_rollout_func(fn):
+        return _axolotl_rollout(cfg.rollout_func, fn, policy, prompts, sampling)
     tokenizer = AutoTokenizer.from_pretrained(policy.model_dir)
     out = fn(prompts=prompts, engine=engine, policy=policy, sampling=sampling, tokenizer=tokenizer)
     if not isinstance(out, list) or len(out) != len(prompts):
@@ -368,6 +386,59 @@ def _user_rollout(cfg: RolloutConfig, engine, policy: Policy, prompts: list, sam
         results.append({"prompt_token_ids": list(prompt_ids), "completion_token_ids": ids, "sampling_logprobs": logps,
                         "completion": item.get("completion") or tokenizer.decode(ids, skip_special_tokens=True),
                         "finish_reason": finish})
+    return results
+
+
+def _axolotl_rollout(name: str, fn, policy: Policy, prompts: list, sampling: Sampling) -> list[dict]:
+    """axolotl's guide's rollout_func: called with the round's policy as a transformers model (`model`, the round's
+    adapter merged in), its tokenizer (`processing_class`), the prompts ({"messages": chat} each, as the guide's
+    docstring says, each repeated num_generations times, as TRL batches them) and a transformers GenerationConfig of
+    rollout's sampling settings; it returns one completion string per prompt. Each string is tokenized as the
+    completion (its tokens after the chat-templated prompt; cut at max_completion_length, as an engine stops, with
+    finish_reason `length`), and its sampling log-probs are the policy's own under rollout.temperature, computed
+    here: the function is taken to have sampled from the model it was given (a function that samples elsewhere
+    gets no importance-sampling correction for it)."""
+    import inspect
+
+    import torch
+    from transformers import GenerationConfig
+
+    from stages.rollout.engines import prompt_token_ids
+    from stages.runtime.policy import load_policy
+    from stages.training.logprobs import completion_logps
+
+    model, tokenizer = load_policy(policy.model_dir, policy.adapter_dir)
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=sampling.do_sample,
+                              temperature=sampling.temperature, top_p=sampling.top_p,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    kwargs = {"model": model, "processing_class": tokenizer, "prompts": [{"messages": p} for p in prompts]}
+    if "generation_config" in inspect.signature(fn).parameters:
+        kwargs["generation_config"] = config
+    torch.manual_seed(sampling.seed)
+    out = fn(**kwargs)
+    if not isinstance(out, list) or len(out) != len(prompts):
+        got = f"{len(out)} items" if isinstance(out, list) else type(out).__name__
+        raise ValueError(f"rollout.rollout_func {name}: returned {got} for {len(prompts)} prompts (axolotl's "
+                         "rollout_func returns one completion string per prompt)")
+    results = []
+    for i, (prompt_ids, text) in enumerate(zip(prompt_token_ids(tokenizer, prompts), out)):
+        if not isinstance(text, str):
+            raise ValueError(f"rollout.rollout_func {name}: item {i} is a {type(text).__name__}; axolotl's "
+                             "rollout_func returns completion strings")
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cut = len(ids) > sampling.max_new_tokens  # cut as an engine stops at max_new_tokens
+        if cut:
+            ids = ids[: sampling.max_new_tokens]
+            text = tokenizer.decode(ids)
+        logps = []
+        if ids:
+            tokens = torch.tensor([prompt_ids + ids], device=model.device)
+            with torch.no_grad():
+                logps = completion_logps(model, tokens, torch.ones_like(tokens), len(ids),
+                                         sampling.temperature)[0][0].float().tolist()
+        results.append({"prompt_token_ids": prompt_ids, "completion_token_ids": ids, "sampling_logprobs": logps,
+                        "completion": text,
+                        "finish_reason": "length" if cut or len(ids) == sampling.max_new_tokens else "stop"})
     return results
 
 
