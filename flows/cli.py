@@ -8,6 +8,7 @@
   posttrain serve-rewards CONFIG [--host H] [--port N]  serve a config's reward functions at /verify
   posttrain runs [--artifacts DIR] [--experiment NAME]   list pipeline runs, newest first
   posttrain compare RUN RUN... [--artifacts DIR] [--plot PATH]  runs side by side, plus a curves PNG
+  posttrain report RUN [-o PATH] [--artifacts DIR]     one run as a self-contained HTML page
   posttrain data add FILE [--config CONFIG] [--emit]   register a training data version, announce it
   posttrain data list|watch [--config CONFIG]          versions; register files dropped into data.inbox
   posttrain deploy CONFIG [--name N] [--pool posttrain] deployment with the config's schedule + data trigger
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead (completions in full)")
     p.add_argument("--limit", type=flip_count, default=None,
                    help="flips shown per direction (default: 10 in the terminal, all with --json)")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="also write both runs as one self-contained HTML page: flips with both completions, curves")
     p.set_defaults(handler=diff_command, extras_into=None)
 
     p = sub.add_parser("trace", help="one prompt of a run traced to its sources: eval completion and verdict, the "
@@ -93,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.set_defaults(handler=trace_command, extras_into=None)
+
+    p = sub.add_parser("report", help="one run as a self-contained HTML page: curves per round with the health "
+                                      "checks' bands, eval before/after, flips, sample completions, cost, stages")
+    p.add_argument("run", metavar="RUN", help="run name (e.g. quickstart-20261122-031500) or MLflow run id")
+    p.add_argument("-o", "--output", default=None, metavar="PATH",
+                   help="HTML path (default: <artifacts>/runs/<run>/report.html, the page the run wrote at its end)")
+    p.add_argument("--artifacts", default="artifacts", help="artifacts folder holding mlflow.db (default: artifacts)")
+    p.set_defaults(handler=report_command, extras_into=None)
 
     from flows import init, resume, retrain, serve_rewards, server, verify
 
@@ -291,6 +302,13 @@ def trace_command(args) -> int:
     from flows import trace
 
     return trace.trace_command(args)
+
+
+def report_command(args) -> int:
+    """`posttrain report` (flows/report.py, imported only for it: MLflow, and plotly when it draws)."""
+    from flows import report
+
+    return report.report_command(args)
 
 
 def serve_vllm(cfg, args) -> int:

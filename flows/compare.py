@@ -6,7 +6,8 @@ this reads its MLflow status, times, params and metric histories, and its run fo
 `<artifacts>/runs/<run name>/` (the resolved `config.yaml`, and the `stages` list of
 `summary.json`: stage, status, seconds, artifact path ending in the content key).
 A run that failed before writing summary.json still has one nested MLflow run per
-stage it computed (tag `posttrain.artifact_key`); those stand in for the stage list.
+stage it computed or read from the cache (tags `posttrain.artifact_key`, `posttrain.cached`); those stand in for
+the stage list. `runs` shows each run's cost totals (parent-run `cost/*` metrics, tasks/costs.py).
 
 Loading (`load_*`, `resolve_runs`) talks to MLflow; everything that builds rows
 (`*_rows`, `format_table`) is a pure function of `RunData`, testable without a store.
@@ -112,7 +113,20 @@ def accuracy_base_final(run: RunData) -> tuple[float | None, float | None]:
 
 
 RUNS_HEADER = ["run", "experiment", "status", "started", "wall time", "eval/accuracy base->final",
-               "train/reward_mean (last)"]
+               "train/reward_mean (last)", "spent wall/CPU/GPU s", "tokens gen/trained/scored",
+               "avoided wall/CPU/GPU s"]
+
+
+def cost_cells(run: RunData) -> list[str]:
+    """The run's cost totals (parent-run cost/* metrics, tasks/costs.py `totals_metrics`): seconds its stages
+    spent, tokens they generated, trained on and scored, seconds the cache saved; '-' where not recorded."""
+    def joined(prefix: str, names: tuple[str, ...]) -> str:
+        values = [run.metrics.get(f"{prefix}{name}") for name in names]
+        return MISSING if all(v is None for v in values) else "/".join(fmt_number(v) for v in values)
+
+    seconds = ("wall_s", "cpu_s", "gpu_s")
+    return [joined("cost/", seconds), joined("cost/", ("tokens_generated", "tokens_trained", "tokens_scored")),
+            joined("cost/avoided_", seconds)]
 
 
 def runs_rows(runs: list[RunData], now_ms: int | None = None) -> list[list[str]]:
@@ -122,7 +136,7 @@ def runs_rows(runs: list[RunData], now_ms: int | None = None) -> list[list[str]]
         base, final = accuracy_base_final(run)
         accuracy = MISSING if base is None and final is None else f"{fmt_number(base)} -> {fmt_number(final)}"
         rows.append([run.name, run.experiment, run.status, fmt_time(run.start_ms), fmt_duration(run.wall_s(now_ms)),
-                     accuracy, fmt_number(run.metrics.get("train/reward_mean"))])
+                     accuracy, fmt_number(run.metrics.get("train/reward_mean")), *cost_cells(run)])
     return rows
 
 
@@ -300,7 +314,7 @@ def compare_report(runs: list[RunData], now_ms: int | None = None) -> str:
 
     out.append("wall time per stage")
     out.append(format_table(["stage", *names], stage_time_rows(runs, now_ms), indent="  "))
-    notes = [f"{r.name}: from MLflow stage runs (no summary.json; cached stages not recorded)"
+    notes = [f"{r.name}: from MLflow stage runs (no summary.json)"
              for r in runs if r.stages_source == "mlflow stage runs"]
     notes += [f"{r.name}: no stage record" for r in runs if not r.stages]
     out += [f"  ({n})" for n in notes]
@@ -467,7 +481,10 @@ def load_stages(client, run, run_dir: Path) -> tuple[list[dict], str]:
         seconds = child.data.metrics.get("wall_time_s")
         if seconds is None and info.end_time and info.start_time:
             seconds = (info.end_time - info.start_time) / 1000
-        rows.append({"stage": info.run_name, "status": "computed" if info.status == "FINISHED" else info.status.lower(),
+        status = "computed" if info.status == "FINISHED" else info.status.lower()
+        if child.data.tags.get("posttrain.cached") == "true":  # read from the cache (tasks/stage_tasks.py)
+            status, seconds = "cached", 0.0
+        rows.append({"stage": info.run_name, "status": status,
                      "seconds": seconds, "key": child.data.tags.get("posttrain.artifact_key", MISSING), "path": None})
     return rows, ("mlflow stage runs" if rows else "")
 

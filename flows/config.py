@@ -581,7 +581,9 @@ class PipelineConfig(BaseModel):
                     "rollout.max_prompt_length": (rollout.max_prompt_length is not None, "null", sampler),
                     "rollout.worker_process": (rollout.worker_process, "false", sampler),
                     "grpo.reroll_start_fraction": (self.grpo.reroll_start_fraction < 1.0, "1.0 (off)",
-                                                   "does not re-roll blocks (a block's prompt is a document prefix)")}
+                                                   "does not re-roll blocks (a block's prompt is a document prefix)"),
+                    "eval.num_samples": (self.eval.samples > 1, "unset",
+                                         "evaluates one continuation per block (no pass@k)")}
         for key, (bad, wanted, why) in problems.items():
             if bad:
                 raise ValueError(f"ebft.mode: strided {why}; {key} must be {wanted}")

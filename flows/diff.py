@@ -13,7 +13,7 @@ Runs evaluated on different prompts (ids, prompt text or gold answers) are an er
 Loading (`load_*`, `diff_command_data`) reads MLflow and the artifact folders; the rest (`verdicts`, `diff_data`,
 `diff_report`, ...) are pure functions of eval rows, testable on hand-built tables.
 
-  posttrain diff RUN_A RUN_B [--artifacts DIR] [--json] [--limit N]
+  posttrain diff RUN_A RUN_B [--artifacts DIR] [--json] [--limit N] [--html PATH]
 """
 
 from __future__ import annotations
@@ -345,10 +345,16 @@ def load_side(run: RunData, artifacts_dir: Path) -> Side:
     return Side(run, final, load_eval(run, BASE, artifacts_dir), load_rounds(run, artifacts_dir))
 
 
-def diff_command_data(refs: list[str], artifacts_dir: str, limit: int | None = None) -> dict:
-    """diff_data of two runs named by run name or MLflow run id in the store of `artifacts_dir`."""
+def diff_command_data(refs: list[str], artifacts_dir: str, limit: int | None = None,
+                      html: str | None = None) -> dict:
+    """diff_data of two runs named by run name or MLflow run id in the store of `artifacts_dir`; `html`: also write
+    the two runs' page there (flows/report.py)."""
     client = open_client(artifacts_dir)
     a, b = (load_side(run, Path(artifacts_dir)) for run in resolve_runs(client, refs, Path(artifacts_dir)))
+    if html:
+        from flows.report import write_diff_page
+
+        write_diff_page(client, a, b, Path(artifacts_dir), html)
     return diff_data(a, b, limit)
 
 
@@ -358,11 +364,14 @@ def diff_command(args) -> int:
     """`posttrain diff`: print the report (or --json); exit 2 naming the problem on bad input."""
     from tasks.lineage import StoreBusyError
 
+    html = getattr(args, "html", None)
     try:
-        data = diff_command_data(args.runs, args.artifacts, args.limit if args.json else None)
-    except (CompareError, StoreBusyError) as e:
+        data = diff_command_data(args.runs, args.artifacts, args.limit if args.json else None, html)
+    except (CompareError, StoreBusyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shown = FLIPS_SHOWN if args.limit is None else args.limit
     print(json.dumps(data, indent=2, default=str) if args.json else diff_report(data, shown))
+    if html:
+        print(f"html: {html} (both runs as one page; opens offline in a browser)", file=sys.stderr)
     return 0

@@ -9,7 +9,8 @@ split alone skips the evals and the promotion, a DPO-family run on your preferen
 
 Every stage is a cached artifact (tasks/store.py): running the same config again
 computes nothing. MLflow gets one parent run per pipeline run, a nested run per
-computed stage, per-round metrics, the eval accuracies and the registered model.
+stage (computed: its cost; cached: the cost it avoided, tasks/costs.py), per-round metrics, the eval accuracies,
+the run's cost totals and the registered model.
 rl: reward_model trains no policy: its recipe is the whole run (flows/recipes/reward_model.py).
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows.recipes import RECIPES, WHOLE_RUNS, evaluator, method
-from flows.run import eval_metrics, open_run, prepare_policy, save_results
+from flows.run import eval_metrics, open_run, prepare_policy, run_cost, save_results
 from stages.runtime.distributed import warm_ranks
 from tasks.lineage import ui_command
 from tasks.stage_tasks import export_task
@@ -98,9 +99,13 @@ def train_policy(ctx, parent: str, run_dir: Path, quiet: bool) -> dict:
             "source_rows": prompts.manifest["summary"].get("sources", []) if prompts else [],  # rows per source
             **trained.results,  # the recipe's own (the DPO family: preference accuracy before and after)
             "stages": reporter.rows,
+            "cost": run_cost(ctx, parent),  # spent, avoided by the cache, per 1k training tokens and accepted sample
             "warnings": reporter.warnings,  # e.g. damaged artifact folders that were recomputed
             "mlflow_ui": ui_command(root),
         }
+        from flows.report import run_report
+
+        results["report"] = run_report(ctx, parent, run_dir, results)  # the run's HTML page; None: not written
         save_results(ctx, parent, run_dir, results, trained.history)
     except BaseException:
         lineage.finish("FAILED")

@@ -34,10 +34,12 @@ TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "prompt_id")
 """What every reward call passes besides the prompts table's own columns (stages/scoring/score.py `run`)."""
 
 BUILTIN_COLUMNS = {"accuracy": "answer", "stated_accuracy": "answer", "code_execution": "test_cases",
-                   "reasoning_gym": "reasoning_gym"}
+                   "reasoning_gym": "reasoning_gym", "human_eval": "human_eval"}
 """The column each built-in reward needs on every row (their signatures default it to None)."""
 BUILTIN_COLUMN_FIX = {"reasoning_gym": "read the rows from a reasoning-gym source (datasets: - path: reasoning_gym, "
-                                       "name: TASK; docs/your-own/data.md), which writes it"}
+                                       "name: TASK; docs/your-own/data.md), which writes it",
+                      "human_eval": "read the rows from HumanEval (datasets: - path: human_eval; "
+                                    "docs/your-own/data.md), which writes it"}
 """How a user gives a built-in its column, where that is not mapping one of their columns to it."""
 
 ROLLOUT_FUNC_KEYWORDS = ("prompts", "engine", "policy", "sampling", "tokenizer")

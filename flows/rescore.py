@@ -209,14 +209,15 @@ def rescore_lineage(root: Path, run, reward_funcs: list[str]):
     from tasks.lineage import Lineage
 
     class RescoreLineage(Lineage):
-        def stage_run(self, stage: str, key: str, config: dict, inputs: dict[str, str]) -> str:
+        def stage_run(self, stage: str, key: str, config: dict, inputs: dict[str, str], tags=None) -> str:
             if self.parent_id is None:
-                tags = {"posttrain.purpose": "rescore", "posttrain.rescore_of": run.run_id,
-                        "posttrain.reward_funcs": " ".join(reward_funcs), "artifact_root": str(root),
-                        "posttrain.pid": str(os.getpid()), "posttrain.host": socket.gethostname()}
+                parent_tags = {"posttrain.purpose": "rescore", "posttrain.rescore_of": run.run_id,
+                               "posttrain.reward_funcs": " ".join(reward_funcs), "artifact_root": str(root),
+                               "posttrain.pid": str(os.getpid()), "posttrain.host": socket.gethostname()}
                 name = f"{run.name}-rescore-{time.strftime('%Y%m%d-%H%M%S')}"
-                self.parent_id = self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
-            return super().stage_run(stage, key, config, inputs)
+                self.parent_id = self.client.create_run(self.experiment_id, run_name=name,
+                                                        tags=parent_tags).info.run_id
+            return super().stage_run(stage, key, config, inputs, tags)
 
     return RescoreLineage(root, run.experiment)
 

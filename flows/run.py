@@ -50,8 +50,8 @@ eval/<key> at each evaluated step."""
 
 
 def eval_metrics(summary: dict) -> dict:
-    """The parent-run eval/* metrics of one eval artifact's summary."""
-    return {f"eval/{k}": summary[k] for k in EVAL_METRICS if k in summary}
+    """The parent-run eval/* metrics of one eval artifact's summary (and its pass_at_k, eval.num_samples > 1)."""
+    return {f"eval/{k}": v for k, v in summary.items() if k in EVAL_METRICS or k.startswith("pass_at_")}
 
 
 def crash_flow_run(previous_id: str, current_id: str) -> None:
@@ -217,6 +217,16 @@ def log_preferences(ctx: RunContext, parent: str, prefs):
             ctx.lineage.log_dataset(parent, f"preferences-{name.removesuffix('.parquet')}", prefs.file(name),
                                     meta["sha256"], context="training", rows=meta.get("rows", 0))
     return prefs
+
+
+def run_cost(ctx: RunContext, parent: str) -> dict:
+    """What the run cost, from its stages' rows (tasks/costs.py `run_totals`: spent, avoided by the cache, per 1k
+    training tokens and per accepted sample), logged to the parent run as cost/* metrics; the results' `cost`."""
+    from tasks import costs
+
+    totals = costs.run_totals(ctx.reporter.rows, ctx.store.root)
+    ctx.lineage.log_metrics(parent, costs.totals_metrics(totals))
+    return totals
 
 
 def save_results(ctx: RunContext, parent: str, run_dir: Path, results: dict, history: list[dict] = ()) -> None:

@@ -363,13 +363,15 @@ class Lineage:
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def stage_run(self, stage: str, key: str, config: dict, inputs: dict[str, str]) -> str:
-        """A nested run under the parent for one computed stage."""
+    def stage_run(self, stage: str, key: str, config: dict, inputs: dict[str, str],
+                  tags: dict[str, str] | None = None) -> str:
+        """A nested run under the parent for one stage: computed, or read from the cache (`tags`
+        posttrain.cached: true, tasks/stage_tasks.py `record_cached`)."""
         run = self.client.create_run(
             self.experiment_id,
             run_name=stage,
             tags={"mlflow.parentRunId": self.parent_id, "posttrain.stage": stage, "posttrain.artifact_key": key,
-                  **{f"posttrain.input.{k}": v for k, v in inputs.items()}},
+                  **{f"posttrain.input.{k}": v for k, v in inputs.items()}, **(tags or {})},
         )
         params = [Param(k, v) for k, v in flatten(config).items()][:100]
         if params:

@@ -102,6 +102,9 @@ def publish_summary(name: str, results: dict, round_metrics: list[dict]) -> None
              f"- MLflow run: `{results['mlflow_run_id']}` (`{results['mlflow_ui']}`)",
              f"- {'reward' if results.get('rl') == 'reward_model' else 'exported'} model: `{model}` (registered "
              f"version {results['registered_model_version']})"]
+    if results.get("report"):  # flows/report.py: one self-contained page, also the MLflow artifact report.html
+        lines.append(f"- report: [{Path(results['report']).name}]({Path(results['report']).as_uri()}) "
+                     f"(`{results['report']}`; the MLflow run's artifact report.html)")
     if results.get("promotion"):
         promotion = results["promotion"]
         lines.append(f"- promotion: {promotion.get('reason', promotion) if isinstance(promotion, dict) else promotion}")

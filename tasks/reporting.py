@@ -46,10 +46,13 @@ class Reporter:
             print(f"warning: {text}", file=sys.stderr)
 
     def done(self, label: str, stage: str, path: Path, cached: bool, started: float | None = None,
-             note: str = "") -> None:
+             note: str = "", cost: dict | None = None) -> None:
+        """A finished stage's row; `cost`: its manifest's cost record (tasks/costs.py), the row's `cost` when it
+        was computed here, its `avoided` when it was read from the cache (it cost nothing in this run)."""
         seconds = 0.0 if cached else time.time() - (started or time.time())
         self.rows.append({"stage": label, "kind": stage, "status": "cached" if cached else "computed",
-                          "seconds": seconds, "path": str(path)})
+                          "seconds": seconds, "path": str(path),
+                          **({"avoided" if cached else "cost": cost} if cost is not None else {})})
         status = "[green]cached[/]" if cached else f"computed in {seconds:.1f}s"
         self._print(f"[bold green]✓[/] {label}: {status}{'  ' + note if note else ''}")
 
@@ -82,6 +85,8 @@ class Reporter:
         self.console.print(table)
         computed = sum(r["status"] == "computed" for r in self.rows)
         self.console.print(f"stages computed: {computed} of {len(self.rows)}")
+        if results.get("cost"):
+            self.console.print(cost_line(results["cost"]), soft_wrap=True, markup=False)
         for line in headline(results):
             warning = line.startswith("WARNING")
             self.console.print(line, soft_wrap=True, markup=False, style="yellow" if warning else None)
@@ -93,6 +98,28 @@ class Reporter:
             self.console.print(f"exported model: {results['exported_model']}", soft_wrap=True, markup=False)
         # soft_wrap: paths and commands stay one line to copy, whatever the terminal's (or a pipe's 80) width
         self.console.print(f"open the MLflow UI: {results['mlflow_ui']}", soft_wrap=True, markup=False)
+        if results.get("report"):
+            self.console.print(f"run report (one HTML page): {results['report']}", soft_wrap=True, markup=False)
+
+
+def cost_line(cost: dict) -> str:
+    """The run's cost in a line (tasks/costs.py `run_totals`)."""
+    spent, avoided = cost["spent"], cost["avoided"]
+
+    def seconds(record: dict) -> str:
+        return ", ".join(f"{name.removesuffix('_s')} {record[name]:.1f}s" for name in ("wall_s", "cpu_s", "gpu_s")
+                         if record.get(name) is not None) or "nothing"
+
+    tokens = ", ".join(f"{spent[name] or 0} {name.removeprefix('tokens_')}"
+                       for name in ("tokens_generated", "tokens_trained", "tokens_scored"))
+    line = f"cost: {seconds(spent)}; tokens {tokens}; avoided by the cache: {seconds(avoided)}"
+    per = cost.get("per_1k_tokens_trained", {}).get("cpu_s")
+    if per is not None:
+        line += f"; CPU {per:.3f}s per 1k tokens trained"
+    per = cost.get("per_accepted_sample", {}).get("cpu_s")
+    if per is not None:
+        line += f", {per:.3f}s per accepted sample ({cost['accepted_samples']})"
+    return line
 
 
 def headline(results: dict) -> list[str]:

@@ -27,6 +27,7 @@ from stages.scoring import replay, score
 from stages.scoring.reward_workers import is_model_name, resolve_model_name, split_reward_funcs
 from stages.scoring.rewards import BUILTIN_REWARDS
 from stages.training import dpo, ebft, ebft_strided, export, grpo, reward_model, scope_rl, sft
+from tasks import costs
 from tasks.calls import (ON_METRICS, OUT_DIR, WORK_DIR, Arg, Call, Config, InputDir, InputFile, Notes, Progress,
                          UserFile)
 from tasks.lineage import Lineage
@@ -81,7 +82,7 @@ def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = Non
     label = label or stage
     found, damage = ctx.store.lookup(stage, key)
     if found is not None:
-        ctx.reporter.done(label, stage, found.path, cached=True)
+        record_cached(ctx, label, key, found)
         return replace(found, reused=True)
     if damage:  # e.g. a file deleted by hand: recompute this stage only
         ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
@@ -99,18 +100,43 @@ def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = Non
         ctx.lineage.log_metrics(run_id, fresh, step)
 
     slots = {WORK_DIR: ctx.store.work_path(stage, key), ON_METRICS: on_metrics}
+    meter = costs.Meter()  # what the call costs: tasks/costs.py says what is counted
+
+    def produce(out):
+        with meter:
+            return runner(call.function, call.kwargs({**slots, OUT_DIR: out}))
+
     try:
-        artifact = ctx.store.write(stage, key, lambda out: runner(call.function, call.kwargs({**slots, OUT_DIR: out})),
-                                   inputs=input_keys, config=section)
+        artifact = ctx.store.write(stage, key, produce, inputs=input_keys, config=section,
+                                   cost=lambda out, summary: meter.cost(costs.stage_tokens(stage, out, summary)))
     except BaseException:
         ctx.lineage.client.set_terminated(run_id, status="FAILED")
         raise
     ctx.lineage.log_metrics(run_id, {k: v for k, v in artifact.manifest["summary"].items()
                                      if isinstance(v, (int, float)) and k not in {name for name, _ in logged}})
-    ctx.lineage.log_metrics(run_id, {"wall_time_s": artifact.manifest["wall_time_s"]})
+    if artifact.reused:  # another run computed it while this one waited for its lock: nothing spent here
+        ctx.lineage.log_metrics(run_id, costs.metrics(costs.recorded_cost(artifact.manifest), "cost_avoided_"))
+    else:
+        ctx.lineage.log_metrics(run_id, {"wall_time_s": artifact.manifest["wall_time_s"],
+                                         **costs.metrics(artifact.manifest["cost"], "cost_")})
+    ctx.lineage.set_tags(run_id, {"posttrain.cached": str(artifact.reused).lower()})
     ctx.lineage.client.set_terminated(run_id)
-    ctx.reporter.done(label, stage, artifact.path, cached=artifact.reused, started=started)
+    ctx.reporter.done(label, stage, artifact.path, cached=artifact.reused, started=started,
+                      cost=costs.recorded_cost(artifact.manifest))
     return artifact
+
+
+def record_cached(ctx: RunContext, label: str, key: str, found: Artifact) -> None:
+    """A stage read from the cache: it costs nothing in this run; its nested MLflow run (tag posttrain.cached)
+    and its summary row record what it cost when it was computed as avoided (`cost_avoided_*`). No parent run
+    open (a rescore that has computed nothing yet, flows/rescore.py): the row only."""
+    avoided = costs.recorded_cost(found.manifest)
+    if ctx.lineage.parent_id is not None:
+        run_id = ctx.lineage.stage_run(label, found.key, {}, found.manifest.get("inputs", {}),
+                                       tags={"posttrain.cached": "true"})
+        ctx.lineage.log_metrics(run_id, costs.metrics(avoided, "cost_avoided_"))
+        ctx.lineage.client.set_terminated(run_id)
+    ctx.reporter.done(label, found.stage, found.path, cached=True, cost=avoided)
 
 
 def pinned_sources(cfg):
@@ -343,7 +369,7 @@ def rollout_task(ctx: RunContext, policy: Artifact, adapter: Artifact | None, pr
         reroll_prompt_ids=list(reroll_prompt_ids),  # grpo.scope_rl: its groups' share and temperature
         **scope_rl.sampling(ctx.config.grpo, adapter.manifest["summary"].get("entropy") if adapter else None)),
         label=f"rollout r{round_index}",
-        runner=(lambda _, kwargs: worker.run(**kwargs)) if worker else in_process)
+        runner=(lambda _, kwargs: (costs.claim(worker.pid()), worker.run(**kwargs))[1]) if worker else in_process)
 
 
 @task(name="rollout", task_run_name="rollout-r{round_index}", cache_policy=NO_CACHE)

@@ -238,8 +238,9 @@ class ArtifactStore:
                 yield folder.parent.name, folder.name, folder
 
     def write(self, stage: str, key: str, produce: Callable[[Path], dict], *, inputs: dict[str, str],
-              config: Any) -> Artifact:
-        """Run produce(tmp_dir) -> summary dict, then publish the folder with its manifest.
+              config: Any, cost: Callable[[Path, dict], dict] | None = None) -> Artifact:
+        """Run produce(tmp_dir) -> summary dict, then publish the folder with its manifest; `cost(tmp_dir,
+        summary)`, called once produce has returned, gives the manifest's `cost` record (tasks/costs.py).
 
         Holds the (stage, key) lock throughout. If a valid folder exists once the lock is held
         (another run computed it while this one waited), returns it with `reused=True` and does
@@ -257,7 +258,7 @@ class ArtifactStore:
                     aside = set_aside(final)
                     log.warning("%s/%s is damaged (%s); moved to %s, recomputing it", stage, key,
                                 "; ".join(damage), aside)
-                return self._write_locked(stage, key, final, produce, inputs, config)
+                return self._write_locked(stage, key, final, produce, inputs, config, cost)
         except OSError as e:
             refused = refused_write(e, self.root)
             if refused is not None:
@@ -265,7 +266,8 @@ class ArtifactStore:
             raise
 
     def _write_locked(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict],
-                      inputs: dict[str, str], config: Any) -> Artifact:
+                      inputs: dict[str, str], config: Any, cost: Callable[[Path, dict], dict] | None = None
+                      ) -> Artifact:
         tmp = final.parent / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         started = time.time()
@@ -281,6 +283,7 @@ class ArtifactStore:
                 "files": files,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "wall_time_s": round(time.time() - started, 3),
+                **({"cost": cost(tmp, summary)} if cost else {}),  # what computing it took (not in its key)
                 "producers": {p: _version(p) for p in PRODUCERS},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))

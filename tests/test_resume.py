@@ -128,6 +128,22 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store
     exp = client_b.get_experiment_by_name("test-tiny")
     assert not client_b.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
 
+    # costs (tasks/costs.py): no work counted twice. The stages finished before a kill are reused (cost 0 in the
+    # last attempt, their manifest's cost avoided), the ones it computed are spent; each finished stage once. What a
+    # kill cut off left no manifest and no cost: its stage run is KILLED, without cost metrics.
+    spent = [s for s in b["stages"] if s["status"] == "computed"]
+    reused = [s for s in b["stages"] if s["status"] == "cached"]
+    assert {s["stage"] for s in spent} >= {"export", "eval final"} and "optimize r0" in {s["stage"] for s in reused}
+    assert len({s["path"] for s in b["stages"]}) == len(b["stages"])
+    for row in spent + reused:
+        recorded = json.loads((Path(row["path"]) / "_manifest.json").read_text())["cost"]
+        assert row.get("cost" if row in spent else "avoided") == recorded, row["stage"]
+    for name in ("wall_s", "cpu_s"):
+        assert b["cost"]["spent"][name] == pytest.approx(sum(s["cost"][name] for s in spent), abs=0.01)
+        assert b["cost"]["avoided"][name] == pytest.approx(sum(s["avoided"][name] for s in reused), abs=0.01)
+    killed_runs = client_b.search_runs([exp.experiment_id], "attributes.status = 'KILLED'")
+    assert killed_runs and not any("cost_cpu_s" in r.data.metrics for r in killed_runs)
+
 
 def test_mlflow_store_is_created_whole_and_a_cut_off_start_is_completed_on_resume(tmp_path, monkeypatch):
     """What a kill can cut off before any stage runs: MLflow creating its sqlite tables (left as

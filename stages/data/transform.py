@@ -93,7 +93,26 @@ class TransformConfig(BaseModel):
         if holdout and self.val_set_size >= 1 and self.val_set_size != int(self.val_set_size):
             raise ValueError(f"transform.val_set_size {self.val_set_size:g}: a fraction below 1 or a whole row count")
         self._held_out_tasks_apart()
+        self._held_out_problems_apart()
         return self
+
+    def _held_out_problems_apart(self):
+        """A human_eval source of test_datasets selects none of the problems of a human_eval source of datasets."""
+        def splits(entries):
+            return [(i, s.split) for i, s in enumerate(entries or []) if s.path == sources.humaneval.PATH]
+
+        for i, train in splits(self.datasets):
+            for j, held in splits(self.test_datasets):
+                try:
+                    both = sources.humaneval.overlap(train, held)
+                except (ValueError, AssertionError):
+                    continue  # a split the source cannot read: the source names it
+                if both:
+                    raise ValueError(
+                        f"transform.test_datasets.{j}: human_eval split {held or 'train'} selects {len(both)} "
+                        f"problem(s) transform.datasets.{i} (split {train or 'train'}) trains on (HumanEval/"
+                        f"{both[0]}, ...), so the eval would repeat train problems; give them disjoint splits "
+                        "(train[:132] and train[132:]), or use val_set_size")
 
     def _held_out_tasks_apart(self):
         """A reasoning-gym source of test_datasets draws none of the seeds of a datasets source of the same task
@@ -171,6 +190,19 @@ def _reasoning_gym(cfg: TransformConfig):
     return transform_fn, {"remove_columns": ["question"]}
 
 
+def _human_eval(cfg: TransformConfig):
+    """A human_eval source's rows (stages/data/human_eval_source.py): the problem's code prompt (signature and
+    docstring) in a user message asking for the whole function in a ```python block, no gold answer (the
+    problem's tests judge), the `human_eval` column kept for the `human_eval` reward."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        if not example.get("prompt") or not example.get("human_eval"):
+            raise KeyError("prompt and human_eval (the rows of a path: human_eval source)")
+        return {"prompt": [{"role": "user", "content": sources.humaneval.user_message(example["prompt"])}],
+                "answer": None}
+
+    return transform_fn, {"remove_columns": []}
+
+
 def _first(example: dict, fields: tuple[str, ...]):
     """The value of the first of `fields` the row has (axolotl's nested `example.get(a, example.get(b, ...))`)."""
     return next((example[f] for f in fields if f in example), None)
@@ -205,7 +237,7 @@ def _ebft_pretrain(cfg: TransformConfig):
 
 
 BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text,
-                                 "reasoning_gym": _reasoning_gym,
+                                 "reasoning_gym": _reasoning_gym, "human_eval": _human_eval,
                                  "ebft_strided_structured.transform": _ebft_strided_structured,
                                  "ebft_pretrain.transform": _ebft_pretrain}
 """Built-in transform types; the last two are axolotl's strided EBFT transforms by their names (axolotl ships the

@@ -1,5 +1,8 @@
 """eval: greedy accuracy of a policy on the held-out prompts, and what a constant answer scores.
 
+With `num_samples` k > 1, k sampled completions per prompt instead: accuracy is their share of correct ones (pass@1),
+beside pass@k by the HumanEval paper's unbiased estimator (`pass_at_k`).
+
 A completion is correct when the task's verifier gives it at least `correct_threshold`: the reward functions of
 `reward_funcs` (by default the run's own verifiers, `verifier_funcs`; the built-in math-verify `accuracy` for
 the built-in task), run on the same worker pool as the score stage (stages/scoring/score.py `call_rewards`:
@@ -21,9 +24,9 @@ from typing import Callable, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stages.runtime.keys import not_in_key
+from stages.runtime.keys import key_when_set, not_in_key
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +57,40 @@ class EvalConfig(BaseModel):
     reward_funcs: list[str] | None = Field(None, min_length=1)
     """The task's verifier: reward functions (names as in score.reward_funcs) whose reward decides whether a
     completion is correct. Unset: the run's verifiers, which are the entries of score.reward_funcs that are not
-    built-in (your `module.fn` and `remote:<name>`: the task's own scorer) and the built-in `reasoning_gym` (the
-    task's own scorer too), or `accuracy` (math-verify) when score.reward_funcs names no verifier (accuracy,
+    built-in (your `module.fn` and `remote:<name>`: the task's own scorer) and the built-ins `reasoning_gym` and
+    `human_eval` (the task's own scorer too), or `accuracy` (math-verify) when score.reward_funcs names no verifier (accuracy,
     stated_accuracy, format, code_execution, reward models), so the built-in task is judged as before
     (`verifier_funcs`). Set it when a function of yours is a shaping term (a length or format bonus), not a verdict.
     With several, a completion's reward is their mean (None, "does not apply", left out)."""
     correct_threshold: float = Field(1.0, allow_inf_nan=False)
     """A completion is correct when its verifier reward is at least this. 1.0: a 0/1 verifier's right answers
     (partial credit, e.g. 0.5 for a right number in a wrong format, is not correct); lower it for a graded one."""
+    num_samples: int | None = key_when_set(None, ge=1)
+    """Completions per eval prompt. Unset (or 1): one greedy completion, whose verdict is the prompt's. k > 1: k
+    completions sampled at eval.temperature, and the summary's pass@k for k in 1, 10, 100 and num_samples (those up
+    to num_samples; `pass_at_1`, ...) by the unbiased estimator of the HumanEval paper (Chen et al. 2021, eq. 1:
+    1 - C(n - c, k) / C(n, k) per prompt, averaged); `accuracy` is then pass@1, the share of correct samples.
+    Higher: a finer pass@1 and a pass@k, num_samples times the generation and verifier time."""
+    temperature: float | None = key_when_set(None, gt=0)
+    """Sampling temperature of eval.num_samples > 1 (one completion is greedy). Unset: 0.8, the temperature the
+    HumanEval paper found best for pass@10 and pass@100 (0.2 for pass@1)."""
     every_rounds: int | None = not_in_key(None, ge=1)
     """GRPO: also evaluate the policy after every N optimize rounds (as TRL's `eval_steps`, in rounds),
     logged as eval/* at step = rounds done; unset: only the base (step 0) and the final model. Lower:
     a finer eval/accuracy curve, one more greedy pass over the eval prompts each time. When to
     evaluate, not what: not part of an eval's cache key."""
+
+    @model_validator(mode="after")
+    def _sampled_only(self):
+        if self.temperature is not None and (self.num_samples or 1) == 1:
+            raise ValueError("eval.temperature applies to eval.num_samples > 1 (one completion per prompt is greedy); "
+                             "set num_samples, or remove temperature")
+        return self
+
+    @property
+    def samples(self) -> int:
+        """Completions per prompt (eval.num_samples, unset: 1)."""
+        return self.num_samples or 1
 
     @field_validator("reward_funcs")
     @classmethod
@@ -90,7 +114,7 @@ VERIFIER_DEFAULT = ["accuracy"]
 def verifier_funcs(cfg: EvalConfig, score_funcs: list[str]) -> list[str]:
     """The reward functions the eval judges with: eval.reward_funcs when set; else the entries of the run's
     score.reward_funcs that are a task's own verifier (`module.fn`, `remote:<name>`, and the built-ins of
-    TASK_VERIFIERS: `reasoning_gym`), or `accuracy` when it names none (format is a shaping term; a reward model
+    TASK_VERIFIERS: `reasoning_gym`, `human_eval`), or `accuracy` when it names none (format is a shaping term; a reward model
     scores preferences, not correctness).
 
     >>> verifier_funcs(EvalConfig(), ["accuracy", "format"]), verifier_funcs(EvalConfig(), ["mytask.check", "format"])
@@ -149,6 +173,35 @@ def answer_stats(completions: list, gold_answers: list) -> dict:
     }
 
 
+PASS_AT = (1, 10, 100)
+"""The k of pass@k the eval reports (those up to eval.num_samples, and num_samples itself), as the HumanEval paper."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code", eq. 1 and its numerically stable product form): 1 - C(n - c, k) / C(n, k),
+    the chance that k samples drawn without replacement from the n hold at least one correct one.
+
+    >>> pass_at_k(10, 0, 1), round(pass_at_k(10, 3, 1), 4), pass_at_k(10, 9, 2), round(pass_at_k(10, 3, 5), 4)
+    (0.0, 0.3, 1.0, 0.9167)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def pass_at(correct: list[list[bool]], n: int) -> dict[str, float]:
+    """{pass_at_k: the mean over prompts of pass_at_k(n, c, k)} for the k of PASS_AT up to n and n itself, from each
+    prompt's n verdicts."""
+    ks = sorted({k for k in PASS_AT if k <= n} | {n})
+    return {f"pass_at_{k}": sum(pass_at_k(n, sum(map(bool, c)), k) for c in correct) / len(correct) for k in ks}
+
+
 SCORING_FIELDS = ("remote_verifiers", "reward_on_error", "max_error_rate")
 """The fields of the run's ScoreConfig (`run`'s `scoring`) that change the eval's verdicts, for its key: the remote
 verifiers it may call, the value a failed call counts as, the failure share that stops it. The rest say where and
@@ -158,10 +211,11 @@ how fast the verifier runs (workers, timeout); the functions' code is keyed by d
 def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path: Path, out_dir: Path,
         on_progress: Callable[[int, int], None] | None = None, devices=None, scoring=None,
         log_dir: Path | None = None) -> dict:
-    """Greedy-decode every eval prompt and judge it with the verifier (cfg.reward_funcs; unset: `accuracy`);
-    return {"accuracy", "num_prompts", "format_rate", "verifier", "verifier_errors"} and `answer_stats`, its
-    constant baseline measured by the verifier. Uses no randomness: it neither seeds nor draws from torch's
-    global RNG, which a rollout or optimize round in another thread of the process may be using. `devices`:
+    """Greedy-decode every eval prompt (cfg.num_samples > 1: sample that many completions of each) and judge it
+    with the verifier (cfg.reward_funcs; unset: `accuracy`); return {"accuracy", "num_prompts", "num_samples",
+    "format_rate", "verifier", "verifier_errors"}, pass_at_k (num_samples > 1) and `answer_stats`, its constant
+    baseline measured by the verifier. Samples from its own generator seeded 0: it neither seeds nor draws from
+    torch's global RNG, which a rollout or optimize round in another thread of the process may be using. `devices`:
     where and in which dtype the policy runs (stages/runtime/devices.py). `scoring`: the run's ScoreConfig
     (stages/scoring/score.py): how the verifier runs (workers, timeout, remote verifiers, max_error_rate,
     reward_on_error); None: its defaults. `log_dir`: where reward_errors.log goes when the verifier fails on too
@@ -202,42 +256,48 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
         nonlocal done
         done += n
         if on_progress:
-            on_progress(done, len(rows))
+            on_progress(done, len(rows) * cfg.samples)
 
-    outputs = generate(model, tokenizer, [r["prompt"] for r in rows],
-                       Sampling(max_new_tokens=cfg.max_completion_length, do_sample=False), cfg.batch_size, progress)
+    n = cfg.samples  # each prompt's samples side by side: rows[i // n]
+    sampling = (Sampling(max_new_tokens=cfg.max_completion_length, do_sample=False) if n == 1 else
+                Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature or 0.8, seed=0))
+    prompts = [r for r in rows for _ in range(n)]
+    outputs = generate(model, tokenizer, [r["prompt"] for r in prompts], sampling, cfg.batch_size, progress)
     completions = [o["completion"] for o in outputs]
-    answers = [r.get("answer") for r in rows]
+    answers = [r.get("answer") for r in prompts]
     judged = [{**r, "completion": o["completion"], "completion_token_ids": o["completion_token_ids"]}
-              for r, o in zip(rows, outputs)]
+              for r, o in zip(prompts, outputs)]
     stats = answer_stats(completions, answers)
     gold_top = stats["baseline_answer"] if any(a is not None for a in answers) else None
-    rewards, errors, baseline, baseline_answer = judge(scoring, judged, gold_top,
-                                                      stats["top_completion"], cfg.correct_threshold, out_dir,
-                                                      log_dir, devices)
+    rewards, errors, notes, baseline, baseline_answer = judge(scoring, judged, gold_top, stats["top_completion"],
+                                                             cfg.correct_threshold, out_dir, log_dir, devices)
     correct = [1.0 if r is not None and r >= cfg.correct_threshold else 0.0 for r in rewards]
     formatted = format_reward(completions=completions)
     pq.write_table(
-        pa.table({"prompt_id": [r["prompt_id"] for r in rows], "answer": answers,
-                  "completion": completions, "predicted_answer": [extract_answer(c) for c in completions],
+        pa.table({"prompt_id": [r["prompt_id"] for r in prompts], "sample": [i % n for i in range(len(prompts))],
+                  "answer": answers, "completion": completions,
+                  "predicted_answer": [extract_answer(c) for c in completions],
                   "reward": pa.array(rewards, type=pa.float64()), "correct": correct,
-                  "errors": pa.array(errors, type=pa.list_(pa.string()))}),
+                  "errors": pa.array([e + w for e, w in zip(errors, notes)], type=pa.list_(pa.string()))}),
         out_dir / "eval.parquet",
     )
-    return {"accuracy": sum(correct) / len(rows), "format_rate": sum(formatted) / len(rows), "num_prompts": len(rows),
+    sampled = pass_at([correct[i : i + n] for i in range(0, len(correct), n)], n) if n > 1 else {}
+    return {"accuracy": sum(correct) / len(correct), **sampled, "num_samples": n,
+            "format_rate": sum(formatted) / len(correct), "num_prompts": len(rows),
             "prompts_too_long": len(too_long), **stats, "constant_baseline": baseline,
             "baseline_answer": baseline_answer, "verifier": names, "verifier_errors": sum(map(len, errors))}
 
 
 def judge(scoring, rows: list[dict], gold_top, top_completion: str | None, threshold: float, out_dir: Path,
-          log_dir: Path | None, devices=None) -> tuple[list, list[list[str]], float, str | None]:
+          log_dir: Path | None, devices=None) -> tuple[list, list[list[str]], list[list[str]], float, str | None]:
     """The verifier (scoring.reward_funcs) on each row's completion and on constant answers over the same rows:
-    (each row's reward, each row's failures, the constant baseline, its answer).
+    (each row's reward, each row's failures, each row's Verdict reasons, the constant baseline, its answer).
 
     A row's reward is the mean of its functions' values, None ("does not apply") left out, a failed call counted as
     scoring.reward_on_error; None where no function applies (not correct). The constant answers tried: the most
     common gold answer, bare and in <answer> tags, and the policy's own most common completion; the baseline is
     the best one's accuracy."""
+    from stages.scoring.rewards.common import Verdict
     from stages.scoring.score import call_rewards, worker_sources
 
     names = scoring.reward_funcs
@@ -258,6 +318,8 @@ def judge(scoring, rows: list[dict], gold_top, top_completion: str | None, thres
     n = len(rows)
     rewards = [reward(i) for i in range(n)]
     errors = [[failed[name][i] for name in names if i in failed[name]] for i in range(n)]
+    notes = [[f"{name}: {values[name][i].why}" for name in names if isinstance(values[name][i], Verdict)]
+             for i in range(n)]  # a Verdict's reason (a failing test): noted beside the failures, not one
     baseline, baseline_answer = 0.0, None
     for k, candidate in enumerate(candidates):
         hits = [reward(n * (k + 1) + i) for i in range(n)]
@@ -266,7 +328,7 @@ def judge(scoring, rows: list[dict], gold_top, top_completion: str | None, thres
             baseline, baseline_answer = score, candidate
     from stages.scoring.rewards.math import extract_answer
 
-    return rewards, errors, baseline, extract_answer(baseline_answer) if baseline_answer is not None else None
+    return rewards, errors, notes, baseline, extract_answer(baseline_answer) if baseline_answer is not None else None
 
 
 def prompts_too_long(cfg: EvalConfig, rows: list[dict], prompts_path: Path, model_dir: Path) -> list[tuple]:

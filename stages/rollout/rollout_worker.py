@@ -100,6 +100,13 @@ class RolloutWorker:
         child.close()
         self._conn = parent
 
+    def pid(self) -> int:
+        """The worker process's id, started if it is not running (tasks/costs.py counts its CPU as the rollout's)."""
+        with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            return self._process.pid
+
     def run(self, cfg, policy, prompts_path: Path, round_index: int, out_dir: Path,
             engine_settings: dict | None = None, on_progress: Callable[[int, int], None] | None = None,
             reroll_prompt_ids: list[str] = ()) -> dict:

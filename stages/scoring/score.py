@@ -24,7 +24,9 @@ the stage with `RewardFunctionError` naming the function and the sample, before 
 a value that is not finite (NaN, inf: a grader's 0/0 or log(0), which would reach the advantages), and
 a sample no function returns a value for (every one said None: it has no reward at all). With
 `reward_on_invalid` set, such a sample gets that value instead (for that function; for the row's total
-where no function applied), with a warning and a note in its `errors` column.
+where no function applied), with a warning and a note in its `errors` column. A function may also return a
+`Verdict` (a float with its reason, e.g. the test a program failed): the value is scored, the reason noted in the
+`errors` column, and it is no failure.
 
 The summary also holds the round's collapse metrics (`rollout/top_answer_frac`, distinct answers,
 identical groups; stages/scoring/collapse.py), which the health checks read. The advantages themselves are
@@ -52,6 +54,7 @@ from stages.scoring.collapse import collapse_metrics
 from stages.scoring.reward_pools import shared_pool
 from stages.scoring.reward_workers import (REWARD_MODEL_PREFIX, RewardFunctionError, is_model_name, resolve_model_name,
                                            reward_model_source)
+from stages.scoring.rewards.common import Verdict
 from stages.scoring.rewards.remote import REMOTE_PREFIX, RemoteVerifierConfig, check_remote_names, remote_source
 from stages.training.scope_rl import AUX_COLUMN
 
@@ -211,8 +214,12 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
     per_function: dict[str, list] = {name: [] for name in cfg.reward_funcs}
     errors: list[list[str]] = [[] for _ in range(n)]
     invalid: list[str] = []  # "reward function 'f' returned nan for sample s", per (function, sample)
+    notes = 0  # Verdicts' reasons in the errors column (a value, not a failure: not in score/errors)
     for name in cfg.reward_funcs:
         for row, v in enumerate(raw[name]):
+            if isinstance(v, Verdict):
+                errors[row].append(f"{name}: {v.why}")
+                notes += 1
             if row in failed[name]:
                 v = cfg.reward_on_error
                 errors[row].append(failed[name][row])
@@ -259,7 +266,7 @@ def run(cfg: ScoreConfig, rollouts_path: Path, num_generations: int, out_dir: Pa
         **reward_spread(totals[:main], num_generations),
         **scope_metrics,
         "score/samples": n,
-        "score/errors": sum(len(e) for e in errors),  # (function, sample) pairs that got reward_on_error
+        "score/errors": sum(len(e) for e in errors) - notes,  # (function, sample) pairs that got reward_on_error
         # per function: samples it failed on (their tracebacks in reward_errors.log)
         **{f"score/errors/{metric_name(name)}": len(failed[name]) for name in cfg.reward_funcs if failed[name]},
         **_function_metrics(cfg, matrix[:main]),

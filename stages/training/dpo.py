@@ -161,7 +161,9 @@ def trl_options(cfg: PreferenceOptimizationConfig) -> dict:
 def build_trl_config(cfg: PreferenceOptimizationConfig, output_dir: Path, devices: DeviceConfig | None = None):
     """The TRL config object for `cfg`: loss options plus the training settings of `training_args`."""
     _, config_class = trl_classes(cfg.rl)
-    return config_class(**training_args(cfg, output_dir, devices=devices), **trl_options(cfg))
+    counted = {"include_num_input_tokens_seen": "non_padding"} if cfg.rl in ("dpo", "ipo") else {}  # DPOTrainer's
+    # batches have input_ids; KTO's and CPO/ORPO's do not (HF would warn each step and count nothing)
+    return config_class(**training_args(cfg, output_dir, devices=devices), **trl_options(cfg), **counted)
 
 
 def lora_config(cfg: PreferenceOptimizationConfig):
@@ -421,6 +423,8 @@ def run(
         "steps": result.global_step,
         "resumed_from_step": resumed_from,
         "train_loss": result.training_loss,
+        # non-padding input tokens, every epoch (rl: dpo, ipo; tasks/costs.py)
+        "tokens_trained": int(trainer.state.num_input_tokens_seen) if cfg.rl in ("dpo", "ipo") else None,
         "final_metrics": logged[-1] if logged else {},
         "eval_pairs": len(eval_pairs),
         "eval_accuracy_before": accuracy_before,

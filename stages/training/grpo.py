@@ -893,12 +893,14 @@ def run(
     lr_at = _lr_schedule(cfg, round_index, plan.steps_per_round)
 
     history = []
-    counts = {"skipped_batches": 0, "skipped_steps": 0, "trained_rows": 0}
+    counts = {"skipped_batches": 0, "skipped_steps": 0, "trained_rows": 0, "tokens_trained": 0}
     for iteration in range(cfg.num_iterations):
         for step_index, (micro_batches, live) in enumerate(zip(plan.steps, plan.runs)):
             position = iteration * len(plan.steps) + step_index
             counts["skipped_batches"] += sum(not _trains(cfg, mb, plan.masked_out) for mb in micro_batches)
             counts["trained_rows"] += sum(len(mb) for mb in live)
+            counts["tokens_trained"] += sum(len(r["prompt_token_ids"]) + len(r["completion_token_ids"])
+                                            for mb in live for r in mb)
             if live:  # else no signal in the whole step: no optimizer step, no state change
                 history.append(_take_step(trainer, plan, step_index, position, old_logps, lr_at(position),
                                           max_completion_length, ce_coef, rl_coef))
@@ -954,6 +956,7 @@ def _round_metrics(cfg: GRPOConfig, trainer: RoundTrainer, plan: RoundPlan, hist
                    pi_old_from_step=int(plan.pi_old_is_step),  # 1: pi_old was the round's one step's own forward
                    trainable_params_per_rank=trainer.trainable_params(),
                    trained_rows=counts["trained_rows"] / cfg.num_iterations,  # rows through forward/backward per pass
+                   tokens_trained=counts["tokens_trained"],  # their prompt + completion tokens, every pass counted
                    **trainer.placement.describe(trainer.devices))
     if plan.replayed:
         metrics["replayed_rows"] = len(plan.replayed)

@@ -117,6 +117,7 @@ def _trl_config(cfg: SFTConfig, output_dir: Path, per_device_batch_size: int, nu
         **common_arguments(cfg.seed, cfg.save_steps, devices),
         disable_tqdm=False,
         dataset_kwargs={"skip_prepare_dataset": True} if prepared else None,
+        include_num_input_tokens_seen="non_padding",  # the summary's tokens_trained (tasks/costs.py)
     )
 
 
@@ -179,4 +180,5 @@ def run(
     _save(trainer, tokenizer, out_dir, args.output_dir, work_dir, group)
     return {"train_loss": result.training_loss, "steps": result.global_step, "examples": len(rows),
             "resumed_from_step": resumed_from, "reused_tokenized_dataset": prepared is not None,
+            "tokens_trained": int(trainer.state.num_input_tokens_seen),  # non-padding input tokens, every epoch
             **devices_module.describe(devices)}

@@ -89,8 +89,9 @@ _FENCE = re.compile(r"```([^\n`]*)\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
 
 
-def extract_code(text: str) -> str:
-    """The last ```python block of `text` (else the last untagged ``` block, else all of it), stripped.
+def extract_code(text: str, strip: bool = True) -> str:
+    """The last ```python block of `text` (else the last untagged ``` block, else all of it), stripped (strip:
+    False: its trailing whitespace only, so that a block of indented lines keeps its first line's indent).
 
     >>> extract_code("Here:\\n```python\\nx = 1\\n```\\nDone.")
     'x = 1'
@@ -103,7 +104,8 @@ def extract_code(text: str) -> str:
         elif not tag:
             plain_blocks.append(match.group(2))
     blocks = python_blocks or plain_blocks
-    return (blocks[-1] if blocks else text).strip()
+    code = blocks[-1] if blocks else text
+    return code.strip() if strip else code.rstrip()
 
 
 def _tests_of(value, row: int) -> list[str]:
@@ -257,6 +259,17 @@ def _sandbox(job_path):
 
     write, exit_now = posix.write, posix._exit
     _exec, _compile, _BaseException = exec, compile, BaseException
+
+    def why(error, _type=type, _str=str, _join=" ".join):  # one line: "ExceptionName: message"
+        text = _type(error).__name__
+        try:
+            message = _str(error)
+        except _BaseException:
+            message = ""
+        if message:
+            text = text + ": " + message
+        return _join(text.split())[:300].encode("utf-8", "backslashreplace")
+
     result_lines = [(nonce + " " + str(i) + " ").encode() for i in range(len(tests))]
     sys.stdout = sys.stderr = open("/dev/null", "w")  # the solution's prints go nowhere
     write(1, (nonce + " ready\n").encode())
@@ -265,20 +278,20 @@ def _sandbox(job_path):
     del denied_imports, read_roots, read_files, work
 
     namespace = {"__name__": "solution", "__builtins__": builtins}
+    not_loaded = None
     try:
         _exec(_compile(code, "<solution>", "exec"), namespace)
-        loaded = True
-    except _BaseException:
-        loaded = False
+    except _BaseException as e:
+        not_loaded = b"0 the code raised " + why(e) + b"\n"
     i = 0
     for test in tests:
-        passed = b"0\n"
-        if loaded:
+        passed = not_loaded
+        if passed is None:
             try:
                 _exec(_compile(test, "<test>", "exec"), namespace)
                 passed = b"1\n"
-            except _BaseException:
-                pass
+            except _BaseException as e:
+                passed = b"0 " + why(e) + b"\n"
         write(1, result_lines[i] + passed)
         i += 1
     exit_now(0)  # skip atexit handlers and finalizers the solution may have registered
@@ -336,8 +349,9 @@ def _limit_setter(limits: SandboxLimits):
     return apply
 
 
-def _wait_then_kill_group(proc: subprocess.Popen, wall_s: float) -> bool:
-    """Wait up to wall_s for the child to exit, kill its process group, reap it. True when it timed out.
+def _wait_then_kill_group(proc: subprocess.Popen, wall_s: float) -> tuple[bool, float]:
+    """Wait up to wall_s for the child to exit, kill its process group, reap it. (Whether it timed out, the CPU
+    seconds it and the children it reaped used: `unshare` reports a child the CPU limit killed as exit code 1.)
 
     The group is killed before the leader is reaped, so its id cannot have been reused."""
     timed_out = False
@@ -362,8 +376,9 @@ def _wait_then_kill_group(proc: subprocess.Popen, wall_s: float) -> bool:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
-    return timed_out
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return timed_out, usage.ru_utime + usage.ru_stime
 
 
 def _remove_tree(root: str) -> None:
@@ -385,6 +400,16 @@ def run_tests(code: str, tests: list[str], limits: SandboxLimits = DEFAULT_LIMIT
     >>> run_tests("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(2) == 5"])
     [True, False]
     """
+    return [failure is None for failure in run_tests_explained(code, tests, limits)]
+
+
+def run_tests_explained(code: str, tests: list[str], limits: SandboxLimits = DEFAULT_LIMITS) -> list[str | None]:
+    """run_tests, saying why each test failed: None where it passed, else one line (the exception the code or the
+    test raised, a refusal of the sandbox, or the limit that killed the process before the test finished).
+
+    >>> run_tests_explained("def double(x):\\n    return 2 * x", ["assert double(2) == 4", "assert double(2) == 5"])
+    [None, 'AssertionError']
+    """
     if not tests:
         return []
     root = tempfile.mkdtemp(prefix="posttrain-sandbox-")
@@ -401,7 +426,7 @@ def run_tests(code: str, tests: list[str], limits: SandboxLimits = DEFAULT_LIMIT
         with open(os.path.join(root, "out"), "w+b") as out, open(os.path.join(root, "err"), "w+b") as err:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, cwd=work, env=env,
                                     preexec_fn=_limit_setter(limits), start_new_session=True, close_fds=True)
-            timed_out = _wait_then_kill_group(proc, limits.wall_s)
+            timed_out, cpu_s = _wait_then_kill_group(proc, limits.wall_s)
             out.seek(0)
             lines = out.read(1 << 20).decode("utf-8", "replace").splitlines()
             if f"{nonce} ready" not in lines and not timed_out:
@@ -412,12 +437,25 @@ def run_tests(code: str, tests: list[str], limits: SandboxLimits = DEFAULT_LIMIT
                                    f"(memory_mb={limits.memory_mb}, open_files={limits.open_files}).")
     finally:
         _remove_tree(root)
-    passed = [False] * len(tests)
+    unfinished = _killed(limits, timed_out, cpu_s, proc.returncode)
+    failures: list[str | None] = [unfinished] * len(tests)
     for line in lines:
-        parts = line.split(" ")
-        if len(parts) == 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < len(tests):
-            passed[int(parts[1])] = parts[2] == "1"
-    return passed
+        parts = line.split(" ", 3)
+        if len(parts) >= 3 and parts[0] == nonce and parts[1].isdigit() and int(parts[1]) < len(tests):
+            failures[int(parts[1])] = None if parts[2] == "1" else (parts[3] if len(parts) > 3 else "failed")
+    return failures
+
+
+def _killed(limits: SandboxLimits, timed_out: bool, cpu_s: float, returncode: int) -> str:
+    """Why a test the process did not finish failed: the wall-clock timeout, the CPU limit, a signal, or the code
+    ending the process."""
+    if timed_out:
+        return f"TimeoutError: killed after {limits.wall_s:g} s of wall-clock time (SandboxLimits.wall_s)"
+    if cpu_s >= limits.cpu_s / 2:  # the kernel's SIGKILL at the limit; rusage reports ~85% of it
+        return f"TimeoutError: killed at {limits.cpu_s} CPU seconds (SandboxLimits.cpu_s): a loop that never ends?"
+    if returncode < 0:
+        return f"crashed: killed by {signal.Signals(-returncode).name}"
+    return f"crashed: the process exited with code {returncode} before the test finished"
 
 
 def code_execution(prompts=None, completions=None, test_cases=None, *, limits: SandboxLimits = DEFAULT_LIMITS,
