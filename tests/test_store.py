@@ -196,6 +196,8 @@ def test_verify_reports_a_folder_whose_manifest_was_deleted(tmp_path, capsys):
 class NoLineage:
     """What materialize logs to MLflow, dropped."""
 
+    parent_id = None  # no pipeline run: a cached stage opens no MLflow run
+
     class client:
         set_terminated = staticmethod(lambda *args, **kwargs: None)
 
@@ -203,6 +205,9 @@ class NoLineage:
         return "run"
 
     def log_metrics(self, *args, **kwargs):
+        pass
+
+    def set_tags(self, *args, **kwargs):
         pass
 
 

@@ -45,9 +45,10 @@ from stages.runtime.keys import key_when_set
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 ROW_TYPES = ("question_answer", "messages", "text")
 """The built-in transforms for rows of any source (errors offer these)."""
-BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym", "human_eval")
-"""ROW_TYPES, `reasoning_gym` and `human_eval`, the types of a path: reasoning_gym / human_eval source's rows
-(set for them)."""
+BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym", "human_eval", "ebft_strided_structured.transform",
+                 "ebft_pretrain.transform")
+"""ROW_TYPES, `reasoning_gym` and `human_eval` (the types of a path: reasoning_gym / human_eval source's rows, set
+for them), and axolotl's strided EBFT transforms by their names (stages/data/transform.py BUILTINS)."""
 AXOLOTL_TYPES = {"alpaca", "alpaca_chat", "alpaca_instruct", "alpaca_w_system", "bradley_terry", "chat_template",
                  "chatml", "completion", "concisechoice", "context_qa", "context_qa2", "creative_acr", "dpo",
                  "explainchoice", "gpteacher", "input_output", "jeopardy", "kto", "llama2_chat", "metharme", "oasst",
