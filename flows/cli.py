@@ -291,9 +291,14 @@ def flip_count(text: str) -> int:
 
 
 def diff_command(args) -> int:
-    """`posttrain diff` (flows/diff.py, imported only for it: it reads MLflow, a second to import)."""
+    """`posttrain diff` (flows/diff.py, imported only for it: it reads MLflow, a second to import); --html writes
+    flows/report.py's page of the two runs."""
     from flows import diff
 
+    if getattr(args, "html", None):
+        from flows.report import write_diff_page
+
+        return diff.diff_command(args, write_diff_page)
     return diff.diff_command(args)
 
 

@@ -26,6 +26,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pyarrow.parquet as pq
 
@@ -346,27 +347,27 @@ def load_side(run: RunData, artifacts_dir: Path) -> Side:
 
 
 def diff_command_data(refs: list[str], artifacts_dir: str, limit: int | None = None,
-                      html: str | None = None) -> dict:
-    """diff_data of two runs named by run name or MLflow run id in the store of `artifacts_dir`; `html`: also write
-    the two runs' page there (flows/report.py)."""
+                      with_sides: Callable | None = None) -> dict:
+    """diff_data of two runs named by run name or MLflow run id in the store of `artifacts_dir`; `with_sides(client,
+    a, b)`, where given, is called with the two loaded runs first (`--html`: flows/report.py's page)."""
     client = open_client(artifacts_dir)
     a, b = (load_side(run, Path(artifacts_dir)) for run in resolve_runs(client, refs, Path(artifacts_dir)))
-    if html:
-        from flows.report import write_diff_page
-
-        write_diff_page(client, a, b, Path(artifacts_dir), html)
+    if with_sides is not None:
+        with_sides(client, a, b)
     return diff_data(a, b, limit)
 
 
 # ---------------------------------------------------------------- command line
 
-def diff_command(args) -> int:
-    """`posttrain diff`: print the report (or --json); exit 2 naming the problem on bad input."""
+def diff_command(args, write_page: Callable | None = None) -> int:
+    """`posttrain diff`: print the report (or --json); with --html also the page, by `write_page(client, a, b,
+    artifacts_dir, path)` (the CLI passes flows/report.py's); exit 2 naming the problem on bad input."""
     from tasks.lineage import StoreBusyError
 
     html = getattr(args, "html", None)
+    also = (lambda client, a, b: write_page(client, a, b, Path(args.artifacts), html)) if html else None
     try:
-        data = diff_command_data(args.runs, args.artifacts, args.limit if args.json else None, html)
+        data = diff_command_data(args.runs, args.artifacts, args.limit if args.json else None, also)
     except (CompareError, StoreBusyError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
