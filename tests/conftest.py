@@ -30,10 +30,22 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
+    """The session's Prefect server (a subprocess), its URL in this process's Prefect settings: yields the API URL
+    (pass it as PREFECT_API_URL to a `posttrain` subprocess: see `harness_api_url`)."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
-        yield
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def harness_api_url(prefect_harness) -> str:
+    """The session's Prefect API URL, for `posttrain` subprocesses whose test is not about the temporary server a
+    run starts without one (tests/test_preflight.py, test_sqlite_busy.py and test_atropos.py's kill test keep
+    that): a configured server, as `posttrain server` users have. Saves each process its own server start (~9 s of
+    CPU) and, in a new Prefect home, its database migrations (~13 s more)."""
+    return prefect_harness
 
 
 # Ray 2.60's token authentication is off for the loopback clusters the tests start: a token lives in

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import copy_warm_stages
 from flows.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,10 +186,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_env(artifacts: Path) -> dict:
+def own_env(artifacts: Path, api_url: str = "") -> dict:
+    """A Prefect home per artifacts folder; the Prefect server at `api_url`, or (without one) the temporary server
+    each `posttrain` process starts."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
     return {**env, "PREFECT_HOME": str(artifacts / "prefect"), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-            "OMP_WAIT_POLICY": "PASSIVE"}
+            "OMP_WAIT_POLICY": "PASSIVE", **({"PREFECT_API_URL": api_url} if api_url else {})}
 
 
 def manifests(artifacts: Path, stage: str) -> dict[str, dict]:
@@ -206,11 +209,14 @@ def atropos_config(tiny_config_text: str, tmp_path: Path, rounds: int, extra: st
     return config, api, policy
 
 
-def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, kill_when=None) -> dict:
-    """`posttrain run config` in its own process, then the example environment once posttrain started
-    run-api. kill_when(artifacts): SIGKILL posttrain when it turns true, then run it again to the end. Returns
-    the manifests of the batches pulled and of the rounds trained before the kill (empty without one)."""
+def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, warm: Path, kill_when=None,
+                           api_url: str = "") -> dict:
+    """`posttrain run config` in its own process (on the Prefect server at `api_url`, or its own temporary
+    one), from a copy of `warm`'s stages up to SFT, then the example environment once posttrain started run-api.
+    kill_when(artifacts): SIGKILL posttrain when it turns true, then run it again to the end. Returns the
+    manifests of the batches pulled and of the rounds trained before the kill (empty without one)."""
     artifacts = tmp_path / "artifacts"
+    copy_warm_stages(warm, artifacts)
     command = [sys.executable, "-m", "flows.cli", "run", str(config)]
     env_command = [sys.executable, str(REPO / "configs" / "examples" / "atropos_env.py"), "serve",
                    "--env.rollout_server_url", api, "--openai.base_url", f"{policy}/v1", "--env.group_size", "4",
@@ -219,7 +225,7 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("killed", "resumed", "env")}
     environment, before = None, {"pulled": {}, "trained": {}}
     first = subprocess.Popen(command, cwd=REPO, stdout=logs["killed"], stderr=subprocess.STDOUT,
-                             start_new_session=True, env=own_env(artifacts))
+                             start_new_session=True, env=own_env(artifacts, api_url))
     try:
         deadline = time.time() + 400
         while not (artifacts / "atropos" / "run-api.pid").exists():  # posttrain started run-api
@@ -240,7 +246,7 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
         first.wait()
         before = {"pulled": manifests(artifacts, "rollout"), "trained": manifests(artifacts, "optimize")}
         resumed = subprocess.run(command, cwd=REPO, stdout=logs["resumed"], stderr=subprocess.STDOUT,
-                                 env=own_env(artifacts), timeout=600)
+                                 env=own_env(artifacts, api_url), timeout=600)
         assert resumed.returncode == 0, (tmp_path / "resumed.log").read_text()[-3000:]
         return before
     finally:
@@ -256,7 +262,8 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tmp_path):
+def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tiny_warm_store, tmp_path):
+    """Killed and resumed on their own temporary Prefect servers (a first run's, as tests/test_resume.py's are not)."""
     pytest.importorskip("atroposlib")
     artifacts = tmp_path / "artifacts"
     config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=3)
@@ -264,7 +271,7 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
     def round_1_optimizing(artifacts: Path) -> bool:  # rounds 0 and 1 pulled and stored, round 0 trained
         return len(manifests(artifacts, "optimize")) >= 1 and bool(list((artifacts / "optimize").glob(".tmp-*")))
 
-    before = train_from_environment(config, api, policy, tmp_path, kill_when=round_1_optimizing)
+    before = train_from_environment(config, api, policy, tmp_path, tiny_warm_store, kill_when=round_1_optimizing)
     pulled_before = before["pulled"]
     assert len(pulled_before) == 2 and len(before["trained"]) == 1
     import pyarrow.parquet as pq
@@ -287,7 +294,7 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
 
 
 @pytest.mark.slow
-def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tmp_path):
+def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tiny_warm_store, harness_api_url, tmp_path):
     """grpo.adapter: none: every round trains all the weights on its pulled batch, and the policy server
     then samples the round's full weights: the batch of round 1 comes from policy version 1 or 0, never
     newer, and each optimize folder is a whole model."""
@@ -296,7 +303,7 @@ def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tmp_path
 
     artifacts = tmp_path / "artifacts"
     config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=2, extra="adapter: none,")
-    train_from_environment(config, api, policy, tmp_path)
+    train_from_environment(config, api, policy, tmp_path, tiny_warm_store, api_url=harness_api_url)
     trained = manifests(artifacts, "optimize")
     assert len(trained) == 2
     for key in trained:
@@ -307,6 +314,7 @@ def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tmp_path
     assert {r["round_index"] for r in rows} == {0, 1}
     assert all(0 <= r["policy_version"] <= r["round_index"] for r in rows)
     summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
+    assert {s["stage"]: s["status"] for s in summary["stages"]}["sft"] == "cached"  # the warm stages' SFT
     assert summary["final_accuracy"] is not None
 
 

@@ -109,15 +109,17 @@ def test_cli_overrides_may_follow_options(capsys):
 
 
 @pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
-def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch):
+def test_cli_bad_data_row_is_a_few_lines_not_a_traceback(tmp_path, monkeypatch, harness_api_url):
     """`posttrain run` on prompts with a bad row: exit 2 and the row named, without Prefect's traceback;
-    `--debug` shows it."""
+    `--debug` shows it. On the session's Prefect server (tests/test_preflight.py runs a bad config on a run's own
+    temporary server)."""
     import json
     import subprocess
     import sys
 
-    for name in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME"):
+    for name in ("MLFLOW_TRACKING_URI", "PREFECT_HOME"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_API_URL", harness_api_url)
     data = tmp_path / "train.jsonl"
     # the bad row after the rows `posttrain validate` tries (flows/preflight.py HEAD_ROWS): the transform stage meets it
     rows = [{"question": f"{i}+1?", "answer": str(i + 1)} for i in range(40)] + [{"question": "2+2?"}]

@@ -23,10 +23,14 @@ POSTTRAIN = str(Path(sys.executable).parent / "posttrain")
 ROUNDS = 4
 
 
+API_URL = ""  # the session's Prefect server (conftest.harness_api_url), set by the test
+
+
 def own_env(artifacts: Path) -> dict:
-    """An ephemeral Prefect per artifacts folder, whatever server this test session uses."""
+    """The session's Prefect server (as a `posttrain server` user's runs have one; tests/test_atropos.py kills and
+    resumes runs on their own temporary servers), a Prefect home per artifacts folder, MLflow under it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
-    return {**env, "PREFECT_HOME": str(artifacts / "prefect")}
+    return {**env, "PREFECT_HOME": str(artifacts / "prefect"), "PREFECT_API_URL": API_URL}
 
 
 def posttrain(*args: str, env_root: Path) -> subprocess.CompletedProcess:
@@ -80,7 +84,9 @@ def history(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, flo
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
 
 
-def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store, tmp_path):
+def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store, tmp_path, harness_api_url,
+                                               monkeypatch):
+    monkeypatch.setitem(globals(), "API_URL", harness_api_url)
     config = tmp_path / "tiny.yaml"
     config.write_text(tiny_config_text)
     common = [f"grpo.rounds={ROUNDS}", "--quiet"]
