@@ -1,5 +1,6 @@
 """Resume: a run stopped mid-round by SIGINT (Ctrl-C), SIGTERM or SIGKILL finishes with the same metrics and
-the same exported bytes as an uninterrupted run, in the same MLflow parent run, with no round logged twice. Real
+the same exported bytes as an uninterrupted run, in the same MLflow parent run, with no round logged, costed or traced
+twice. Real
 `posttrain` processes, real signals; SIGINT and SIGTERM are answered with one line saying how to resume."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
@@ -85,7 +87,7 @@ def history(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, flo
 
 
 def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store, tmp_path, harness_api_url,
-                                               monkeypatch):
+                                               monkeypatch, capsys):
     monkeypatch.setitem(globals(), "API_URL", harness_api_url)
     config = tmp_path / "tiny.yaml"
     config.write_text(tiny_config_text)
@@ -149,6 +151,24 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store
         assert b["cost"]["avoided"][name] == pytest.approx(sum(s["avoided"][name] for s in reused), abs=0.01)
     killed_runs = client_b.search_runs([exp.experiment_id], "attributes.status = 'KILLED'")
     assert killed_runs and not any("cost_cpu_s" in r.data.metrics for r in killed_runs)
+
+    # `posttrain trace` (flows/trace.py) of the resumed run tells one prompt's story as the straight run's does:
+    # every round once (none the kills cut off twice), the same rollouts, rewards and artifact chain
+    last_scored = next(Path(s["path"]) for s in b["stages"] if s["stage"] == f"score r{ROUNDS - 1}")
+    prompt_id = pq.read_table(last_scored / "scored.parquet").column("prompt_id")[0].as_py()
+    trace_a = trace_json(capsys, a["run_name"], prompt_id, straight)
+    trace_b = trace_json(capsys, run_name, prompt_id, killed)
+    assert [r["round"] for r in trace_b["rounds"]] == list(range(ROUNDS)) and trace_b["rounds"][-1]["trained_on_prompt"]
+    for field in ("rounds", "chain", "source", "eval", "split"):
+        assert trace_b[field] == trace_a[field], field
+
+
+def trace_json(capsys, run: str, prompt_id: str, artifacts: Path) -> dict:
+    from flows.cli import main
+
+    capsys.readouterr()
+    assert main(["trace", run, prompt_id, "--artifacts", str(artifacts), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def test_mlflow_store_is_created_whole_and_a_cut_off_start_is_completed_on_resume(tmp_path, monkeypatch):
