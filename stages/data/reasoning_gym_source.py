@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from stages.runtime.imports import optional_package
+
 PATH = "reasoning_gym"
 """The `path` of a datasets entry that names a reasoning-gym task (not a local folder or a hub id)."""
 PACKAGE = "reasoning-gym"
@@ -30,19 +32,12 @@ class TaskError(ValueError):
 
 def package():
     """The reasoning_gym module; TaskError naming the extra when it is not installed."""
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise TaskError(MISSING) from e
-    return reasoning_gym
+    return optional_package("reasoning_gym", PACKAGE, TaskError(MISSING))[0]
 
 
 def version() -> str:
     """The installed distribution's version (reasoning_gym.__version__ lags it: 0.1.25 says 0.1.19)."""
-    from importlib.metadata import version as installed
-
-    package()
-    return installed(PACKAGE)
+    return optional_package("reasoning_gym", PACKAGE, TaskError(MISSING))[1]
 
 
 def create(name: str, size: int, seed: int, config: dict | None) -> object:

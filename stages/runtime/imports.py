@@ -62,6 +62,28 @@ def load_function(dotted: str, what: str, builtins: dict[str, Callable] | None =
     return fn
 
 
+def optional_package(module: str, distribution: str, missing: Exception):
+    """`module` of an optional extra imported, and its `distribution`'s installed version: (module, version);
+    `missing` raised (from the ImportError) where the package is not installed.
+
+    >>> optional_package("json", "no-such-distribution", ValueError("absent"))
+    Traceback (most recent call last):
+    ...
+    importlib.metadata.PackageNotFoundError: No package metadata was found for no-such-distribution
+    >>> optional_package("no_such_module", "x", ValueError("install the extra"))
+    Traceback (most recent call last):
+    ...
+    ValueError: install the extra
+    """
+    from importlib.metadata import version
+
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as e:
+        raise missing from e
+    return imported, version(distribution)
+
+
 class LazyModule:
     """A module imported on first attribute access: `torch = LazyModule("torch")` at the top of a stage
     whose config the CLI loads, so loading a config (and a fully cached run) does not import torch (~3 s).
