@@ -3,6 +3,7 @@ cluster on loopback: a head and a second node started with `ray start` (tests/cl
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -11,9 +12,10 @@ import cluster
 import pyarrow.parquet as pq
 import pytest
 
-pytest.importorskip("ray")
+if importlib.util.find_spec("ray") is None:  # not imported: collection on every pytest-xdist worker would import it
+    pytest.skip("ray is not installed", allow_module_level=True)
 
-from stages.scoring import reward_pools, score# noqa: E402
+from stages.scoring import reward_pools, score  # noqa: E402
 from stages.scoring.reward_workers import RewardFunctionError  # noqa: E402
 from stages.scoring.score import ScoreConfig  # noqa: E402
 from test_score import COMPLETIONS, IDS, _scored, _write_rollouts, user_rewards  # noqa: E402, F401
