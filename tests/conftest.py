@@ -15,6 +15,7 @@ import pytest
 END_TO_END_FIXTURES = {"prefect_harness", "ray_home"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns the groups into node ids (`id@group`)
 def pytest_collection_modifyitems(config, items):
     """Mark end-to-end tests `slow`, and group tests for pytest-xdist (`make test`: `-n 2 --dist loadgroup`): a
     file's tests stay on one worker (its module-scoped fixtures are built once), except that every test starting
