@@ -446,3 +446,35 @@ class TestOnWarmRanks:
         w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
         assert w1.keys() == w2.keys()
         assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+
+TORCHRUN_SUMMARY = """\
+E1128 16:23:16 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: {first}) local_rank: 1 (pid: 11) of binary: python
+Failures:
+[1]:
+  time      : 2026-11-28_16:23:16
+  rank      : 0 (local_rank: 0)
+  exitcode  : {zero} (pid: 10)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-28_16:23:16
+  rank      : 1 (local_rank: 1)
+  exitcode  : {one} (pid: 11)
+"""
+
+
+def test_the_first_error_is_quoted_whichever_rank_torchrun_saw_first(tmp_path):
+    """Both ranks exit within one of torchrun's polls: its "Root Cause" may name rank 1, whose error is only about
+    losing rank 0 (seen under load). The message quotes the error written first; a rank killed by a signal (not
+    torchrun's own SIGTERM of the others) comes before any error about losing it."""
+    import time
+
+    (tmp_path / "rank0.error").write_text("ValueError: grpo.loss_type: a bad value")
+    time.sleep(0.05)
+    (tmp_path / "rank1.error").write_text("RuntimeError: Connection closed by peer")
+    log = tmp_path / "workers.log"
+    log.write_text(TORCHRUN_SUMMARY.format(first=1, zero=1, one=1))
+    assert distributed._root_cause(tmp_path, log).startswith("rank 0 raised:\nValueError: grpo.loss_type")
+    log.write_text(TORCHRUN_SUMMARY.format(first=-9, zero=-15, one=-9))
+    assert distributed._root_cause(tmp_path, log).startswith("rank 1 ended with exit code -9, without a Python error")

@@ -275,18 +275,23 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _root_cause(scratch: Path, log_path: Path) -> str:
-    """What failed first: torchrun's "Root Cause" rank with its Python error if it raised one (the other ranks
-    mostly report losing their peer), else how it ended, with the last lines of the workers' log."""
+    """What failed first: a rank killed by a signal (torchrun's failure summary: the other ranks' errors are about
+    losing it), else the rank whose Python error was written first (the others raise on losing it afterwards:
+    torchrun's own "Root Cause" may name one of those when both exit within one of its polls), else how the ranks
+    ended, with the last lines of the workers' log."""
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    found = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*([^\n]*)", text, re.S)
-    if found:  # a rank killed by a signal leaves no error file, and the others' errors are about losing it
-        errors = [p for p in [scratch / f"rank{found.group(1)}.error"] if p.exists()]
-    else:
-        errors = sorted(scratch.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
-    if errors:
+    ended = {}  # rank -> exit code, from torchrun's "Failures:" and "Root Cause" blocks
+    for rank, code in re.findall(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text, re.M):
+        ended.setdefault(rank, int(code))
+    # killed by a signal, but not SIGTERM: torchrun's own stop of the other ranks once one has failed
+    killed = [rank for rank, code in ended.items() if code < 0 and code != -signal.SIGTERM]
+    errors = sorted(scratch.glob("rank*.error"), key=lambda p: p.stat().st_mtime)
+    if errors and not killed:
         rank = errors[0].stem.removeprefix("rank")
         return f"rank {rank} raised:\n{_tail(errors[0], 20)}\n(all ranks' output: {log_path})"
-    how = f"rank {found.group(1)} ended with exit code {found.group(2).strip()}" if found else "no rank raised an error"
+    how = (f"rank {killed[0]} ended with exit code {ended[killed[0]]}" if killed
+           else f"rank {next(iter(ended))} ended with exit code {next(iter(ended.values()))}" if ended
+           else "no rank raised an error")
     return (f"{how}, without a Python error (killed, out of memory, or a crash); the last lines of the workers' "
             f"log {log_path}:\n{_tail(log_path, 15)}")
 
