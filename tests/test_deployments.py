@@ -1,20 +1,16 @@
-"""prefect.yaml's deployments on a real Prefect server: `posttrain server` (flows/server.py) starts the
-server and a process worker on loopback, `prefect deploy --name ...` registers every shipped config, and
-`prefect deployment run 'posttrain/quickstart' --watch` runs a tiny pipeline through the worker to
-COMPLETED, every stage a task run of that flow run, its artifacts where the overrides say. Then
-SIGTERM stops the server and the worker, and nothing is left running.
+"""`posttrain server` (flows/server.py) as a process the tests start and stop, and the `prefect` CLI against it:
+the helpers of the end-to-end deployment test (tests/test_work_pools.py: `prefect deploy --name ...` of the shipped
+deployments, `prefect deployment run 'posttrain/quickstart-ray' --watch` through the server's process worker to
+COMPLETED, then SIGTERM stops the server and the worker and nothing is left running) and of tests/test_server_ui.py.
 
-Needs no test harness: the server is its own process, PREFECT_API_URL is set only in the
-environments of the subprocesses (and the client below is pointed at the server explicitly).
+The server is its own process: PREFECT_API_URL is set only in the environments of the subprocesses (and the client
+is pointed at the server explicitly).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +18,6 @@ from pathlib import Path
 
 import pytest
 from cluster import free_port, processes_with_env
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect", "--no-prompt"]
@@ -117,53 +111,6 @@ async def read_run(api_url: str, deployment: str):
         runs = await client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
         tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])))
         return dep, runs, tasks
-
-
-def test_deploy_all_and_run_quickstart_through_worker(server, tmp_path):
-    started = time.monotonic()
-    server.wait_ready()
-    assert (server.artifacts / "prefect-server" / "prefect.db").exists()  # the server's SQLite under --artifacts
-
-    # by name: `--all` stops at the first deployment whose pool this server lacks (posttrain-k8s, ...)
-    deployed = prefect(["deploy", "--name", "quickstart", "--name", "dpo", "--name", "rm_grpo"], server, tmp_path,
-                       timeout_s=180)
-    for name in ("posttrain/quickstart", "posttrain/dpo", "posttrain/rm_grpo"):
-        assert f"Deployment '{name}' successfully created" in deployed.stdout, deployed.stdout
-    assert deployed.stdout.count("successfully created") == 3, deployed.stdout
-
-    run_artifacts = tmp_path / "run-artifacts"
-    overrides = {**TINY, "artifacts_dir": str(run_artifacts)}
-    ran = prefect(["deployment", "run", "posttrain/quickstart", "--param", f"overrides={json.dumps(overrides)}",
-                   "--param", "quiet=true", "--watch", "--watch-timeout", "300"], server, tmp_path, timeout_s=330)
-    assert "Flow run finished successfully in 'Completed'" in ran.stdout, ran.stdout
-
-    dep, runs, tasks = asyncio.run(read_run(server.api_url, "posttrain/quickstart"))
-    assert dep.work_pool_name == "posttrain" and dep.entrypoint == "flows.pipeline.posttrain_pipeline"
-    assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
-    assert len(runs) == 1 and runs[0].state.is_completed(), runs
-    assert runs[0].parameters["config_path"] == "configs/quickstart.yaml"
-    assert runs[0].parameters["overrides"]["grpo.rounds"] == 1
-
-    # every stage is a task run of that flow run; untemplated task names get Prefect's random suffix
-    names = {t.name for t in tasks}
-    assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.name) for t in tasks]
-    assert {"eval-base", "rollout-r0", "score-r0", "optimize-r0", "eval-final"} <= names, names
-    for stage in ("demo_data", "transform", "base_model", "sft", "export"):
-        assert any(n == stage or n.startswith(f"{stage}-") for n in names), (stage, names)
-    assert len(tasks) == 10, names
-
-    # the run wrote where the overrides said (the worker's folder is the project, per the pull step)
-    summary = json.loads(next((run_artifacts / "runs").glob("deploy-tiny-*/summary.json")).read_text())
-    assert Path(summary["exported_model"]).is_relative_to(run_artifacts)
-    assert (run_artifacts / "mlflow.db").exists()
-    assert not list((ROOT / "artifacts" / "runs").glob("deploy-tiny-*"))
-
-    assert server.stop() == 0, server.output()[-5000:]
-    assert "stopping the worker and the server" in server.output()
-    assert not processes_with_env(f"PREFECT_API_URL={server.api_url}")
-    with socket.socket() as probe:
-        assert probe.connect_ex(("127.0.0.1", server.port)) != 0, "the Prefect server still answers"
-    print(f"deployments test: {time.monotonic() - started:.0f} s")
 
 
 def test_the_server_tells_how_to_deploy_from_the_folder_it_serves(tmp_path):

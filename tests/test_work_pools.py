@@ -19,6 +19,7 @@ import asyncio
 import copy
 import json
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -179,7 +180,15 @@ def test_kubernetes_worker_renders_the_job(request):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.xdist_group(name="ray")  # its own Ray cluster: never beside another (tests/conftest.py)
-def test_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_path):
+def test_deploy_and_run_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_path):
+    """`posttrain server` (a Prefect server and a process worker) on the head node of a two-node Ray cluster;
+    `prefect deploy --name ...` registers the shipped deployments of its pool; `prefect deployment run
+    posttrain/quickstart-ray --watch` runs a tiny pipeline through the worker to COMPLETED, every stage a task run of
+    that flow run, its artifacts where the overrides say, RAY_ADDRESS given to the flow run by the deployment's
+    job_variables and the score stage's actors on both nodes. Then SIGTERM stops the server and the worker, and
+    nothing is left running. (One run for what were two tests, each starting a server and computing a tiny run:
+    the plain `quickstart` deployment differs from quickstart-ray only in those two overrides and job_variables,
+    all checked against the pool by test_every_deployment_fits_its_work_pool.)"""
     pytest.importorskip("ray")
     from mlflow import MlflowClient
 
@@ -191,9 +200,14 @@ def test_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_path):
         server = Server(tmp_path, HOME=str(home))  # the worker's environment has no RAY_ADDRESS
         try:
             server.wait_ready()
-            deployed = prefect(["deploy", "--name", "quickstart-ray"], server, tmp_path, timeout_s=180,
-                               RAY_ADDRESS=address)
-            assert "Deployment 'posttrain/quickstart-ray' successfully created" in deployed.stdout, deployed.stdout
+            assert (server.artifacts / "prefect-server" / "prefect.db").exists()  # the server's SQLite, --artifacts
+            # by name: `--all` stops at the first deployment whose pool this server lacks (posttrain-k8s, ...)
+            names = ("quickstart", "dpo", "rm_grpo", "quickstart-ray")
+            deployed = prefect(["deploy", *(arg for name in names for arg in ("--name", name))], server, tmp_path,
+                               timeout_s=180, RAY_ADDRESS=address)
+            for name in names:
+                assert f"Deployment 'posttrain/{name}' successfully created" in deployed.stdout, deployed.stdout
+            assert deployed.stdout.count("successfully created") == len(names), deployed.stdout
 
             overrides = {**TINY, "artifacts_dir": str(run_artifacts), "score.backend": "ray",
                          "score.reward_num_workers": 2}
@@ -204,9 +218,29 @@ def test_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_path):
 
             dep, runs, tasks = asyncio.run(read_run(server.api_url, "posttrain/quickstart-ray"))
             assert dep.work_pool_name == "posttrain" and dep.job_variables == {"env": {"RAY_ADDRESS": address}}
+            assert dep.entrypoint == "flows.pipeline.posttrain_pipeline"
+            assert dep.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
             assert len(runs) == 1 and runs[0].state.is_completed(), runs
+            assert runs[0].parameters["config_path"] == "configs/quickstart.yaml"
+            assert runs[0].parameters["overrides"]["grpo.rounds"] == 1
+
+            # every stage is a task run of that flow run; untemplated task names get Prefect's random suffix
+            names = {t.name for t in tasks}
             assert all(t.state.is_completed() for t in tasks), [(t.name, t.state.name) for t in tasks]
-            assert "score-r0" in {t.name for t in tasks} and len(tasks) == 10, [t.name for t in tasks]
+            assert {"eval-base", "rollout-r0", "score-r0", "optimize-r0", "eval-final"} <= names, names
+            for stage in ("demo_data", "transform", "base_model", "sft", "export"):
+                assert any(n == stage or n.startswith(f"{stage}-") for n in names), (stage, names)
+            assert len(tasks) == 10, names
+
+            # the run wrote where the overrides said (the worker's folder is the project, per the pull step)
+            summary = json.loads(next((run_artifacts / "runs").glob("deploy-tiny-*/summary.json")).read_text())
+            assert Path(summary["exported_model"]).is_relative_to(run_artifacts)
+            assert not list((ROOT / "artifacts" / "runs").glob("deploy-tiny-*"))
+
+            assert server.stop() == 0, server.output()[-5000:]
+            assert "stopping the worker and the server" in server.output()
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", server.port)) != 0, "the Prefect server still answers"
         finally:
             server.stop()
 
