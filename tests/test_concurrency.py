@@ -191,12 +191,13 @@ def test_four_lineages_start_on_a_fresh_store(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_two_pipeline_runs_on_one_artifacts_folder(tmp_path, tiny_config_text, monkeypatch):
+def test_two_pipeline_runs_on_one_artifacts_folder(tmp_path, tiny_config_text, monkeypatch, harness_api_url):
     """Two `posttrain run` of one config, started together on one artifacts folder: both finish,
-    and every stage key was computed by exactly one of them."""
+    and every stage key was computed by exactly one of them. Both on the session's Prefect server (two first
+    runs each starting a temporary server: tests/test_sqlite_busy.py)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    monkeypatch.setenv("PREFECT_API_URL", harness_api_url)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     config = tmp_path / "tiny.yaml"
     config.write_text(tiny_config_text)
     posttrain = Path(sys.executable).with_name("posttrain")
