@@ -767,7 +767,9 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
     repo = Path(__file__).resolve().parent.parent
     with open(log, "wb") as fh:  # its own process group: vLLM's engine-core process is stopped with it
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "vllm-serve", str(tiny_config), "--quiet"],
-                                cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PREFECT_API_URL": prefect_harness,  # the session's server
+                                     "PREFECT_HOME": str(tmp_path / "prefect")})
     try:
         deadline = time.monotonic() + 300
         while "vllm.entrypoints.openai.api_server" not in log.read_text(errors="replace"):  # the policy is ready
