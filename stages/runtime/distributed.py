@@ -289,9 +289,8 @@ def _root_cause(scratch: Path, log_path: Path) -> str:
     if errors and not killed:
         rank = errors[0].stem.removeprefix("rank")
         return f"rank {rank} raised:\n{_tail(errors[0], 20)}\n(all ranks' output: {log_path})"
-    how = (f"rank {killed[0]} ended with exit code {ended[killed[0]]}" if killed
-           else f"rank {next(iter(ended))} ended with exit code {next(iter(ended.values()))}" if ended
-           else "no rank raised an error")
+    cause = killed[0] if killed else next(iter(ended), None)
+    how = f"rank {cause} ended with exit code {ended[cause]}" if cause is not None else "no rank raised an error"
     return (f"{how}, without a Python error (killed, out of memory, or a crash); the last lines of the workers' "
             f"log {log_path}:\n{_tail(log_path, 15)}")
 
