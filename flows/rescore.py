@@ -11,7 +11,13 @@ the samples whose reward moved most. This is how to check a reward edit before s
 Reward modules are found as `posttrain run` finds them: in the working folder and in the folders the run found
 its own in (its config's folder), and checked before anything is scored (flows/preflight.py). Computed score
 stages are logged in MLflow under a parent run `<run>-rescore-<time>` (tag posttrain.purpose: rescore), opened
-only when something is computed. Eval completions are not re-scored (`EVAL_NOT_RESCORED` says why).
+only when something is computed.
+
+Each held-out eval of the run (`eval base`, `eval rN`, `eval final`) is judged again too, nothing generated: its
+eval.parquet's completions by the verifiers among the new reward functions, chosen as a run chooses them when
+eval.reward_funcs is unset (your `module.fn`, `remote:<name>`, reasoning_gym, human_eval; else math-verify
+`accuracy`), through the eval task's cache (tasks/stage_tasks.py `rejudge_task`): accuracy and constant baseline
+before and after, and the prompts whose verdict flipped.
 
   posttrain rescore RUN --reward-funcs mod.fn [mod.fn ...] [--reward-weights W ...] [--artifacts DIR] [--json]
 """
@@ -26,11 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-EVAL_NOT_RESCORED = ("eval completions are not re-scored: eval.parquet keeps one greedy completion per prompt "
-                     "without the prompt messages and token ids the score stage reads, and the eval stage judges "
-                     "them itself (stages/evaluation/evaluate.py); a training run's eval with these reward "
-                     "functions is a new eval")
 ROUND_LABEL = re.compile(r"(?:rollout|atropos batch|score) r(\d+)")
+EVAL_LABEL = re.compile(r"eval (?:base|final|r\d+)")
 MOVED = 5  # samples shown per round
 
 
@@ -112,6 +115,8 @@ def rescore(ref: str, reward_funcs: list[str], reward_weights: list[float] | Non
                         "old_score": str(r.score.path) if r.score else None, "new_score": str(new.path),
                         "status": "cached" if new.reused else "computed", "seconds": time.perf_counter() - began,
                         **compare_round(r.score, new, cfg.rollout.num_generations, top)})
+        evals = [rejudge_eval(ctx, row, store, top) for row in run.stages
+                 if EVAL_LABEL.fullmatch(row["stage"]) and row["status"] in ("computed", "cached")]
     except BaseException:
         lineage.finish("FAILED")
         raise
@@ -119,9 +124,60 @@ def rescore(ref: str, reward_funcs: list[str], reward_weights: list[float] | Non
     old = (yaml_section(run_dir, "score") or {}).get("reward_funcs")
     return {"run": run.name, "run_id": run.run_id, "artifacts": str(root),
             "reward_funcs": {"old": old, "new": list(reward_funcs)}, "reward_weights": reward_weights,
-            "num_generations": cfg.rollout.num_generations, "rounds": out,
-            "eval": {"rescored": False, "why": EVAL_NOT_RESCORED}, "seconds": time.perf_counter() - started,
-            "mlflow_run_id": lineage.parent_id}
+            "num_generations": cfg.rollout.num_generations, "rounds": out, "evals": evals,
+            "seconds": time.perf_counter() - started, "mlflow_run_id": lineage.parent_id}
+
+
+def rejudge_eval(ctx, row: dict, store, top: int) -> dict:
+    """One eval stage of the run (`row` of its stage list) judged again by the new verifiers (`rejudge_task`),
+    compared with its own verdicts (`compare_eval`); an eval that cannot be (a strided EBFT eval judges blocks of
+    documents; a verifier that fails on its rows): {"rescored": False, "why": ...}."""
+    from stages.scoring.reward_workers import RewardFunctionError
+    from tasks.stage_tasks import rejudge_task
+
+    label, began = row["stage"], time.perf_counter()
+    old = store.get("eval", row["key"])
+    if old is None:
+        raise RescoreError(f"{label}: its artifact {store.path('eval', row['key'])} is missing or damaged "
+                           "(`posttrain verify` says which); rerun the run to remake it")
+    head = {"eval": label, "old_eval": str(old.path)}
+    source = old.manifest.get("config", {}).get("prompts_path")  # [<stage>/<key>, <split>.parquet]
+    if "verifier" not in old.manifest.get("summary", {}) or not isinstance(source, list):
+        return {**head, "rescored": False, "why": "this eval has no verdict per completion (an ebft strided eval "
+                                                  "scores blocks of documents)"}
+    stage, key = source[0].split("/")
+    prompts = store.get(stage, key)
+    if prompts is None:
+        raise RescoreError(f"{label}: the prompts it judged ({store.path(stage, key)}) are missing or damaged")
+    try:
+        new = rejudge_task.fn(ctx, old, prompts, label)
+    except RewardFunctionError as e:
+        return {**head, "rescored": False, "why": " ".join(str(e).split())}
+    return {**head, "rescored": True, "new_eval": str(new.path), "status": "cached" if new.reused else "computed",
+            "seconds": time.perf_counter() - began, **compare_eval(old, new, top)}
+
+
+def compare_eval(old, new, top: int) -> dict:
+    """An eval's own verdicts (`old`) against the new verifiers' (`new`): the verifiers, accuracy, constant baseline
+    and mean reward of each, and the prompts whose verdict flipped (each direction's count; `top` shown)."""
+    columns = ["prompt_id", "sample", "completion", "reward", "correct"]
+    before = {(r["prompt_id"], r["sample"]): r for r in pq_rows(old.file("eval.parquet"), columns)}
+    after = pq_rows(new.file("eval.parquet"), columns)
+    rewards = lambda rows: [r["reward"] for r in rows if r["reward"] is not None]  # noqa: E731
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
+    flips = {"gained": [], "lost": []}
+    for r in after:
+        was = before[(r["prompt_id"], r["sample"])]
+        if bool(was["correct"]) != bool(r["correct"]):
+            flips["gained" if r["correct"] else "lost"].append(
+                {"prompt_id": r["prompt_id"], "sample": r["sample"], "completion": r["completion"][:80],
+                 "old": was["reward"], "new": r["reward"],
+                 "verdict": "wrong -> right" if r["correct"] else "right -> wrong"})
+    pair = lambda key: {"old": old.manifest["summary"].get(key), "new": new.manifest["summary"].get(key)}  # noqa: E731
+    return {"verifier": pair("verifier"), "accuracy": pair("accuracy"), "constant_baseline": pair("constant_baseline"),
+            "reward_mean": {"old": mean(rewards(before.values())), "new": mean(rewards(after))},
+            "prompts": len(after), "gained": len(flips["gained"]), "lost": len(flips["lost"]),
+            "flipped": (flips["gained"] + flips["lost"])[:top]}
 
 
 def yaml_section(run_dir: Path, name: str) -> dict | None:
@@ -293,8 +349,37 @@ def format_report(report: dict) -> str:
     lines += ["", "samples whose reward moved most"]
     lines.append(format_table(["round", "prompt", "completion (start)", "old", "new"], moved, indent="  ")
                  if moved else "  none moved")
-    computed = sum(r["status"] == "computed" for r in report["rounds"])
-    lines += ["", report["eval"]["why"], f"{computed} score artifacts computed, "
-              f"{len(report['rounds']) - computed} cached, in {report['seconds']:.1f}s"
-              + (f" (MLflow run {report['mlflow_run_id']})" if report["mlflow_run_id"] else "")]
+    lines += ["", *eval_lines(report["evals"])]
+    computed = sum(r["status"] == "computed" for r in report["rounds"] + report["evals"] if r.get("status"))
+    total = len(report["rounds"]) + sum(e["rescored"] for e in report["evals"])
+    lines += ["", f"{computed} score and eval artifacts computed, {total - computed} cached, in "
+              f"{report['seconds']:.1f}s" + (f" (MLflow run {report['mlflow_run_id']})" if report["mlflow_run_id"] else "")]
     return "\n".join(lines)
+
+
+def eval_lines(evals: list[dict]) -> list[str]:
+    """The held-out evals judged again: a line each (verifier, accuracy, constant baseline, flips), then the
+    flipped prompts shown."""
+    from flows.compare import format_table
+
+    if not evals:
+        return ["held-out evals: the run has none"]
+    rows, flipped = [], []
+    for e in evals:
+        if not e["rescored"]:
+            rows.append([e["eval"], "not judged again: " + e["why"][:90], "", "", "", ""])
+            continue
+        rows.append([e["eval"], f"{', '.join(e['verifier']['old'] or ['?'])} -> {', '.join(e['verifier']['new'])}",
+                     e["status"] if e["status"] == "cached" else f"computed {e['seconds']:.1f}s",
+                     f"{_num(e['accuracy']['old'])} -> {_num(e['accuracy']['new'])}",
+                     f"{_num(e['constant_baseline']['old'])} -> {_num(e['constant_baseline']['new'])}",
+                     f"+{e['gained']} -{e['lost']} of {e['prompts']}"])
+        flipped += [[e["eval"], f["prompt_id"], json.dumps(f["completion"][:40], ensure_ascii=False), f["verdict"]]
+                    for f in e["flipped"]]
+    lines = ["held-out evals judged again (their completions; nothing generated)",
+             format_table(["eval", "verifier old -> new", "status", "accuracy old -> new",
+                           "constant baseline old -> new", "verdicts flipped"], rows, indent="  ")]
+    if flipped:
+        lines += ["", "  prompts whose verdict flipped",
+                  format_table(["eval", "prompt", "completion (start)", "verdict"], flipped, indent="    ")]
+    return lines

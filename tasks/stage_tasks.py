@@ -71,12 +71,15 @@ def in_process(function: Callable[..., dict], kwargs: dict) -> dict:
 
 
 def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = None,
-                runner: Callable[[Callable[..., dict], dict], dict] = in_process) -> Artifact:
+                runner: Callable[[Callable[..., dict], dict], dict] = in_process,
+                loads_models: bool | None = None) -> Artifact:
     """Return the stage's artifact for this call, computing it only if no manifest exists.
 
     The key is derived from the call (tasks/calls.py); computing it, `runner(call.function, kwargs)` makes the
     call with its slots filled: OUT_DIR the folder being written, WORK_DIR the store's work_path for the key
-    (checkpoints a rerun of the key continues from), ON_METRICS the stage run's MLflow metrics."""
+    (checkpoints a rerun of the key continues from), ON_METRICS the stage run's MLflow metrics. `loads_models`:
+    whether the call may import transformers in this process (then `import_eagerly` first); None: every stage but
+    the DATA_STAGES."""
     section = call.key()
     key = artifact_key(ctx.store, stage, call, section)
     label = label or stage
@@ -87,8 +90,8 @@ def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = Non
     if damage:  # e.g. a file deleted by hand: recompute this stage only
         ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
     started = ctx.reporter.start(label)
-    if stage not in DATA_STAGES:  # a bad row is reported without first importing transformers (~6 s)
-        import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
+    if stage not in DATA_STAGES if loads_models is None else loads_models:  # a bad row is reported without
+        import_eagerly()  # first importing transformers (~6 s); before any stage thread touches transformers/peft
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in call.inputs.items()}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 
@@ -307,6 +310,23 @@ def eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
         label=f"eval {label}")
 
 
+@task(name="eval", task_run_name="{label}-rejudged", cache_policy=NO_CACHE)
+def rejudge_task(ctx: RunContext, evaluated: Artifact, prompts: Artifact, label: str) -> Artifact:
+    """The eval `evaluated` judged again, nothing generated: its eval.parquet's completions by the verifiers of
+    ctx.config.score.reward_funcs, chosen as a run chooses them when eval.reward_funcs is unset (`posttrain
+    rescore`, flows/rescore.py: what an edited reward says of the run's held-out completions)."""
+    scoring = ctx.config.score
+    unset = ctx.config.eval.model_copy(update={"reward_funcs": None})
+    cfg = ctx.config.eval.model_copy(update={"reward_funcs": evaluate.verifier_funcs(unset, scoring.reward_funcs)})
+    functions, folders = split_reward_funcs(cfg.reward_funcs)
+    return materialize(ctx, "eval", Call(
+        evaluate.rejudge, {"eval": evaluated, "prompts": prompts},
+        cfg=Config(cfg, code=tuple(functions), builtins=BUILTIN_REWARDS, files=tuple(folders)),
+        eval_path=InputFile(evaluated, "eval.parquet"), prompts_path=InputFile(prompts, f"{cfg.split}.parquet"),
+        out_dir=OUT_DIR, scoring=Config(scoring, only=evaluate.SCORING_FIELDS), log_dir=WORK_DIR,
+        devices=placement(ctx)), label=f"{label} rejudged", loads_models=bool(folders))
+
+
 @task(name="eval", task_run_name="eval-{label}", cache_policy=NO_CACHE)
 def strided_eval_task(ctx: RunContext, model: Artifact, prompts: Artifact, label: str,
                       adapter: Artifact | None = None, version: int = -1,
@@ -472,7 +492,7 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_mod
         log_dir=WORK_DIR,  # where reward_errors.log stays when a function fails too often
         reward_models=models or None, streaming=ctx.config.grpo.streaming_partial_batch,
         scope_positive_threshold=ctx.config.grpo.scope_positive_threshold if ctx.config.grpo.scope_rl else None),
-        label=f"score r{round_index}")
+        label=f"score r{round_index}", loads_models=bool(rm or folders or models))  # functions run in workers
 
 
 @task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)

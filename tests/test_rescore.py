@@ -1,6 +1,7 @@
 """`posttrain rescore` (flows/rescore.py) on tiny runs: a reward edit re-scored equals what a training run with the
-edited reward scores in its round 0 (same rollouts, same key, same rewards computed apart), a second rescore
-computes nothing, and bad input is one line naming it, exit 2, with nothing cached."""
+edited reward scores in its round 0 (same rollouts, same key, same rewards computed apart) and judges in its base
+eval (same completions, same verdicts), a second rescore computes nothing, and bad input is one line naming it,
+exit 2, with nothing cached."""
 
 from __future__ import annotations
 
@@ -20,8 +21,18 @@ def digits(prompts, completions, **kwargs):
     return [sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts]
 
 
+def length(prompts, completions, **kwargs):
+    """Longer is better, up to 32 characters: a value for any completion, the greedy eval's included."""
+    return [min(1.0, len(c[0]["content"]) / 32) for c in completions]
+
+
 def broken(prompts, completions, **kwargs):
     raise ValueError("this grader is broken")
+
+
+def per_token(prompts, completions, completion_ids, **kwargs):
+    """Reads the completions' token ids: rollouts have them, an eval.parquet does not."""
+    return [min(1.0, len(ids) / 4) for ids in completion_ids]
 '''
 
 
@@ -63,16 +74,17 @@ def test_rescore_equals_round_0_of_a_run_with_the_edited_reward(folder, run_a):
     from flows.pipeline import posttrain_pipeline
     from flows.rescore import rescore
 
-    report = rescore(run_a["run_name"], ["rescore_rewards.digits"], artifacts_dir=folder / "artifacts_a")
+    edited = ["rescore_rewards.digits", "rescore_rewards.length"]
+    report = rescore(run_a["run_name"], edited, artifacts_dir=folder / "artifacts_a")
     assert [(r["round"], r["status"]) for r in report["rounds"]] == [(0, "computed"), (1, "computed")]
-    assert report["reward_funcs"] == {"old": ["accuracy", "format"], "new": ["rescore_rewards.digits"]}
+    assert report["reward_funcs"] == {"old": ["accuracy", "format"], "new": edited}
     rescored = report["rounds"][0]
     assert rescored["reward_mean"]["new"] != rescored["reward_mean"]["old"]
     assert rescored["groups"]["with_signal"]["new"] - rescored["groups"]["with_signal"]["old"] == (
         rescored["groups"]["gained"] - rescored["groups"]["lost"])
 
     # the same config trained with the edited reward, in another store: it samples and scores round 0 itself
-    trained = posttrain_pipeline(str(folder / "tiny_b.yaml"), ["score.reward_funcs=[rescore_rewards.digits]",
+    trained = posttrain_pipeline(str(folder / "tiny_b.yaml"), [f"score.reward_funcs=[{','.join(edited)}]",
                                                                "grpo.rounds=1"], quiet=True)
     stages = {row["stage"]: row for row in trained["stages"]}
     assert stages["rollout r0"]["status"] == stages["score r0"]["status"] == "computed"
@@ -83,6 +95,20 @@ def test_rescore_equals_round_0_of_a_run_with_the_edited_reward(folder, run_a):
     ours = [{c: row[c] for c in columns} for row in table(rescored["new_score"], "scored.parquet")]
     assert ours == [{c: row[c] for c in columns} for row in table(stages["score r0"]["path"], "scored.parquet")]
     assert ours != [{c: row[c] for c in columns} for row in table(rescored["old_score"], "scored.parquet")]
+
+    # the held-out evals judged again, nothing generated: the base eval's verdicts are the trained run's own base
+    # eval (same policy, same greedy completions, judged by the edited reward as that run's verifier)
+    assert [(e["eval"], e["rescored"], e["status"]) for e in report["evals"]] == [
+        ("eval base", True, "computed"), ("eval final", True, "computed")]
+    base = report["evals"][0]
+    assert base["verifier"] == {"old": ["accuracy"], "new": edited}
+    columns = ("prompt_id", "completion", "reward", "correct", "errors")
+    assert [{c: row[c] for c in columns} for row in table(base["new_eval"], "eval.parquet")] == [
+        {c: row[c] for c in columns} for row in table(stages["eval base"]["path"], "eval.parquet")]
+    assert table(base["old_eval"], "eval.parquet") != table(base["new_eval"], "eval.parquet")
+    for e in report["evals"]:  # the flips are the difference in accuracy (one completion a prompt)
+        assert e["accuracy"]["new"] - e["accuracy"]["old"] == pytest.approx((e["gained"] - e["lost"]) / e["prompts"])
+        assert e["reward_mean"]["new"] != e["reward_mean"]["old"]
 
 
 def test_a_second_rescore_computes_nothing(folder, run_a, capsys):
@@ -97,6 +123,8 @@ def test_a_second_rescore_computes_nothing(folder, run_a, capsys):
     assert main([*args, "--json"]) == 0
     second = json.loads(capsys.readouterr().out)
     assert [r["status"] for r in second["rounds"]] == ["cached", "cached"]
+    assert [(e["eval"], e["status"]) for e in second["evals"]] == [("eval base", "cached"), ("eval final", "cached")]
+    assert [e["new_eval"] for e in second["evals"]] == [e["new_eval"] for e in first["evals"]]
     assert second["mlflow_run_id"] is None  # nothing computed: no MLflow run either
     assert score_folders(artifacts) == folders
     same = ("round", "new_score", "reward_mean", "groups", "moved")
@@ -105,7 +133,19 @@ def test_a_second_rescore_computes_nothing(folder, run_a, capsys):
     assert main(args) == 0  # the text a person reads
     out = capsys.readouterr().out
     assert "groups with signal old -> new" in out and "samples whose reward moved most" in out
-    assert "eval completions are not re-scored" in out and "0 score artifacts computed, 2 cached" in out
+    assert "held-out evals judged again" in out and "accuracy -> rescore_rewards.digits" in out
+    assert "0 score and eval artifacts computed, 4 cached" in out
+
+
+def test_an_eval_the_new_reward_cannot_judge_says_why(folder, run_a):
+    """A reward that reads completion_ids scores the rounds (rollouts keep token ids) and cannot judge the evals
+    (eval.parquet keeps none): the rounds are re-scored, each eval says why it is not, naming the function."""
+    from flows.rescore import rescore
+
+    report = rescore(run_a["run_name"], ["rescore_rewards.per_token"], artifacts_dir=folder / "artifacts_a")
+    assert [r["status"] for r in report["rounds"]] == ["computed", "computed"]
+    assert [e["rescored"] for e in report["evals"]] == [False, False]
+    assert all("rescore_rewards.per_token" in e["why"] for e in report["evals"]), report["evals"]
 
 
 @pytest.fixture(scope="module")

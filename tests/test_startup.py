@@ -42,9 +42,11 @@ def test_one_http_client_per_process():
 
 
 def test_loading_a_config_imports_no_torch():
-    """`posttrain validate` and a config error answer without torch (~3 s); so does a data stage."""
+    """`posttrain validate` and a config error answer without torch (~3 s); so do a data stage and the stage tasks'
+    modules (a decorator such as `@torch.no_grad()` at module level would import it)."""
     check = ("import sys\nfrom flows.config import load_config\n"
              "for name in sys.argv[1:]:\n    load_config(name)\n"
+             "import tasks.stage_tasks  # every stage's module: the commands that only read (rescore, report) need them\n"
              "assert 'torch' not in sys.modules, 'imported torch'")
     configs = sorted(str(p) for p in (ROOT / "configs").glob("*.yaml"))
     out = subprocess.run([sys.executable, "-c", check, *configs], cwd=ROOT, capture_output=True, text=True,

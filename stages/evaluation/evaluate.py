@@ -223,24 +223,11 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     from stages.rollout.engines import Sampling
     from stages.rollout.engines.hf import generate
     from stages.runtime.policy import load_policy
-    from stages.scoring.rewards import format_reward
-    from stages.scoring.rewards.math import extract_answer
-    from stages.scoring.rewards.remote import check_remote_names
-    from stages.scoring.score import ScoreConfig
 
     names = list(cfg.reward_funcs or VERIFIER_DEFAULT)
-    # Local worker processes even under score.backend: ray: the pool is kept for the run, and Ray actors kept
-    # idle would hold the CPUs the rounds' score actors wait for (a scaled-out run hung so).
-    scoring = (scoring or ScoreConfig()).model_copy(update={"reward_funcs": names, "reward_weights": None,
-                                                            "backend": "local"})
-    check_remote_names(names, scoring.remote_verifiers)  # eval.reward_funcs: remote:<name> of score.remote_verifiers
+    scoring = verifier_scoring(names, scoring)
     rows = pq.read_table(prompts_path).to_pylist()[: cfg.max_prompts]
-    unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]
-    if unanswered and {"accuracy", "stated_accuracy"} & set(names):  # before the model loads: they need gold
-        raise ValueError(f"eval: {len(unanswered)} of the {len(rows)} prompts of {prompts_path} have no answer "
-                         f"(e.g. {unanswered[:3]}; the transform returned none): the eval stage scores accuracy "
-                         "against gold answers; give the eval split answers (transform.answer_field, or `answer` "
-                         "from your transform_fn)")
+    check_gold(names, rows, prompts_path)  # before the model loads
     too_long = prompts_too_long(cfg, rows, prompts_path, model_dir)
     if too_long:  # too_long_prompts: drop
         i, pid, n = too_long[0]
@@ -263,10 +250,45 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
                 Sampling(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature or 0.8, seed=0))
     prompts = [r for r in rows for _ in range(n)]
     outputs = generate(model, tokenizer, [r["prompt"] for r in prompts], sampling, cfg.batch_size, progress)
-    completions = [o["completion"] for o in outputs]
-    answers = [r.get("answer") for r in prompts]
     judged = [{**r, "completion": o["completion"], "completion_token_ids": o["completion_token_ids"]}
               for r, o in zip(prompts, outputs)]
+    summary = verdicts(cfg, scoring, judged, n, out_dir, log_dir, devices)
+    return {**summary, "num_prompts": len(rows), "prompts_too_long": len(too_long)}
+
+
+def verifier_scoring(names: list[str], scoring=None):
+    """How the verifier `names` runs: the run's ScoreConfig `scoring` (None: its defaults) with those functions,
+    unweighted, on local worker processes even under score.backend: ray (the pool is kept for the run, and Ray
+    actors kept idle would hold the CPUs the rounds' score actors wait for: a scaled-out run hung so)."""
+    from stages.scoring.rewards.remote import check_remote_names
+    from stages.scoring.score import ScoreConfig
+
+    scoring = (scoring or ScoreConfig()).model_copy(update={"reward_funcs": names, "reward_weights": None,
+                                                            "backend": "local"})
+    check_remote_names(names, scoring.remote_verifiers)  # eval.reward_funcs: remote:<name> of score.remote_verifiers
+    return scoring
+
+
+def check_gold(names: list[str], rows: list[dict], prompts_path: Path) -> None:
+    """accuracy and stated_accuracy need every prompt's gold answer: ValueError naming the prompts without one."""
+    unanswered = [r["prompt_id"] for r in rows if r.get("answer") is None]
+    if unanswered and {"accuracy", "stated_accuracy"} & set(names):
+        raise ValueError(f"eval: {len(unanswered)} of the {len(rows)} prompts of {prompts_path} have no answer "
+                         f"(e.g. {unanswered[:3]}; the transform returned none): the eval stage scores accuracy "
+                         "against gold answers; give the eval split answers (transform.answer_field, or `answer` "
+                         "from your transform_fn)")
+
+
+def verdicts(cfg: EvalConfig, scoring, judged: list[dict], n: int, out_dir: Path, log_dir: Path | None,
+             devices=None) -> dict:
+    """Judge `judged` (prompt rows with their `completion`, each prompt's n samples side by side) with the verifier
+    (scoring.reward_funcs), write out_dir/eval.parquet, and return the summary: accuracy (pass@1), pass@k (n > 1),
+    format rate, `answer_stats`, the constant baseline by the same verifier, the verifier and its failures."""
+    from stages.scoring.rewards import format_reward
+    from stages.scoring.rewards.math import extract_answer
+
+    completions = [r["completion"] for r in judged]
+    answers = [r.get("answer") for r in judged]
     stats = answer_stats(completions, answers)
     gold_top = stats["baseline_answer"] if any(a is not None for a in answers) else None
     rewards, errors, notes, baseline, baseline_answer = judge(scoring, judged, gold_top, stats["top_completion"],
@@ -274,7 +296,7 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     correct = [1.0 if r is not None and r >= cfg.correct_threshold else 0.0 for r in rewards]
     formatted = format_reward(completions=completions)
     pq.write_table(
-        pa.table({"prompt_id": [r["prompt_id"] for r in prompts], "sample": [i % n for i in range(len(prompts))],
+        pa.table({"prompt_id": [r["prompt_id"] for r in judged], "sample": [i % n for i in range(len(judged))],
                   "answer": answers, "completion": completions,
                   "predicted_answer": [extract_answer(c) for c in completions],
                   "reward": pa.array(rewards, type=pa.float64()), "correct": correct,
@@ -283,9 +305,28 @@ def run(cfg: EvalConfig, model_dir: Path, adapter_dir: Path | None, prompts_path
     )
     sampled = pass_at([correct[i : i + n] for i in range(0, len(correct), n)], n) if n > 1 else {}
     return {"accuracy": sum(correct) / len(correct), **sampled, "num_samples": n,
-            "format_rate": sum(formatted) / len(correct), "num_prompts": len(rows),
-            "prompts_too_long": len(too_long), **stats, "constant_baseline": baseline,
-            "baseline_answer": baseline_answer, "verifier": names, "verifier_errors": sum(map(len, errors))}
+            "format_rate": sum(formatted) / len(correct), **stats, "constant_baseline": baseline,
+            "baseline_answer": baseline_answer, "verifier": list(scoring.reward_funcs),
+            "verifier_errors": sum(map(len, errors))}
+
+
+def rejudge(cfg: EvalConfig, eval_path: Path, prompts_path: Path, out_dir: Path, scoring=None,
+            log_dir: Path | None = None, devices=None) -> dict:
+    """A finished eval's completions (`eval_path`: its eval.parquet; nothing generated) judged again by the verifier
+    cfg.reward_funcs, each joined by prompt_id to its row of `prompts_path` (the columns the verifier reads): the
+    eval.parquet and summary `run` writes for them (`posttrain rescore`, flows/rescore.py). eval.parquet keeps no
+    token ids, so a reward function that reads `completion_ids` fails here, naming itself."""
+    names = list(cfg.reward_funcs or VERIFIER_DEFAULT)
+    scoring = verifier_scoring(names, scoring)
+    done = pq.read_table(eval_path, columns=["prompt_id", "sample", "completion"]).to_pylist()
+    by_id = {r["prompt_id"]: r for r in pq.read_table(prompts_path).to_pylist()}
+    if missing := [r["prompt_id"] for r in done if r["prompt_id"] not in by_id]:
+        raise ValueError(f"eval: {eval_path} has {len(missing)} prompt(s) not in {prompts_path} (e.g. {missing[:3]})")
+    n = max((r["sample"] for r in done), default=0) + 1
+    judged = [{**by_id[r["prompt_id"]], "completion": r["completion"]} for r in done]
+    check_gold(names, judged, prompts_path)
+    return {**verdicts(cfg, scoring, judged, n, out_dir, log_dir, devices), "num_prompts": len(done) // n,
+            "rejudged": str(eval_path)}
 
 
 def judge(scoring, rows: list[dict], gold_top, top_completion: str | None, threshold: float, out_dir: Path,

@@ -100,39 +100,39 @@ def additive_mask(allowed: torch.Tensor, batch: int, dtype) -> torch.Tensor:
     return mask.expand(batch, 1, *allowed.shape)
 
 
-@torch.no_grad()
 def generate_blocks(model, doc_ids: list[int], block_anchors: list[int], generate_max_len: int, batch: int,
                     temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
                     greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` samples of every block of one document, block-parallel: (tokens, log-probs), each
     (batch, num_blocks, generate_max_len). Log-probs are log pi(token) under logits / temperature (greedy:
     under the plain logits)."""
-    nb, length = len(block_anchors), len(doc_ids)
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
-    sequence = torch.tensor([doc_ids] * batch, dtype=torch.long, device=device)
-    first_logits_at = torch.tensor([a - 1 for a in block_anchors], device=device)  # the token before an anchor
-    # predicts it
-    tokens, logprobs = [], []
-    for step in range(generate_max_len):
-        allowed, positions = strided_attention(length, block_anchors, step)
-        logits = model(input_ids=sequence, attention_mask=additive_mask(allowed.to(device), batch, dtype),
-                       position_ids=positions.to(device).expand(batch, -1)).logits
-        at = first_logits_at if step == 0 else length + (step - 1) * nb + torch.arange(nb, device=device)
-        step_logits = logits[:, at, :].float()
-        if not greedy:
-            step_logits = step_logits / temperature
-        logp = torch.log_softmax(step_logits, dim=-1)
-        if greedy:
-            chosen = logp.argmax(dim=-1)
-        else:
-            probs = logp.exp()
-            if top_p < 1.0:
-                probs = _top_p(probs, top_p)
-            chosen = torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(batch, nb)
-        tokens.append(chosen)
-        logprobs.append(logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
-        sequence = torch.cat([sequence, chosen], dim=1)
-    return torch.stack(tokens, dim=-1).cpu(), torch.stack(logprobs, dim=-1).cpu()
+    with torch.no_grad():  # not a decorator: that would import torch with this module
+        nb, length = len(block_anchors), len(doc_ids)
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        sequence = torch.tensor([doc_ids] * batch, dtype=torch.long, device=device)
+        first_logits_at = torch.tensor([a - 1 for a in block_anchors], device=device)  # the token before an anchor
+        # predicts it
+        tokens, logprobs = [], []
+        for step in range(generate_max_len):
+            allowed, positions = strided_attention(length, block_anchors, step)
+            logits = model(input_ids=sequence, attention_mask=additive_mask(allowed.to(device), batch, dtype),
+                           position_ids=positions.to(device).expand(batch, -1)).logits
+            at = first_logits_at if step == 0 else length + (step - 1) * nb + torch.arange(nb, device=device)
+            step_logits = logits[:, at, :].float()
+            if not greedy:
+                step_logits = step_logits / temperature
+            logp = torch.log_softmax(step_logits, dim=-1)
+            if greedy:
+                chosen = logp.argmax(dim=-1)
+            else:
+                probs = logp.exp()
+                if top_p < 1.0:
+                    probs = _top_p(probs, top_p)
+                chosen = torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(batch, nb)
+            tokens.append(chosen)
+            logprobs.append(logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+            sequence = torch.cat([sequence, chosen], dim=1)
+        return torch.stack(tokens, dim=-1).cpu(), torch.stack(logprobs, dim=-1).cpu()
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
