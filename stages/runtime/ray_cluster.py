@@ -65,14 +65,25 @@ def ship_by_value(*modules) -> None:
 
 
 def install_code(files: dict[str, str], prefix: str) -> str:
-    """Actor side: write the shipped files into a new temp folder put first on sys.path; return the folder."""
+    """Actor side: the shipped files in a temp folder named by their digest (`prefix` + 16 hex digits), put first on
+    sys.path; return the folder. Written once per code version and node (into a new folder renamed into place, so a
+    folder of that name is whole), and reused by every later actor: actors do not leave a folder each behind."""
+    import hashlib
+    import shutil
     import tempfile
 
-    root = tempfile.mkdtemp(prefix=prefix)
-    for relative, text in files.items():
-        path = os.path.join(root, relative)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
+    digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:16]
+    root = os.path.join(tempfile.gettempdir(), prefix + digest)
+    if not os.path.isdir(root):
+        fresh = tempfile.mkdtemp(prefix=f"{prefix}{digest}.tmp-")
+        for relative, text in files.items():
+            path = os.path.join(fresh, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        try:
+            os.rename(fresh, root)
+        except OSError:  # another actor on this node put the same files there first
+            shutil.rmtree(fresh, ignore_errors=True)
     sys.path.insert(0, root)
     return root
