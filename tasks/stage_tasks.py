@@ -90,8 +90,10 @@ def materialize(ctx: RunContext, stage: str, call: Call, label: str | None = Non
     if damage:  # e.g. a file deleted by hand: recompute this stage only
         ctx.reporter.warn(f"{label}: {ctx.store.path(stage, key)} is damaged ({'; '.join(damage)}); recomputing it")
     started = ctx.reporter.start(label)
-    if stage not in DATA_STAGES if loads_models is None else loads_models:  # a bad row is reported without
-        import_eagerly()  # first importing transformers (~6 s); before any stage thread touches transformers/peft
+    if loads_models is None:
+        loads_models = stage not in DATA_STAGES  # a bad row is reported without first importing transformers (~6 s)
+    if loads_models:
+        import_eagerly()  # before any stage thread touches transformers/peft; a fully cached run skips it
     input_keys = {n: f"{a.stage}/{a.key}" for n, a in call.inputs.items()}
     run_id = ctx.lineage.stage_run(label, key, section, input_keys)
 
@@ -483,16 +485,17 @@ def score_task(ctx: RunContext, rollouts: Artifact, round_index: int, reward_mod
     rm = reward_model if "reward_model" in cfg.reward_funcs else None
     functions, folders = split_reward_funcs(cfg.reward_funcs)
     models = resolve_reward_models(ctx) if reward_models is None else reward_models
+    models_here = bool(rm or folders or models)  # reward models run; the functions themselves run in workers
     return materialize(ctx, "score", Call(
         score.run, {"rollouts": rollouts, "reward_model": rm},
         cfg=Config(cfg, code=tuple(functions), builtins=BUILTIN_REWARDS, files=tuple(folders)),
         rollouts_path=InputFile(rollouts, "rollouts.parquet"), num_generations=ctx.config.rollout.num_generations,
         out_dir=OUT_DIR, reward_model_dir=InputDir(rm) if rm else None,
-        devices=placement(ctx) if rm or folders or models else None,  # only where a reward model runs
+        devices=placement(ctx) if models_here else None,  # only where a reward model runs
         log_dir=WORK_DIR,  # where reward_errors.log stays when a function fails too often
         reward_models=models or None, streaming=ctx.config.grpo.streaming_partial_batch,
         scope_positive_threshold=ctx.config.grpo.scope_positive_threshold if ctx.config.grpo.scope_rl else None),
-        label=f"score r{round_index}", loads_models=bool(rm or folders or models))  # functions run in workers
+        label=f"score r{round_index}", loads_models=models_here)
 
 
 @task(name="replay", task_run_name="replay-r{round_index}", cache_policy=NO_CACHE)
