@@ -27,6 +27,20 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:  # a test may name its group (a Ray cluster of its own)
             group = "ray" if "ray_home" in fixtures else item.nodeid.split("::")[0]
             item.add_marker(pytest.mark.xdist_group(name=group))
+    items[:] = heaviest_groups_first(items)
+
+
+def heaviest_groups_first(items: list) -> list:
+    """The tests in groups ordered by how many `slow` tests each holds, most first (stable otherwise). pytest-xdist
+    hands a worker the next group in this order when it is free, so the long groups start early and the last ones
+    are short: both workers end within seconds of each other (in collection order, the last group was SmolLM2's
+    two-minute test, run alone while the other worker sat idle)."""
+    groups: dict[str, list] = {}
+    for item in items:
+        marker = item.get_closest_marker("xdist_group")
+        groups.setdefault(marker.kwargs.get("name") or marker.args[0], []).append(item)
+    weight = {name: sum(item.get_closest_marker("slow") is not None for item in tests) for name, tests in groups.items()}
+    return [item for name in sorted(groups, key=lambda name: -weight[name]) for item in groups[name]]
 
 
 @pytest.fixture(scope="session")

@@ -562,6 +562,13 @@ def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second
         two.close()
 
 
+# The Ray tests of this file run on this file's pytest-xdist worker, not with the suite's other Ray tests
+# (conftest.py): they need the module's `tiny` models and in-process `engine`, which a second worker would build
+# again (a vLLM start, ~25 s of CPU), and their local Ray instance takes free ports and no dashboard, so it can
+# run beside another worker's cluster.
+WITH_THIS_FILE = pytest.mark.xdist_group(name="tests/test_vllm.py")
+
+
 @pytest.fixture(scope="module")
 def local_ray(ray_home):
     """A local Ray instance in this process (temporary HOME: Ray 2.60 keeps its auth token under ~/.ray)."""
@@ -581,6 +588,7 @@ def local_ray(ray_home):
                 os.environ[key] = value
 
 
+@WITH_THIS_FILE
 def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ray, caplog):
     """Two vLLM engines in Ray actors: LoRA versions and full weights synced to both, the same completions
     as one in-process engine; an engine killed before a round costs nothing but its share's time, and
@@ -620,6 +628,7 @@ def test_ray_vllm_engines_sample_as_the_in_process_engine(tiny, engine, local_ra
         ray_engine.close()
 
 
+@WITH_THIS_FILE
 def test_ray_vllm_engine_that_cannot_start_says_why(local_ray, tmp_path):
     from stages.rollout.engines import Policy
     from stages.rollout.engines.ray_vllm import RayVLLMEngine, RayVLLMError

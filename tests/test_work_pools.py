@@ -185,8 +185,8 @@ def test_deploy_and_run_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_pa
     `prefect deploy --name ...` registers the shipped deployments of its pool; `prefect deployment run
     posttrain/quickstart-ray --watch` runs a tiny pipeline through the worker to COMPLETED, every stage a task run of
     that flow run, its artifacts where the overrides say, RAY_ADDRESS given to the flow run by the deployment's
-    job_variables and the score stage's actors on both nodes. Then SIGTERM stops the server and the worker, and
-    nothing is left running. (One run for what were two tests, each starting a server and computing a tiny run:
+    job_variables, the score stage's actors on both nodes, SFT and the round on 2 torchrun processes. Then SIGTERM
+    stops the server and the worker, and nothing is left running. (One run for what were two tests, each starting a server and computing a tiny run:
     the plain `quickstart` deployment differs from quickstart-ray only in those two overrides and job_variables,
     all checked against the pool by test_every_deployment_fits_its_work_pool.)"""
     pytest.importorskip("ray")
@@ -209,8 +209,10 @@ def test_deploy_and_run_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_pa
                 assert f"Deployment 'posttrain/{name}' successfully created" in deployed.stdout, deployed.stdout
             assert deployed.stdout.count("successfully created") == len(names), deployed.stdout
 
+            # scaled out as tests/test_demo_learns.py's second run was: rewards on the cluster's actors, SFT and the
+            # round on 2 torchrun processes (the learning itself: one process there; 2 equal 1: test_distributed)
             overrides = {**TINY, "artifacts_dir": str(run_artifacts), "score.backend": "ray",
-                         "score.reward_num_workers": 2}
+                         "score.reward_num_workers": 2, "train.num_processes": 2}
             ran = prefect(["deployment", "run", "posttrain/quickstart-ray", "--param",
                            f"overrides={json.dumps(overrides)}", "--param", "quiet=true", "--watch",
                            "--watch-timeout", "420"], server, tmp_path, timeout_s=450)
@@ -250,6 +252,9 @@ def test_deploy_and_run_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_pa
     (score_run,) = client.search_runs([experiment.experiment_id], "tags.`posttrain.stage` = 'score r0'")
     assert score_run.data.metrics["workers/ray_nodes"] == 2, score_run.data.metrics
     assert score_run.data.metrics["workers/count"] == 2
+    for stage in ("sft", "optimize r0"):  # and the training stages on two processes
+        (trained,) = client.search_runs([experiment.experiment_id], f"tags.`posttrain.stage` = '{stage}'")
+        assert trained.data.metrics["num_processes"] == 2, (stage, trained.data.metrics)
 
     assert not cluster.processes_in_home(home), "Ray, Prefect or flow-run processes are still running"
     assert not cluster.processes_with_env(f"PREFECT_API_URL={server.api_url}")
