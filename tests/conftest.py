@@ -32,9 +32,10 @@ def pytest_collection_modifyitems(config, items):
 
 def heaviest_groups_first(items: list) -> list:
     """The tests in groups ordered by how many `slow` tests each holds, most first (stable otherwise). pytest-xdist
-    hands a worker the next group in this order when it is free, so the long groups start early and the last ones
-    are short: both workers end within seconds of each other (in collection order, the last group was SmolLM2's
-    two-minute test, run alone while the other worker sat idle)."""
+    (with --no-loadscope-reorder, as `make test` runs it) hands a worker the next group in this order when it is
+    free, so the long groups start early and the last ones are short: both workers end within seconds of each other
+    (xdist's own order, most tests first, left SmolLM2's one two-minute test for last, run while the other worker
+    sat idle)."""
     groups: dict[str, list] = {}
     for item in items:
         marker = item.get_closest_marker("xdist_group")
