@@ -40,21 +40,17 @@ run: $(STAMP)
 
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of spinning while they wait, so tests
 # that run several torch processes at once (reward workers, vLLM, a second run) do not starve each other.
-# OMP_NUM_THREADS=1: one torch thread per test process by default: two workers and their subprocesses already
-# keep both cores busy, and tiny models' ops gain nothing from a second thread but its synchronisation (6 % of
-# four files' time, BENCHMARKS.md "Test suite"). Code that sizes torch's threads itself (torchrun ranks, the
-# rollout worker process, the prefetch split in flows/rounds.py) still does, as in users' runs.
 # $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
 # -n 2 --dist loadgroup: two pytest-xdist workers, a file's tests on one of them and every Ray test on one
 # (tests/conftest.py); much of the suite waits on subprocesses, servers and clusters, so two share 2 cores well.
 # --no-loadscope-reorder: groups are handed out in conftest.py's order (most `slow` tests first), not xdist's (most
 # tests first, which left a one-test two-minute file for last).
 test: $(STAMP) $(SMOLLM2)
-	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 # The inner loop: unit and single-stage tests, no whole flow, cluster or `slow` test (tests/conftest.py).
 test-fast: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow" --durations=10
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow" --durations=10
 
 # Everything installed and this project compiled ahead (stale files only; ~150 s of CPU on 2 cores): for a shell
 # that sets PYTHONDONTWRITEBYTECODE and runs .venv/bin/posttrain itself, where Python never writes bytecode and
