@@ -40,7 +40,8 @@ def heaviest_groups_first(items: list) -> list:
     for item in items:
         marker = item.get_closest_marker("xdist_group")
         groups.setdefault(marker.kwargs.get("name") or marker.args[0], []).append(item)
-    weight = {name: sum(item.get_closest_marker("slow") is not None for item in tests) for name, tests in groups.items()}
+    weight = {name: sum(item.get_closest_marker("slow") is not None for item in tests)
+              for name, tests in groups.items()}
     return [item for name in sorted(groups, key=lambda name: -weight[name]) for item in groups[name]]
 
 

@@ -186,9 +186,10 @@ def test_deploy_and_run_quickstart_ray_on_the_ray_head_nodes_process_pool(tmp_pa
     posttrain/quickstart-ray --watch` runs a tiny pipeline through the worker to COMPLETED, every stage a task run of
     that flow run, its artifacts where the overrides say, RAY_ADDRESS given to the flow run by the deployment's
     job_variables, the score stage's actors on both nodes, SFT and the round on 2 torchrun processes. Then SIGTERM
-    stops the server and the worker, and nothing is left running. (One run for what were two tests, each starting a server and computing a tiny run:
-    the plain `quickstart` deployment differs from quickstart-ray only in those two overrides and job_variables,
-    all checked against the pool by test_every_deployment_fits_its_work_pool.)"""
+    stops the server and the worker, and nothing is left running. (One run for what were two tests, each starting a
+    server and computing a tiny run: the plain `quickstart` deployment differs from quickstart-ray only in its
+    scoring and training overrides and job_variables, all checked against the pool by
+    test_every_deployment_fits_its_work_pool.)"""
     pytest.importorskip("ray")
     from mlflow import MlflowClient
 
