@@ -37,13 +37,16 @@ def sources_without_definitions() -> str:
     return "\n".join(declaration.sub("", text) for text in texts)
 
 
+def names_read(source: str) -> set[str]:
+    """Every name the source reads: after a dot (`.name`), quoted whole (`"name"`), as a keyword (`name=`) or as a
+    parameter (`name: `). One pass over the source, not one regular expression per field."""
+    read = re.compile(r"\.(\w+)\b|[\"'](\w+)(?=[\"'])|\b(\w+)=|\b(\w+): ")
+    return {name for match in read.findall(source) for name in match if name}
+
+
 def test_every_config_field_is_read_by_some_code_path():
-    source = sources_without_definitions()
-    unread = []
-    for path, name, _ in config_fields(PipelineConfig):
-        read = re.compile(rf"\.{name}\b|[\"']{name}[\"']|\b{name}=|\b{name}: ")
-        if not read.search(source) and path not in NOT_READ:
-            unread.append(path)
+    read = names_read(sources_without_definitions())
+    unread = [path for path, name, _ in config_fields(PipelineConfig) if name not in read and path not in NOT_READ]
     assert unread == [], f"config fields no code reads (implement them, refuse them, or list them in NOT_READ): {unread}"
 
 

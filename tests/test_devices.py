@@ -293,6 +293,7 @@ def test_rollout_eval_export_and_features_run_in_bf16(tiny, tmp_path):
     assert features.dtype == torch.float32 and features.shape[0] == 2
 
 
+@pytest.mark.slow  # torch.compile compiles the model first (~10 s): `make test`, not `make test-fast`
 def test_compiled_round_runs_the_plain_forward(tiny, monkeypatch):
     root, scored = tiny
     monkeypatch.setattr(logprobs, "batch_logps", lambda *a, **k: pytest.fail("the shared prompt pass ran"))

@@ -129,15 +129,30 @@ def test_config_ebft_options(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory):
-    """tiny_say_policy SFT'd on "say i" -> "i" or "i + 1" (so it answers with digits), and "say i" prompts
-    whose `ground_truth` column (the default ebft.ground_truth template reads it) is "7" for every prompt."""
+def say_prompts(tmp_path_factory):
+    """tiny_say_policy (untrained: root / "model") and "say i" prompts whose `ground_truth` column (the default
+    ebft.ground_truth template reads it) is "7" for every prompt."""
+    import json
+
+    from stages.data import transform
+
+    root = tiny_say_policy(tmp_path_factory.mktemp("ebft"), num_prompts=32)
+    raw = [{"question": f"say {i}", "answer": str(i), "ground_truth": "7"} for i in range(32)]
+    (root / "ebft.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
+    (root / "ebft_prompts").mkdir()
+    transform.run(transform.TransformConfig(), {"train": root / "ebft.jsonl"}, root / "ebft_prompts")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(say_prompts):
+    """say_prompts with root / "policy": its model SFT'd on "say i" -> "i" or "i + 1" (so it answers with digits)."""
     import json
 
     from stages.data import transform
     from stages.training import sft
 
-    root = tiny_say_policy(tmp_path_factory.mktemp("ebft"), num_prompts=32)
+    root = say_prompts
     raw = [{"question": f"say {i % 32}", "answer": str(i % 32), "teacher_completion": str(i % 32 + i % 2)}
            for i in range(320)]
     (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
@@ -145,10 +160,6 @@ def tiny_policy(tmp_path_factory):
     transform.run(transform.TransformConfig(), {"sft": root / "sft.jsonl"}, root / "sft_prompts")
     sft.run(sft.SFTConfig(num_train_epochs=40, learning_rate=1e-2, save_steps=None), root / "model",
             root / "sft_prompts" / "sft.parquet", root / "policy")
-    raw = [{"question": f"say {i}", "answer": str(i), "ground_truth": "7"} for i in range(32)]
-    (root / "ebft.jsonl").write_text("\n".join(json.dumps(r) for r in raw))
-    (root / "ebft_prompts").mkdir()
-    transform.run(transform.TransformConfig(), {"train": root / "ebft.jsonl"}, root / "ebft_prompts")
     return root
 
 
@@ -184,10 +195,10 @@ def test_tiny_run_raises_the_feature_matching_reward(tiny_policy):
     assert sum(distances[-2:]) / 2 < sum(distances[:2]) / 2 - 0.5, distances
 
 
-def test_rl_coef_weights_the_policy_gradient_loss(tiny_policy, tmp_path):
+def test_rl_coef_weights_the_policy_gradient_loss(say_prompts, tmp_path):
     """axolotl's rl_coef: loss = rl_coef * GRPO's + ce_coef * CE. Doubling it doubles the step's gradient (one
-    step, from the same weights); at 0 the loss is the CE term alone."""
-    root, model = tiny_policy, tiny_policy / "policy"
+    step, from the same weights); at 0 the loss is the CE term alone. (The untrained policy: any weights do.)"""
+    root, model = say_prompts, say_prompts / "model"
     rollout.run(rollout.RolloutConfig(num_generations=8, prompts_per_round=32, max_completion_length=3),
                 Policy(model, version=0), root / "ebft_prompts" / "train.parquet", 0, tmp_path)
     ebft.run(ebft.EBFTConfig(embed_method="completion_mean"), tmp_path / "rollouts.parquet", model, 8, "group",

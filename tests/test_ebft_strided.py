@@ -143,16 +143,15 @@ def test_text_transform_and_demo_documents(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sevens(tmp_path_factory):
-    """A tiny policy trained by language modelling (sft.run on raw documents) on random digit strings
-    "3 7 1 ...", and ten documents that only repeat "7", of 16 to 25 digits, for the strided rounds."""
+def digit_documents(tmp_path_factory):
+    """A tiny untrained policy (root / "model") whose tokenizer learned random digit strings "3 7 1 ...", those
+    strings as text rows (root / "sft"), and ten documents that only repeat "7", of 16 to 25 digits (root / "docs")."""
     import json
     import random
 
     from conftest import tiny_model
 
     from stages.data import transform
-    from stages.training import sft
 
     root = tmp_path_factory.mktemp("strided")
     rng = random.Random(0)
@@ -161,11 +160,21 @@ def sevens(tmp_path_factory):
     (root / "sft.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in random_digits))
     (root / "sft").mkdir()
     transform.run(transform.TransformConfig(type="text"), {"sft": root / "sft.jsonl"}, root / "sft")
-    sft.run(sft.SFTConfig(completion_field="text", num_train_epochs=15, learning_rate=1e-2, save_steps=None),
-            root / "model", root / "sft" / "sft.parquet", root / "policy")
     (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": " ".join(["7"] * (16 + i))}) for i in range(10)))
     (root / "docs").mkdir()
     transform.run(transform.TransformConfig(type="text"), {"train": root / "docs.jsonl"}, root / "docs")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sevens(digit_documents):
+    """digit_documents with root / "policy": its model trained by language modelling (sft.run on the raw digit
+    strings), a policy that writes random digits, for the strided rounds."""
+    from stages.training import sft
+
+    root = digit_documents
+    sft.run(sft.SFTConfig(completion_field="text", num_train_epochs=15, learning_rate=1e-2, save_steps=None),
+            root / "model", root / "sft" / "sft.parquet", root / "policy")
     return root
 
 
@@ -208,14 +217,14 @@ def test_tiny_strided_run_lowers_the_feature_matching_distance(sevens):
     assert sum(exact[-3:]) / 3 > exact[0] + 0.01, exact
 
 
-def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
+def test_documents_that_do_not_fit_are_named(digit_documents, tmp_path):
     """Prompt rows without a document column, and documents too short for one block, fail with the file
     and what to change; a short document among others is skipped and counted."""
     from stages.rollout.rollout import RolloutConfig
 
-    policy = Policy(sevens / "policy")
+    policy = Policy(digit_documents / "model")  # untrained: what fits is a matter of tokens
     rollout_cfg = RolloutConfig(num_generations=2, prompts_per_round=10, max_completion_length=4)
-    docs = sevens / "docs" / "train.parquet"
+    docs = digit_documents / "docs" / "train.parquet"
     too_long = ebft.EBFTConfig(mode="strided", stride=4, context_length=60, generate_max_len=4)
     with pytest.raises(ValueError, match=r"train.parquet: none of the round's 10 documents has room for one block "
                                          r".*context_length \+ ebft.generate_max_len = 64 tokens"):
@@ -224,7 +233,7 @@ def test_documents_that_do_not_fit_are_named(sevens, tmp_path):
     # 31-49 tokens
     summary = ebft_strided.rollout(some, rollout_cfg, policy, docs, 0, tmp_path)
     assert summary["documents"] == 3 and summary["documents_too_short"] == 7
-    questions = sevens / "sft" / "sft.parquet"
+    questions = digit_documents / "sft" / "sft.parquet"
     pq.write_table(pq.read_table(questions).drop(["text"]), tmp_path / "questions.parquet")
     with pytest.raises(ValueError, match=r"questions.parquet: ebft.mode strided reads documents from column 'text'"):
         ebft_strided.rollout(some, rollout_cfg, policy, tmp_path / "questions.parquet", 0, tmp_path)

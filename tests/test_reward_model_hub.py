@@ -121,6 +121,7 @@ def trl_rewards(made: Path, snapshot: Path) -> list[float]:
     return per_func[:, 0].tolist()
 
 
+@pytest.mark.slow  # TRL's GRPOTrainer beside our score stage (~25 s): `make test`, not `make test-fast`
 def test_a_hub_reward_model_scores_as_trls_grpo_trainer_and_its_commit_is_keyed(made, hub, tmp_path):
     first = score_stage(made, tmp_path / "artifacts")
     assert first.manifest["config"]["reward_models"] == {REPO: {"commit": COMMITS[0]}}
