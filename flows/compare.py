@@ -379,16 +379,17 @@ def code_diff(client, runs: list[RunData], modules: list[str]) -> str:
 # ---------------------------------------------------------------- loading (MLflow + run folders)
 
 def open_client(artifacts_dir: str | Path):
-    """An MlflowClient on the store `posttrain run` writes for this artifacts folder; while runs write it,
-    its reads wait for the lock and retry (tasks/lineage.py `retry_busy`)."""
-    from tasks.lineage import retrying_client
+    """A client of the store `posttrain run` writes for this artifacts folder: a sqlite one is read without
+    importing MLflow (tasks/lineage_reader.py), another through MlflowClient; while runs write it, its reads wait
+    for the lock and retry (tasks/lineage.py `retry_busy`)."""
+    from tasks.lineage_reader import reader_or_client
 
     root = Path(artifacts_dir).resolve()
     uri = tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise CompareError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run `posttrain run CONFIG` "
                            f"first, pass --artifacts DIR (the config's artifacts_dir), or set MLFLOW_TRACKING_URI")
-    return retrying_client(uri)
+    return reader_or_client(uri)
 
 
 def experiment_names(client) -> dict[str, str]:
@@ -514,13 +515,17 @@ def resolve_runs(client, refs: list[str], artifacts_dir: Path) -> list[RunData]:
 
 def _get_parent(client, run_id: str):
     """The run with this id, or its parent when it is a nested stage run; None if there is none."""
-    from mlflow.exceptions import MlflowException
+    from tasks.lineage_reader import RunNotFound, StoreReader
 
+    if isinstance(client, StoreReader):
+        not_found = RunNotFound
+    else:
+        from mlflow.exceptions import MlflowException as not_found
     try:
         run = client.get_run(run_id)
         parent = run.data.tags.get("mlflow.parentRunId")
         return client.get_run(parent) if parent else run
-    except MlflowException:
+    except not_found:
         return None
 
 

@@ -14,10 +14,10 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+if TYPE_CHECKING:  # imported where used: the read-only commands read the store without MLflow (lineage_reader.py)
+    from mlflow import MlflowClient
 
 MAX_PARAM_LEN = 6000
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch request
@@ -67,6 +67,8 @@ def create_store_whole(uri: str) -> None:
         return
     creating = Path(f"{path}.creating")
     creating.unlink(missing_ok=True)  # left by a process killed while creating it
+    from mlflow import MlflowClient
+
     try:
         MlflowClient(tracking_uri=f"sqlite:///{creating}").search_experiments(max_results=1)  # makes every table
         os.replace(creating, path)
@@ -175,6 +177,8 @@ class RetryingClient:
 
 def retrying_client(uri: str) -> RetryingClient:
     """A RetryingClient on a tracking store (and the same registry store), for reads and writes outside a run."""
+    from mlflow import MlflowClient
+
     return RetryingClient(MlflowClient(tracking_uri=uri, registry_uri=uri))
 
 
@@ -243,7 +247,7 @@ class Lineage:
         self.uri = tracking_uri(artifacts_root)
         with store_lock(self.uri):  # one process at a time creates a fresh store's tables and the experiment
             create_store_whole(self.uri)
-            self.client = RetryingClient(MlflowClient(tracking_uri=self.uri, registry_uri=self.uri))
+            self.client = retrying_client(self.uri)
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = None
@@ -290,6 +294,8 @@ class Lineage:
     def _log_config(self, run, config: dict, config_yaml: Path) -> None:
         """The config as params and as the config.yaml artifact; what the run has already is not logged again
         (a process killed in between left the rest)."""
+        from mlflow.entities import Param
+
         params = [Param(k, v) for k, v in flatten(config).items() if k not in run.data.params]
         for i in range(0, len(params), 100):
             self.client.log_batch(run.info.run_id, params=params[i : i + 100])
@@ -354,6 +360,8 @@ class Lineage:
 
     def log_metric_steps(self, run_id: str, steps: list[tuple[dict[str, float], int]]) -> None:
         """Log (metrics, step) pairs in as few requests as MLflow allows (1000 metrics per batch)."""
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for metrics, step in steps for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not (run_id == self.parent_id and (k, step) in self._logged)]
@@ -361,12 +369,16 @@ class Lineage:
             self.client.log_batch(run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def stage_run(self, stage: str, key: str, config: dict, inputs: dict[str, str],
                   tags: dict[str, str] | None = None) -> str:
         """A nested run under the parent for one stage: computed, or read from the cache (`tags`
         posttrain.cached: true, tasks/stage_tasks.py `record_cached`)."""
+        from mlflow.entities import Param
+
         run = self.client.create_run(
             self.experiment_id,
             run_name=stage,
@@ -380,6 +392,8 @@ class Lineage:
 
     def log_dataset(self, run_id: str, name: str, path: Path, digest: str, context: str, rows: int) -> None:
         """Record a Parquet file as a dataset input, carrying its sha256 digest."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
         dataset = Dataset(name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": str(path)}),
                           profile=json.dumps({"num_rows": rows}))
         self.client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])

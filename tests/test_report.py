@@ -166,6 +166,26 @@ def test_run_writes_its_report_and_logs_it_to_mlflow(runs):
     assert logged.read_bytes() == page.read_bytes()
 
 
+def test_the_page_read_without_mlflow_is_the_page_read_through_it(runs):
+    """`posttrain report` reads a sqlite store with tasks/lineage_reader.py (no MLflow import): the same page as
+    through MlflowClient, but for the time it was written."""
+    import re
+
+    from flows import report
+    from flows.compare import resolve_runs
+    from tasks.lineage import retrying_client
+    from tasks.lineage_reader import StoreReader
+
+    artifacts, results = runs
+    uri = f"sqlite:///{artifacts / 'mlflow.db'}"
+    pages = []
+    for client in (StoreReader(uri), retrying_client(uri)):
+        run = resolve_runs(client, [results["long"]["run_name"]], artifacts)[0]
+        page = report.run_page(report.load_view(client, run, artifacts))
+        pages.append(re.sub(r"written by posttrain [0-9: -]+;", "", page))
+    assert len(pages[0]) > 1_000_000 and pages[0] == pages[1]
+
+
 @needs_chromium
 def test_report_page_shows_the_runs_curves_flips_costs_and_stages(runs, tmp_path, capsys):
     artifacts, results = runs
