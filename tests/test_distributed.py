@@ -176,22 +176,45 @@ def two_nodes(ray_home):
         yield address
 
 
-def test_grpo_on_ray_train_workers_on_two_nodes_equals_one_process(tiny, one_process, two_nodes, tmp_path):
-    """train.backend: ray: the ranks are Ray Train workers, one on each node (gloo across the nodes' processes),
-    sharded with fsdp; same weights as one process, step metrics streamed back, rank 0 wrote the folders."""
+def grpo_cases_then_sft(grpo: dict, sft: dict, on_metrics=None, on_step=None, group=None) -> dict:
+    """run_grpo_cases(**grpo) with the step metrics and progress, then sft_on_ranks(**sft), on the same ranks: one
+    Ray Train launch (each starts its workers: ~20 s of CPU) for both kinds of stage."""
+    return {"grpo": run_grpo_cases(**grpo, on_metrics=on_metrics, on_step=on_step, group=group),
+            "sft": sft_on_ranks(**sft, group=group)}
+
+
+def test_grpo_and_sft_on_ray_train_workers_on_two_nodes_equal_one_process(tiny, one_process, two_nodes, tmp_path):
+    """train.backend: ray: the ranks are Ray Train workers, one on each node (gloo across the nodes' processes).
+    GRPO sharded with fsdp: same weights as one process, step metrics streamed back, rank 0 wrote the folders. Then
+    an HF Trainer stage (SFT) on the same workers: Trainer runs DDP over the process group Ray Train set up, and ends
+    with one process's loss and weights."""
+    from test_checkpoints import sft_inputs, weights
+
     root, scored = tiny
     first, one = one_process
+    sft_root = tmp_path / "sft"
+    sft_inputs(sft_root)
+    for name in ("one", "two"):
+        (sft_root / name).mkdir()
+    sft_one = sft_on_ranks(str(sft_root), str(sft_root / "one"), str(sft_root / "work-one"))
     events, progress = [], []
     train = distributed.TrainConfig(num_processes=2, strategy="fsdp", backend="ray", ray={"address": two_nodes})
-    two = ray_training.launch_on_ray("test_distributed:run_grpo_cases",
-                                     dict(root=str(root), scored=str(scored), out=str(tmp_path / "two"),
-                                          cases=["dapo_skip", "full_kl"]),
-                                     train, "optimize (ray)", on_metrics=lambda m, step: events.append((step, m)),
-                                     on_step=lambda done, total: progress.append((done, total)))
-    assert two.pop("train_nodes") == 2
+    both = ray_training.launch_on_ray(
+        "test_distributed:grpo_cases_then_sft",
+        {"grpo": dict(root=str(root), scored=str(scored), out=str(tmp_path / "two"), cases=["dapo_skip", "full_kl"]),
+         "sft": dict(root=str(sft_root), out=str(sft_root / "two"), work=str(sft_root / "work-two"))},
+        train, "optimize (ray)", on_metrics=lambda m, step: events.append((step, m)),
+        on_step=lambda done, total: progress.append((done, total)))
+    assert both.pop("train_nodes") == 2
+    two, sft_two = both["grpo"], both["sft"]
     assert_equal_runs(first, one, tmp_path / "two", two, "fsdp")
     assert len(events) == sum(len(r["steps"]) for name in two for r in one[name])
     assert progress and progress[-1][0] == progress[-1][1]
+
+    assert sft_two["steps"] == sft_one["steps"] == 30
+    assert sft_two["train_loss"] == pytest.approx(sft_one["train_loss"], rel=1e-5)
+    w1, w2 = weights(sft_root / "one"), weights(sft_root / "two")
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
 
 
 def test_ray_train_failures_are_clear(two_nodes):
@@ -326,25 +349,6 @@ def sft_on_ranks(root: str, out: str, work: str, kill_at: int | None = None, on_
 
     return sft.run(sft.SFTConfig(**SFT_OPTIONS), Path(root) / "model", Path(root) / "sft.parquet", Path(out),
                    on_metrics=report, work_dir=Path(work), group=group)
-
-
-def test_sft_on_ray_train_workers_equals_one_process(tmp_path, two_nodes):
-    """An HF Trainer stage on Ray Train workers: Trainer runs DDP over the process group Ray Train set up."""
-    from test_checkpoints import sft_inputs, weights
-
-    sft_inputs(tmp_path)
-    for name in ("one", "two"):
-        (tmp_path / name).mkdir()
-    one = sft_on_ranks(str(tmp_path), str(tmp_path / "one"), str(tmp_path / "work-one"))
-    train = distributed.TrainConfig(num_processes=2, backend="ray", ray={"address": two_nodes})
-    two = ray_training.launch_on_ray("test_distributed:sft_on_ranks",
-                                     {"root": str(tmp_path), "out": str(tmp_path / "two"),
-                                      "work": str(tmp_path / "work-two")},
-                                     train, "sft")
-    assert two["train_nodes"] == 2 and two["steps"] == one["steps"] == 30
-    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
-    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
 
 
 PREFERENCE_OPTIONS = {"num_train_epochs": 1, "micro_batch_size": 4, "logging_steps": 4, "save_steps": None,
