@@ -186,12 +186,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_env(artifacts: Path, api_url: str = "") -> dict:
-    """A Prefect home per artifacts folder; the Prefect server at `api_url`, or (without one) the temporary server
-    each `posttrain` process starts."""
+def own_env(artifacts: Path) -> dict:
+    """A Prefect home per artifacts folder, and the temporary Prefect server each `posttrain` process starts."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
     return {**env, "PREFECT_HOME": str(artifacts / "prefect"), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-            "OMP_WAIT_POLICY": "PASSIVE", **({"PREFECT_API_URL": api_url} if api_url else {})}
+            "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def manifests(artifacts: Path, stage: str) -> dict[str, dict]:
@@ -209,10 +208,9 @@ def atropos_config(tiny_config_text: str, tmp_path: Path, rounds: int, extra: st
     return config, api, policy
 
 
-def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, warm: Path, kill_when=None,
-                           api_url: str = "") -> dict:
-    """`posttrain run config` in its own process (on the Prefect server at `api_url`, or its own temporary
-    one), from a copy of `warm`'s stages up to SFT, then the example environment once posttrain started run-api.
+def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, warm: Path, kill_when=None) -> dict:
+    """`posttrain run config` in its own process (on its own temporary Prefect server), from a copy of `warm`'s
+    stages up to SFT, then the example environment once posttrain started run-api.
     kill_when(artifacts): SIGKILL posttrain when it turns true, then run it again to the end. Returns the
     manifests of the batches pulled and of the rounds trained before the kill (empty without one)."""
     artifacts = tmp_path / "artifacts"
@@ -225,7 +223,7 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("killed", "resumed", "env")}
     environment, before = None, {"pulled": {}, "trained": {}}
     first = subprocess.Popen(command, cwd=REPO, stdout=logs["killed"], stderr=subprocess.STDOUT,
-                             start_new_session=True, env=own_env(artifacts, api_url))
+                             start_new_session=True, env=own_env(artifacts))
     try:
         deadline = time.time() + 400
         while not (artifacts / "atropos" / "run-api.pid").exists():  # posttrain started run-api
@@ -246,7 +244,7 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
         first.wait()
         before = {"pulled": manifests(artifacts, "rollout"), "trained": manifests(artifacts, "optimize")}
         resumed = subprocess.run(command, cwd=REPO, stdout=logs["resumed"], stderr=subprocess.STDOUT,
-                                 env=own_env(artifacts, api_url), timeout=600)
+                                 env=own_env(artifacts), timeout=600)
         assert resumed.returncode == 0, (tmp_path / "resumed.log").read_text()[-3000:]
         return before
     finally:
@@ -263,10 +261,14 @@ def train_from_environment(config: Path, api: str, policy: str, tmp_path: Path, 
 
 @pytest.mark.slow
 def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config_text, tiny_warm_store, tmp_path):
-    """Killed and resumed on their own temporary Prefect servers (a first run's, as tests/test_resume.py's are not)."""
+    """Killed and resumed on their own temporary Prefect servers (a first run's, as tests/test_resume.py's are not),
+    with grpo.adapter: none: every round trains all the weights on its pulled batch, and the policy server then
+    samples the round's full weights (its LoRA adapters: test_policy_server_answers_as_vllm_..., test_vllm.py's
+    Atropos tests): a batch comes from a policy never newer than its round, and each optimize folder is a whole
+    model. (One run for what were two: the full fine-tuning run was a test of its own.)"""
     pytest.importorskip("atroposlib")
     artifacts = tmp_path / "artifacts"
-    config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=3)
+    config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=3, extra="adapter: none,")
 
     def round_1_optimizing(artifacts: Path) -> bool:  # rounds 0 and 1 pulled and stored, round 0 trained
         return len(manifests(artifacts, "optimize")) >= 1 and bool(list((artifacts / "optimize").glob(".tmp-*")))
@@ -289,30 +291,9 @@ def test_three_rounds_from_an_atropos_environment_killed_and_resumed(tiny_config
         assert 0 <= r["policy_version"] <= r["round_index"]
     trained = manifests(artifacts, "optimize")
     assert len(trained) == 3 and len({m["inputs"]["scored"] for m in trained.values()}) == 3
-    summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
-    assert summary["final_accuracy"] is not None
-
-
-@pytest.mark.slow
-def test_full_fine_tuning_from_an_atropos_environment(tiny_config_text, tiny_warm_store, harness_api_url, tmp_path):
-    """grpo.adapter: none: every round trains all the weights on its pulled batch, and the policy server
-    then samples the round's full weights: the batch of round 1 comes from policy version 1 or 0, never
-    newer, and each optimize folder is a whole model."""
-    pytest.importorskip("atroposlib")
-    import pyarrow.parquet as pq
-
-    artifacts = tmp_path / "artifacts"
-    config, api, policy = atropos_config(tiny_config_text, tmp_path, rounds=2, extra="adapter: none,")
-    train_from_environment(config, api, policy, tmp_path, tiny_warm_store, api_url=harness_api_url)
-    trained = manifests(artifacts, "optimize")
-    assert len(trained) == 2
-    for key in trained:
+    for key in trained:  # full fine-tuning: whole models, no adapters
         assert (artifacts / "optimize" / key / "model.safetensors").exists()
         assert not (artifacts / "optimize" / key / "adapter_config.json").exists()
-    rows = [r for k in manifests(artifacts, "rollout")
-            for r in pq.read_table(artifacts / "rollout" / k / "rollouts.parquet").to_pylist()]
-    assert {r["round_index"] for r in rows} == {0, 1}
-    assert all(0 <= r["policy_version"] <= r["round_index"] for r in rows)
     summary = json.loads(next((artifacts / "runs").glob("*/summary.json")).read_text())
     assert {s["stage"]: s["status"] for s in summary["stages"]}["sft"] == "cached"  # the warm stages' SFT
     assert summary["final_accuracy"] is not None
