@@ -142,7 +142,7 @@ def test_dpo_raises_held_out_preference_accuracy(tiny, tmp_path):
     assert merged_accuracy == pytest.approx(summary["eval_accuracy_after"], abs=2 / 64)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])  # bf16: emulated on CPU
 def test_eval_steps_measures_held_out_accuracy_between_and_trains_the_same(tiny, tmp_path, precision):
     """axolotl's eval_steps: preference accuracy every 3 steps (not at the last), logged at its step; the adapter
     is the same as without it, in bf16 too (the eval runs between steps, outside the trainer's autocast).
