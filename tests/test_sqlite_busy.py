@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tasks import lineage as lineage_module
-from tasks.lineage import Lineage, RetryingClient, StoreBusyError, retry_busy
+from tasks.lineage import Lineage, StoreBusyError, retry_busy
 
 ROOT = Path(__file__).resolve().parents[1]
 MLFLOW_BUSY_TIMEOUT_S = 20  # MLflow's `PRAGMA busy_timeout = 20000` in every session (mlflow/store/db/utils.py)
@@ -107,14 +107,27 @@ def test_retry_is_bounded_and_only_for_locks_and_insert_races():
     assert time.monotonic() - started < 4 and 2 < len(calls) < 20
 
 
-def test_runs_and_resume_read_through_the_retrying_client(store):
-    """`posttrain runs/compare/resume` read the store while runs write it: the same bounded retry."""
+def test_the_read_only_commands_read_through_the_same_bounded_retry(store, monkeypatch):
+    """`posttrain runs/compare/report/diff/trace` read the store (tasks/lineage_reader.py, without MLflow) while
+    runs write it: a read waits out a writer's lock, and one that outlasts the bounded retry names the file."""
     from flows import compare
+    from tasks import lineage_reader
 
     lineage, db = store
     client = compare.open_client(db.parent)
-    assert isinstance(client, RetryingClient) and client._store == str(db)
+    assert isinstance(client, lineage_reader.StoreReader) and client._path == str(db)
     assert [r.info.run_name for r in compare.search_parent_runs(client)] == ["busy-run"]
+
+    monkeypatch.setattr(lineage_reader, "BUSY_TIMEOUT_S", 0.2)  # sqlite's own wait per try, shortened here
+    monkeypatch.setattr(lineage_module, "BUSY_RETRY_S", 1.0)
+    hold_write_lock(db, 2.5)
+    started = time.monotonic()
+    with pytest.raises(StoreBusyError, match=f"MLflow store {db} stayed locked") as failed:
+        compare.search_parent_runs(client)
+    assert "database is locked" in str(failed.value.__cause__) and time.monotonic() - started < 2.5
+    monkeypatch.setattr(lineage_module, "BUSY_RETRY_S", 60.0)
+    assert [r.info.run_name for r in compare.search_parent_runs(client)] == ["busy-run"]  # once the lock is gone
+    assert time.monotonic() - started >= 2
 
 
 @pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
