@@ -29,9 +29,9 @@ from pathlib import Path
 import yaml
 
 from tasks.lineage import CODE_ARTIFACTS, CODE_TAG_PREFIX, flatten, process_alive, tracking_uri
+from tasks.lineage_reader import PARENT_FILTER, stage_runs_filter
 
 MISSING = "-"
-PARENT_FILTER = "tags.mlflow.parentRunId IS NULL"
 CURVES = {"train/reward_mean": "reward (train/reward_mean)", "eval/accuracy": "accuracy (eval/accuracy)"}
 ROUND_TIMES = ("time/generate_s", "time/score_s", "time/optimize_s", "time/waiting_s")  # logged once per round
 HISTORIES = (*CURVES, *ROUND_TIMES)
@@ -474,7 +474,7 @@ def load_stages(client, run, run_dir: Path) -> tuple[list[dict], str]:
                      "key": Path(r["path"]).name if r.get("path") else MISSING, "path": r.get("path")}
                     for r in rows], name
     nested = client.search_runs([run.info.experiment_id],
-                                filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+                                filter_string=stage_runs_filter(run.info.run_id),
                                 max_results=1000, order_by=["attributes.start_time ASC"])
     rows = []
     for child in nested:

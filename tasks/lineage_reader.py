@@ -22,8 +22,13 @@ from pathlib import Path
 from tasks.lineage import retry_busy, sqlite_path
 
 BUSY_TIMEOUT_S = 20.0  # as MLflow's sessions (PRAGMA busy_timeout = 20000)
+PARENT_FILTER = "tags.mlflow.parentRunId IS NULL"  # pipeline runs (a stage run has its pipeline run as parent)
 _PARENT_IS = re.compile(r"tags\.mlflow\.parentRunId = '([0-9a-f]{32})'")
-_NO_PARENT = "tags.mlflow.parentRunId IS NULL"
+
+
+def stage_runs_filter(run_id: str) -> str:
+    """The search_runs filter of a pipeline run's stage runs (the other filter the reader answers)."""
+    return f"tags.mlflow.parentRunId = '{run_id}'"
 
 
 class RunNotFound(LookupError):
@@ -128,15 +133,15 @@ class StoreReader:
                     order_by: list[str] | None = None, page_token: str | None = None) -> Page:
         """Active runs of `experiment_ids` matching `filter_string` (the two filters above, or none), by start time
         (order_by: `attributes.start_time DESC` (the default) or `ASC`), then run id; pages of `max_results`."""
-        direction = {None: "DESC", "attributes.start_time DESC": "DESC", "attributes.start_time ASC": "ASC"}
-        key = (order_by or [None])[0] if len(order_by or []) <= 1 else "several"
-        if key not in direction:
+        direction = {(): "DESC", ("attributes.start_time DESC",): "DESC", ("attributes.start_time ASC",): "ASC"}
+        order = tuple(order_by or ())
+        if order not in direction:
             raise ValueError(f"StoreReader.search_runs: order_by {order_by} (start time only)")
         where, args = ["runs.lifecycle_stage = 'active'"], []
         where.append(f"runs.experiment_id IN ({', '.join('?' * len(experiment_ids))})")
         args += [int(i) for i in experiment_ids]
         parent = _PARENT_IS.fullmatch(filter_string.strip())
-        if filter_string.strip() == _NO_PARENT:
+        if filter_string.strip() == PARENT_FILTER:
             where.append("NOT EXISTS (SELECT 1 FROM tags WHERE tags.run_uuid = runs.run_uuid "
                          "AND tags.key = 'mlflow.parentRunId')")
         elif parent:
@@ -147,7 +152,7 @@ class StoreReader:
             raise ValueError(f"StoreReader.search_runs: filter {filter_string!r} (parent run filters only)")
         offset = int(page_token or 0)
         rows = self._query(f"SELECT run_uuid FROM runs WHERE {' AND '.join(where)} ORDER BY "
-                           f"runs.start_time IS NULL, runs.start_time {direction[key]}, runs.run_uuid "
+                           f"runs.start_time IS NULL, runs.start_time {direction[order]}, runs.run_uuid "
                            "LIMIT ? OFFSET ?", (*args, max_results + 1, offset))
         ids = [row[0] for row in rows]
         token = str(offset + max_results) if len(ids) > max_results else None
@@ -178,10 +183,10 @@ class StoreReader:
                 f"SELECT run_uuid, key, value, is_nan FROM latest_metrics WHERE run_uuid IN ({marks})",
                 tuple(run_ids)):
             data[run_id].metrics[key] = float("nan") if is_nan else value
-        for table, attr in (("params", "params"), ("tags", "tags")):
+        for table in ("params", "tags"):  # RunData's fields of the same names
             for run_id, key, value in self._query(
                     f"SELECT run_uuid, key, value FROM {table} WHERE run_uuid IN ({marks})", tuple(run_ids)):
-                getattr(data[run_id], attr)[key] = value
+                getattr(data[run_id], table)[key] = value
         out = []
         for run_id in run_ids:
             if run_id not in infos:
