@@ -46,33 +46,49 @@ def preference_inputs(module: str, config: str):
     return make
 
 
-RUN_STAGE = """
+RUN_STAGES = """
 import json, os, signal, sys
 from pathlib import Path
 import importlib
-spec = json.loads(sys.argv[1])
-module = importlib.import_module("stages.training." + spec["module"])
-cfg = getattr(module, spec["config"])(**spec["options"])
-kill_at = spec.get("kill_at")
 
-def on_metrics(metrics, step):
-    with open(spec["steps_log"], "a") as f:
-        f.write(json.dumps([step, sorted(metrics)]) + "\\n")
-    if kill_at is not None and step >= kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
+for spec in json.loads(sys.argv[1]):
+    module = importlib.import_module("stages.training." + spec["module"])
+    cfg = getattr(module, spec["config"])(**spec["options"])
+    kill_at = spec.get("kill_at")
 
-summary = module.run(cfg, *spec["args"], Path(spec["out"]), on_metrics=on_metrics, work_dir=Path(spec["work"]))
-print(json.dumps(summary, default=str))
+    def on_metrics(metrics, step, spec=spec, kill_at=kill_at):
+        with open(spec["steps_log"], "a") as f:
+            f.write(json.dumps([step, sorted(metrics)]) + "\\n")
+        if kill_at is not None and step >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    summary = module.run(cfg, *spec["args"], Path(spec["out"]), on_metrics=on_metrics, work_dir=Path(spec["work"]))
+    print("summary:", json.dumps(summary, default=str), flush=True)
 """
 
 
-def run_stage(spec: dict, out: Path, work: Path, steps_log: Path, kill_at: int | None = None):
-    """The stage in its own process (its own RNG and torch state, as a rerun of `posttrain run` has)."""
-    full = {**spec, "out": str(out), "work": str(work), "steps_log": str(steps_log), "kill_at": kill_at}
+def placed(spec: dict, out: Path, work: Path, steps_log: Path, kill_at: int | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(RUN_STAGE), json.dumps(full)], cwd=ROOT,
+    return {**spec, "out": str(out), "work": str(work), "steps_log": str(steps_log), "kill_at": kill_at}
+
+
+def run_stages(*specs: dict) -> subprocess.CompletedProcess:
+    """The stages (`placed` specs), one after the other, in a process of their own (its own torch state, as a rerun
+    of `posttrain run` has); each prints its summary (`summaries` reads them)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(RUN_STAGES), json.dumps(list(specs))], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def summaries(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The summaries run_stages' process printed, in order."""
+    return [json.loads(line.removeprefix("summary: ")) for line in proc.stdout.splitlines()
+            if line.startswith("summary: ")]
+
+
+def run_stage(spec: dict, out: Path, work: Path, steps_log: Path, kill_at: int | None = None):
+    """One stage in its own process (run_stages)."""
+    return run_stages(placed(spec, out, work, steps_log, kill_at))
 
 
 def weights(folder: Path) -> dict:
@@ -87,16 +103,33 @@ def logged_steps(path: Path) -> list[int]:
     return [json.loads(line)[0] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("make_inputs", [sft_inputs, preference_inputs("dpo", "PreferenceOptimizationConfig"),
-                                         preference_inputs("reward_model", "RewardModelConfig")],
-                         ids=["sft", "dpo", "reward_model"])
-@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
-def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_inputs):
-    spec = make_inputs(tmp_path)
+KINDS = {"sft": sft_inputs, "dpo": preference_inputs("dpo", "PreferenceOptimizationConfig"),
+         "reward_model": preference_inputs("reward_model", "RewardModelConfig")}
 
-    straight = run_stage(spec, tmp_path / "straight", tmp_path / "work-straight", tmp_path / "straight.log")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert json.loads(straight.stdout.splitlines()[-1])["resumed_from_step"] == 0
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory) -> dict:
+    """Each kind's inputs and its uninterrupted run, the three in one process one after the other (a process start
+    costs ~9 s of CPU here; each stage seeds its own RNG, and the resumed runs, each in a new process, end with the
+    same weights): {kind: (spec, out folder, summary)}."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    for kind in KINDS:
+        (root / kind).mkdir()
+    specs = {kind: make(root / kind) for kind, make in KINDS.items()}
+    runs = [placed(spec, root / kind / "straight", root / kind / "work-straight", root / kind / "straight.log")
+            for kind, spec in specs.items()]
+    proc = run_stages(*runs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = summaries(proc)
+    assert len(done) == len(runs), proc.stdout[-3000:]
+    return {kind: (specs[kind], root / kind / "straight", summary) for kind, summary in zip(specs, done)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow  # a whole run or process kill: `make test`, not `make test-fast`
+def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, kind, straight_runs):
+    spec, straight_out, straight_summary = straight_runs[kind]
+    assert straight_summary["resumed_from_step"] == 0
 
     work = tmp_path / "work"
     killed = run_stage(spec, tmp_path / "killed", work, tmp_path / "killed.log", kill_at=KILL_AT_STEP)
@@ -113,8 +146,7 @@ def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_in
 
     resumed = run_stage(spec, tmp_path / "resumed", work, tmp_path / "resumed.log")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(resumed.stdout.splitlines()[-1])
-    straight_summary = json.loads(straight.stdout.splitlines()[-1])
+    (summary,) = summaries(resumed)
     assert summary["resumed_from_step"] == newest
     assert summary.get("reused_tokenized_dataset", True)  # (sft only)
     assert summary["steps"] == straight_summary["steps"]
@@ -123,7 +155,7 @@ def test_stage_killed_mid_training_resumes_from_its_checkpoint(tmp_path, make_in
     assert min(s for s in logged_steps(tmp_path / "resumed.log") if s > 0) > newest
     assert not half_written.exists()
 
-    expected, got = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    expected, got = weights(straight_out), weights(tmp_path / "resumed")
     assert expected.keys() == got.keys()
     import torch
 

@@ -281,13 +281,15 @@ def gone(pids: list[int], timeout_s: float = 30.0) -> bool:
 
 def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
     """Inside warm_ranks() (a pipeline run) a launch runs on the last launch's ranks; a failed job takes its ranks
-    down (the next launch starts new ones), so does a sys.path entry they lack (Ray adds some when it starts), and
-    leaving the scope ends them. Outside it each launch has its own."""
+    down (the next launch starts new ones), so does a sys.path entry they lack (a user's code folder; not the one
+    `import ray` adds, which training never imports from), and leaving the scope ends them. Outside it each launch has its own."""
     train = distributed.TrainConfig(num_processes=2)
     with distributed.warm_ranks():
         first = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
         assert len(set(first)) == 2 and os.getpid() not in first
-        assert distributed.launch("test_distributed:rank_pids", {}, train, "optimize r0")["pids"] == first
+        with pytest.MonkeyPatch.context() as patch:  # what `import ray` adds (a score stage on Ray between them)
+            patch.syspath_prepend(str(Path(ray_package_dir()) / "thirdparty_files"))
+            assert distributed.launch("test_distributed:rank_pids", {}, train, "optimize r0")["pids"] == first
         with pytest.raises(distributed.DistributedError, match="optimize r1: training on 2 processes failed"):
             distributed.launch("test_distributed:raise_on_rank_0", {}, train, "optimize r1")
         assert gone(first)
@@ -300,6 +302,14 @@ def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
     assert gone(newer)
     alone = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
     assert gone(alone) and set(alone).isdisjoint(newer)
+
+
+def ray_package_dir() -> str:
+    """Where Ray is installed (not imported: its folder is what `import ray` puts on sys.path, under it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    return spec.submodule_search_locations[0] if spec else "/site-packages/ray"
 
 
 def test_fsdp_with_a_factored_optimizer_or_chunked_logps_is_a_config_error():

@@ -193,3 +193,44 @@ def test_mlflow_store_is_created_whole_and_a_cut_off_start_is_completed_on_resum
     resumed = lineage.client.get_run(run.info.run_id)
     assert resumed.data.params == {"name": "exp", "grpo.rounds": "2", "grpo.seed": "0"}
     assert [f.path for f in lineage.client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+
+
+def test_a_new_store_is_a_copy_of_the_kept_empty_store_with_mlflows_own_default_experiment(tmp_path, monkeypatch):
+    """MLflow's migrations run once per MLflow version (the template in posttrain's cache folder); each new store
+    is a copy with the same schema, and MLflow's first client adds the Default experiment where it would on a store
+    it made itself. A damaged template is made again; a cache folder that cannot be written costs only the time."""
+    import sqlite3
+
+    from tasks.lineage import Lineage, create_store_whole, empty_store_template, make_tables
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    make_tables(tmp_path / "by-mlflow.db")
+    template = empty_store_template()
+    assert template is not None and template.parent == tmp_path / "cache" / "posttrain"
+
+    def schema(db: Path) -> list:
+        """Every table, index and column, and the schema version (MLflow's own migrations write a table's
+        constraints in an order that varies from one run to the next: compared as sets of lines)."""
+        with sqlite3.connect(db) as conn:
+            items = conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+            version = conn.execute("SELECT * FROM alembic_version").fetchall()
+        return sorted((kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+                      for kind, name, sql in items) + version
+
+    lineage = Lineage(tmp_path / "run", "exp")
+    copy = tmp_path / "run" / "mlflow.db"
+    assert schema(copy) == schema(tmp_path / "by-mlflow.db")
+    default = lineage.client.get_experiment("0")
+    by_mlflow = MlflowClient(f"sqlite:///{tmp_path / 'by-mlflow.db'}").get_experiment("0")
+    assert (default.name, default.artifact_location) == (by_mlflow.name, by_mlflow.artifact_location)
+    assert lineage.client.get_experiment(lineage.experiment_id).name == "exp"
+
+    template.write_bytes(b"not a database")  # damaged: made again, and the store is whole
+    create_store_whole(f"sqlite:///{tmp_path / 'again.db'}")
+    assert schema(tmp_path / "again.db") == schema(copy)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/proc/no-cache-here")  # cannot be written: the tables made in place
+    assert empty_store_template() is None
+    create_store_whole(f"sqlite:///{tmp_path / 'in-place.db'}")
+    assert schema(tmp_path / "in-place.db") == schema(copy)

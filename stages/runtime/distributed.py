@@ -388,11 +388,17 @@ def warm_ranks():
             ranks.close()
 
 
+RAY_OWN_PATH = f"{os.sep}ray{os.sep}thirdparty_files"
+"""What `import ray` adds to sys.path (its vendored packages): training ranks never import from there, so a run
+whose score stage starts Ray between SFT and the first round keeps its warm ranks."""
+
+
 def _take_ranks(train: TrainConfig) -> _Ranks:
-    """The idle warm ranks of this shape, if they can import what this process can (its sys.path then: Ray, for
-    one, adds entries when it starts), else new ones (the old ones exit)."""
+    """The idle warm ranks of this shape, if they can import what this process can (its sys.path then, less
+    RAY_OWN_PATH: a user's code folder added since needs new ranks), else new ones (the old ones exit)."""
     key = (train.num_processes, train.master_port)
-    path = tuple(p for p in sys.path if p)  # the ranks import what this process imports (stages, user code)
+    # the ranks import what this process imports (stages, user code)
+    path = tuple(p for p in sys.path if p and not p.endswith(RAY_OWN_PATH))
     with _warm_lock:
         ranks = _idle.pop(key, None)
     if ranks is not None and ranks.alive() and set(path) <= set(ranks.path):
