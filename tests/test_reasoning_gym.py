@@ -87,31 +87,35 @@ def test_a_row_is_scored_on_the_entry_as_the_package_makes_it():
                                 reasoning_gym=[row["reasoning_gym"]]) == [1.0]
 
 
-# (task, config, completions built from the entry, what reasoning-gym's own scorer gives each)
+# (task, config, completions built from the entry, the answer each states, what reasoning-gym's own scorer gives
+# each): the last `<answer>` block (reasoning-gym's extract_answer), else a number stated as the answer
 CASES = [
     ("leg_counting", {}, lambda e: [f"<answer>{e['answer']}</answer>", "<answer>291</answer>", e["answer"],
-                                    f"Think: {e['answer']}?<answer>1</answer> no, <answer>{e['answer']}</answer>"],
-     [1.0, 0.0, 0.0, 1.0]),
+                                    f"Think: {e['answer']}?<answer>1</answer> no, <answer>{e['answer']}</answer>",
+                                    f"So they have {e['answer']} legs", f"The total is {e['answer']}."],
+     lambda e: [e["answer"], "291", e["answer"], e["answer"], None, e["answer"]], [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]),
     ("countdown", {}, lambda e: ["<answer>4*94 - 6 - 61</answer>", "<answer>1+1</answer>", "94*4 - 61 - 6",
                                  "<answer>94*4 - 61 - 6"],
-     [1.0, 0.05, 0.01, 0.01]),
+     lambda e: ["4*94 - 6 - 61", "1+1", None, None], [1.0, 0.05, 0.01, 0.01]),
     ("propositional_logic", {}, lambda e: [f"<answer>{e['metadata']['example_answer']}</answer>", "<answer>P</answer>",
                                            "P", "<answer></answer>"],
-     [1.0, 0.25, 0.0, 0.0]),
+     lambda e: [e["metadata"]["example_answer"], "P", None, ""], [1.0, 0.25, 0.0, 0.0]),
 ]
 
 
-@pytest.mark.parametrize("task, config, completions_of, expected", CASES, ids=[c[0] for c in CASES])
-def test_the_reward_is_the_tasks_own_score_of_the_stated_answer(task, config, completions_of, expected):
+@pytest.mark.parametrize("task, config, completions_of, stated_of, expected", CASES, ids=[c[0] for c in CASES])
+def test_the_reward_is_the_tasks_own_score_of_the_stated_answer(task, config, completions_of, stated_of, expected):
     row = gym.rows(task, 1, 1, config)[0]
     entry = json.loads(row["reasoning_gym"])["entry"]
     completions = completions_of(entry)
     dataset = reasoning_gym.create_dataset(task, size=1, seed=1, **config)
-    package = [dataset.score_answer(extract_answer(c), dataset[0]) for c in completions]
+    tagged = [extract_answer(c) for c in completions]  # reasoning-gym's reading where a completion has tags
+    assert [t for t in tagged if t is not None] == [a for a, t in zip(stated_of(entry), tagged) if t is not None]
+    package = [dataset.score_answer(answer, dataset[0]) for answer in stated_of(entry)]
     chats = [[{"role": "assistant", "content": c}] for c in completions]  # TRL's chat completions
     assert BUILTIN_REWARDS["reasoning_gym"] is reasoning_gym_reward
-    assert reasoning_gym_reward(prompts=[None] * 4, completions=chats, reasoning_gym=[row["reasoning_gym"]] * 4) \
-        == package == expected
+    assert reasoning_gym_reward(prompts=[None] * len(chats), completions=chats,
+                                reasoning_gym=[row["reasoning_gym"]] * len(chats)) == package == expected
 
 
 def test_a_row_the_installed_package_makes_differently_is_a_sample_error():

@@ -2,8 +2,11 @@
 
 Rows of a `path: reasoning_gym` source (stages/data/reasoning_gym_source.py) carry a `reasoning_gym` column, the
 JSON record of their entry and of how the package makes it. The answer is what reasoning-gym's own
-`utils.extract_answer` reads (the last `<answer>...</answer>` block); a completion without one states none, and the
-task's `score_answer(None, entry)` scores that as the task does (0.0 for most, 0.01 for countdown).
+`utils.extract_answer` reads (the last `<answer>...</answer>` block); without one, the number a completion states as
+its answer the way `accuracy` and `stated_accuracy` read it (a completion that is only the number, or one that ends
+"... is 7." / "= 7"): a model not prompted for tags answers arithmetic and counting tasks that way (SmolLM2-135M on
+chain_sum: 0 of 128 completions used tags). Anything else states nothing, and the task's `score_answer(None, entry)`
+scores that as the task does (0.0 for most, 0.01 for countdown).
 """
 
 from __future__ import annotations
@@ -12,18 +15,22 @@ import json
 
 from stages.data import reasoning_gym_source as gym
 from stages.scoring.rewards.common import SampleError, completion_text
+from stages.scoring.rewards.math import stated_answer
 
 
 def stated(text: str) -> str | None:
-    """The answer a completion states, as reasoning-gym reads it: its last `<answer>` block, stripped; None
-    without one.
+    """The answer a completion states: its last `<answer>` block, stripped, as reasoning-gym reads it; without
+    one, the number it states as its answer (math.stated_answer); else None.
 
-    >>> stated("<answer>1</answer> no, <answer> 7 </answer>"), stated("the answer is 7")
-    ('7', None)
+    >>> stated("<answer>1</answer> no, <answer> 7 </answer>"), stated("So the answer is 7."), stated(" 7 ")
+    ('7', '7', '7')
+    >>> stated("8 - 4 = 4"), stated("First 8 - 4, then")
+    ('4', None)
     """
     from reasoning_gym.utils import extract_answer
 
-    return extract_answer(text)
+    tagged = extract_answer(text)
+    return tagged if tagged is not None else stated_answer(text)
 
 
 def reasoning_gym_reward(prompts=None, completions=None, *, reasoning_gym, **kwargs) -> list[float]:
@@ -35,9 +42,9 @@ def reasoning_gym_reward(prompts=None, completions=None, *, reasoning_gym, **kwa
     >>> row = rows("leg_counting", 1, 1, {})[0]
     >>> row["answer"]
     '292'
-    >>> reasoning_gym_reward(completions=["<answer>292</answer>", "<answer>291</answer>", "292"],
-    ...                      reasoning_gym=[row["reasoning_gym"]] * 3)
-    [1.0, 0.0, 0.0]
+    >>> reasoning_gym_reward(completions=["<answer>292</answer>", "<answer>291</answer>", "292", "They have 292 legs"],
+    ...                      reasoning_gym=[row["reasoning_gym"]] * 4)
+    [1.0, 0.0, 1.0, 0.0]
     """
     if len(reasoning_gym) != len(completions):
         raise ValueError(f"reasoning_gym: {len(completions)} completions but {len(reasoning_gym)} rows")
