@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -133,28 +132,18 @@ WARM_STAGES = ("demo_data", "transform", "base_model", "sft")
 
 @pytest.fixture(scope="session")
 def tiny_warm_store(prefect_harness, tmp_path_factory, empty_mlflow_store):
-    """An artifacts folder holding tiny_config_text's WARM_STAGES, computed once per `pytest` session: the first
-    pytest-xdist worker to ask computes it (~30 s of CPU), the other waits for it and reads the same folder."""
+    """An artifacts folder holding tiny_config_text's WARM_STAGES, computed once per test process."""
     import shutil
-
-    from filelock import FileLock
 
     from flows.pipeline import prepare_policy_flow
 
-    shared = Path(tmp_path_factory.getbasetemp())
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's folder, above each worker's own
-    root = shared / "tiny-warm"
-    with FileLock(str(shared / "tiny-warm.lock")):
-        if not (root / "computed").exists():
-            shutil.rmtree(root, ignore_errors=True)  # what a worker that failed left
-            (root / "artifacts").mkdir(parents=True)
-            shutil.copyfile(empty_mlflow_store, root / "artifacts" / "mlflow.db")
-            (root / "tiny.yaml").write_text(tiny_text(root / "artifacts"))
-            with pytest.MonkeyPatch.context() as patch:
-                patch.delenv("MLFLOW_TRACKING_URI", raising=False)
-                prepare_policy_flow(str(root / "tiny.yaml"), quiet=True)
-            (root / "computed").touch()
+    root = tmp_path_factory.mktemp("tiny-warm")
+    (root / "artifacts").mkdir()
+    shutil.copyfile(empty_mlflow_store, root / "artifacts" / "mlflow.db")
+    (root / "tiny.yaml").write_text(tiny_text(root / "artifacts"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        prepare_policy_flow(str(root / "tiny.yaml"), quiet=True)
     return root / "artifacts"
 
 
