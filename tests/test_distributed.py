@@ -282,7 +282,8 @@ def gone(pids: list[int], timeout_s: float = 30.0) -> bool:
 def test_warm_ranks_run_the_next_launch_and_end_with_their_scope():
     """Inside warm_ranks() (a pipeline run) a launch runs on the last launch's ranks; a failed job takes its ranks
     down (the next launch starts new ones), so does a sys.path entry they lack (a user's code folder; not the one
-    `import ray` adds, which training never imports from), and leaving the scope ends them. Outside it each launch has its own."""
+    `import ray` adds, which training never imports from), and leaving the scope ends them. Outside it each launch
+    has its own."""
     train = distributed.TrainConfig(num_processes=2)
     with distributed.warm_ranks():
         first = distributed.launch("test_distributed:rank_pids", {}, train, "sft")["pids"]
