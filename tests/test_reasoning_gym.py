@@ -131,6 +131,9 @@ def test_a_row_the_installed_package_makes_differently_is_a_sample_error():
 @pytest.mark.parametrize("entry, message", [
     (source(name="leg_countin"), r"reasoning-gym has no task 'leg_countin' \(did you mean leg_counting"),
     (source(config={"min_legs": 2}), r"task 'leg_counting' refuses config \{'min_legs': 2\}: TypeError: .*min_legs"),
+    # a config the task takes, which its generator trips on only when it makes an item (operators without weights)
+    (source(name="simple_equations", config={"operators": ["+"]}),
+     r"task 'simple_equations' refuses config \{'operators': \['\+'\]\}: ValueError: The number of weights"),
     ({**MIX, "config": {"datasets": [{"name": "nope", "weight": 1}]}}, r"reasoning-gym has no task 'nope'"),
     (source(seed=None), r"set name \(the task\), size \(rows\) and seed; seed lacking"),
     ({"path": "data.jsonl", "seed": 1}, r"source 'data.jsonl': seed applies to path: reasoning_gym only"),

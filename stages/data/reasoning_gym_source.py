@@ -42,7 +42,9 @@ def version() -> str:
 
 def create(name: str, size: int, seed: int, config: dict | None) -> object:
     """`reasoning_gym.create_dataset(name, size=, seed=, **config)`; for `composite`, config's `datasets` entries
-    as DatasetSpec (name, weight, config: {} when left out). TaskError names an unknown task or config key."""
+    as DatasetSpec (name, weight, config: {} when left out). TaskError names an unknown task or config key, or a
+    config the task takes but cannot draw an item from (some tasks check their config only when an item is made:
+    the first one is drawn here, so that loading the config, not the transform, says so)."""
     rg = package()
     from reasoning_gym.factory import DATASETS
 
@@ -64,8 +66,11 @@ def create(name: str, size: int, seed: int, config: dict | None) -> object:
         for spec in kwargs["datasets"]:
             create(spec.name, size, seed, spec.config)  # an unknown task inside names itself
     try:
-        return rg.create_dataset(name, size=size, seed=seed, **kwargs)
-    except (TypeError, AssertionError, ValueError) as e:
+        dataset = rg.create_dataset(name, size=size, seed=seed, **kwargs)
+        if size:
+            dataset[0]
+        return dataset
+    except (TypeError, AssertionError, ValueError, IndexError, KeyError) as e:
         raise TaskError(f"reasoning-gym task {name!r} refuses config {config or {}}: {type(e).__name__}: {e}") from None
 
 
@@ -76,7 +81,11 @@ def rows(name: str, size: int, seed: int, config: dict | None) -> list[dict]:
                                                                  "config": config or {}}, version()
     out = []
     for index in range(size):
-        entry = dataset[index]
+        try:
+            entry = dataset[index]
+        except Exception as e:  # the task's own generator: name the item, not a traceback inside reasoning-gym
+            raise TaskError(f"reasoning-gym task {name!r} (seed {seed}, config {config or {}}) could not make item "
+                            f"{index}: {type(e).__name__}: {e}") from e
         record = {"task": task, "index": index, "version": made_by, "entry": entry}
         out.append({"question": entry["question"], "answer": entry.get("answer"),
                     "reasoning_gym": json.dumps(record, default=str)})
