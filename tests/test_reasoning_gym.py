@@ -133,7 +133,9 @@ def test_a_row_the_installed_package_makes_differently_is_a_sample_error():
     (source(config={"min_legs": 2}), r"task 'leg_counting' refuses config \{'min_legs': 2\}: TypeError: .*min_legs"),
     # a config the task takes, which its generator trips on only when it makes an item (operators without weights)
     (source(name="simple_equations", config={"operators": ["+"]}),
-     r"task 'simple_equations' refuses config \{'operators': \['\+'\]\}: ValueError: The number of weights"),
+     r"task 'simple_equations' cannot make an item with config \{'operators': \['\+'\]\}: ValueError: The number "),
+    (source(name="aiw", config={"task_types": ["siblings"], "task_type_weights": [1.0]}),  # it wants its enum
+     r"task 'aiw' cannot make an item with config .*AttributeError: 'str' object has no attribute 'value'"),
     ({**MIX, "config": {"datasets": [{"name": "nope", "weight": 1}]}}, r"reasoning-gym has no task 'nope'"),
     (source(seed=None), r"set name \(the task\), size \(rows\) and seed; seed lacking"),
     ({"path": "data.jsonl", "seed": 1}, r"source 'data.jsonl': seed applies to path: reasoning_gym only"),

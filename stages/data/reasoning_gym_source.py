@@ -67,11 +67,15 @@ def create(name: str, size: int, seed: int, config: dict | None) -> object:
             create(spec.name, size, seed, spec.config)  # an unknown task inside names itself
     try:
         dataset = rg.create_dataset(name, size=size, seed=seed, **kwargs)
+    except (TypeError, AssertionError, ValueError) as e:
+        raise TaskError(f"reasoning-gym task {name!r} refuses config {config or {}}: {type(e).__name__}: {e}") from None
+    try:
         if size:
             dataset[0]
-        return dataset
-    except (TypeError, AssertionError, ValueError, IndexError, KeyError) as e:
-        raise TaskError(f"reasoning-gym task {name!r} refuses config {config or {}}: {type(e).__name__}: {e}") from None
+    except Exception as e:  # the task's generator, on a config its class took: whatever it raises
+        raise TaskError(f"reasoning-gym task {name!r} cannot make an item with config {config or {}}: "
+                        f"{type(e).__name__}: {e}") from None
+    return dataset
 
 
 def rows(name: str, size: int, seed: int, config: dict | None) -> list[dict]:
