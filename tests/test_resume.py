@@ -85,8 +85,18 @@ def history(client: MlflowClient, run_id: str, name: str) -> list[tuple[int, flo
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
 
 
+@pytest.fixture
+def environ_restored():
+    """os.environ as it was before the test, after it: an in-process `posttrain run` sets library defaults
+    there (flows/launch.py embedded_defaults) that would stay for the worker's later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store, tmp_path, harness_api_url,
-                                               monkeypatch, capsys):
+                                               environ_restored, monkeypatch, capsys):
     monkeypatch.setitem(globals(), "API_URL", harness_api_url)
     config = tmp_path / "tiny.yaml"
     config.write_text(tiny_config_text)
@@ -98,6 +108,9 @@ def test_killed_run_resumes_to_the_same_result(tiny_config_text, tiny_warm_store
     from flows.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # each run's MLflow store in its artifacts folder
+    # the in-process runs use the session's server too: without PREFECT_API_URL `posttrain run` would start a
+    # temporary one that lives as long as this pytest worker
+    monkeypatch.setenv("PREFECT_API_URL", harness_api_url)
     assert main(["run", str(config), f"artifacts_dir={straight}", *common]) == 0  # uninterrupted, in this process
 
     args = ["run", str(config), f"artifacts_dir={killed}", *common]
