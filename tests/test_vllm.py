@@ -397,7 +397,7 @@ def test_serve_command_and_adapter_root(tiny):
 
     argv, env = serve_command(tiny["base"], 8123, 16, {"dtype": "bfloat16", "max_model_len": 64,
                                                        "kv_cache_space_gib": 1.5})
-    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny["base"])]
+    assert argv[1:5] == ["-m", "stages.rollout.engines.vllm_api_server", "--model", str(tiny["base"])]
     for flag, value in [("--port", "8123"), ("--max-lora-rank", "16"), ("--dtype", "bfloat16"),
                         ("--max-model-len", "64"), ("--logprobs-mode", "processed_logprobs"),
                         ("--host", "127.0.0.1")]:
@@ -521,6 +521,32 @@ def test_two_servers_give_one_servers_completions(server, second_server, tiny):
     finally:
         one.close()
         two.close()
+
+
+def test_server_processes_start_without_scikit_learn(second_server):
+    """serve_command's module (vllm_api_server.py) imports `stages` first in the server and in each process vLLM
+    spawns on the CPU (engine core, worker): transformers, loaded by all three, leaves scikit-learn unloaded
+    (`python -m vllm.entrypoints.openai.api_server` loads it in each: ~7 s more CPU a start, measured)."""
+    group = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _process_group(int(pid)) ==
+             second_server["proc"].pid]
+    loaded = {pid: maps for pid in group if "libtorch" in (maps := _memory_map(pid))}
+    assert len(loaded) >= 3, group  # the API server, the engine core, the worker (with torch loaded)
+    assert [pid for pid, maps in loaded.items() if "/sklearn/" in maps] == []
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _memory_map(pid: int) -> str:
+    """The files a process has mapped (its shared libraries among them); "" once it has exited."""
+    try:
+        return (Path("/proc") / str(pid) / "maps").read_text()
+    except OSError:
+        return ""
 
 
 def test_a_server_stopped_mid_round_leaves_its_share_to_the_other(server, second_server, tiny, caplog):
@@ -781,10 +807,10 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
                                      "PREFECT_HOME": str(tmp_path / "prefect")})
     try:
         deadline = time.monotonic() + 300
-        while "vllm.entrypoints.openai.api_server" not in log.read_text(errors="replace"):  # the policy is ready
+        while "stages.rollout.engines.vllm_api_server" not in log.read_text(errors="replace"):  # the policy is ready
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
             time.sleep(1)
-        command = next(line for line in log.read_text().splitlines() if "api_server" in line)
+        command = next(line for line in log.read_text().splitlines() if "vllm_api_server" in line)
         assert f"--host 0.0.0.0 --port {port} --worker-extension-cls" in command and "--max-model-len 128" in command
         assert "--enable-lora" in command and "VLLM_SERVER_DEV_MODE=1" in command
         with caplog.at_level(logging.WARNING, logger="stages.rollout.engines.vllm_server"):
