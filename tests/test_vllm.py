@@ -531,7 +531,9 @@ def test_server_processes_start_without_scikit_learn(second_server):
     group = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _process_group(int(pid)) ==
              second_server["proc"].pid]
     loaded = {pid: maps for pid in group if "libtorch" in (maps := _memory_map(pid))}
-    assert len(loaded) >= 3, group  # the API server, the engine core, the worker (with torch loaded)
+    # The API server and the worker it spawns; the engine core is a third process unless the server inherited
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 from this pytest process (set by an in-process engine, vllm_local.py).
+    assert len(loaded) >= 2, group
     assert [pid for pid, maps in loaded.items() if "/sklearn/" in maps] == []
 
 
