@@ -1,12 +1,13 @@
 """What starting a `vllm serve` costs on this machine: wall seconds to a healthy server that has answered one
 completion, and the CPU seconds of all its processes by then (the API server and, on the CPU, the engine-core and
 worker processes vLLM spawns), with posttrain's command line (serve_command: `python -m
-stages.rollout.engines.vllm_api_server`) and with vLLM's own module in its place (`--entry vllm`).
+stages.rollout.engines.vllm_api_server`) and with vLLM's own module in its place.
 
     .venv/bin/python benchmarks/vllm_serve_start.py [--repeats 2]
 
 A tiny random model (stages/data/base_model.py) in a temporary folder; the server options are the test suite's
-(tests/test_vllm.py `serving`). The two entries alternate `--repeats` times. Prints one line per start (which
+(tests/test_vllm.py `serving`); health is polled as the engine polls it (vllm_server.wait_until_healthy, once a
+second). The two entries alternate `--repeats` times. Prints one line per start (which
 processes loaded scikit-learn, read from /proc/PID/maps) and one JSON line with the medians.
 """
 
@@ -69,7 +70,7 @@ def loads_sklearn(pid: int) -> bool:
 
 
 def start_once(model: Path, entry: str) -> dict:
-    from stages.rollout.engines.vllm_server import serve_command
+    from stages.rollout.engines.vllm_server import serve_command, wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -83,14 +84,7 @@ def start_once(model: Path, entry: str) -> dict:
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, cwd=tempfile.gettempdir())
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{entry}: the server exited with {proc.returncode}")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_until_healthy(url, proc, 600)
         request = urllib.request.Request(f"{url}/v1/completions", headers={"Content-Type": "application/json"},
                                          data=json.dumps({"model": model.name, "prompt": "hi",
                                                           "max_tokens": 4}).encode())
