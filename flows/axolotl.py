@@ -116,8 +116,8 @@ AXOLOTL_FIXED_KEYS = {"tokenizer_type": ("AutoTokenizer", "the tokenizer is the 
 """axolotl keys with only one value posttrain honours (dropped when they have it) and why the others are not."""
 AXOLOTL_NOT_BUILT = {
     "fp8": "FP8 training (float8 matmuls on Hopper-class GPUs) is not built here; train.precision is fp32, bf16 or fp16",
-    "plugins": "axolotl's plugins (axolotl.integrations.*: NeMo Gym, Liger, ...) are not loaded here; an environment's "
-               "rollouts are rollout.rollout_func, a verifier over HTTP score.remote_verifiers",
+    "plugins": "axolotl's plugins other than NeMo Gym's (axolotl.integrations.*: Liger, ...) are not loaded here; an "
+               "environment's rollouts are rollout.rollout_func, a verifier over HTTP score.remote_verifiers",
 }
 """axolotl keys (top level, or `trl.` ones) for what posttrain does not build, and why: an error naming the key."""
 AXOLOTL_LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "use_wandb", "use_mlflow", "use_comet")
@@ -738,7 +738,9 @@ DEEPSPEED_QUIET = ("wall_clock_breakdown", "steps_per_print", "zero_allow_untest
 def top_level_keys() -> list[str]:
     """Every top-level key of axolotl's that posttrain reads (moved into its sections or checked), for the did-you-mean
     of an unknown key (flows/config.py `_describe`)."""
-    return sorted({*AXOLOTL_KEYS, *AXOLOTL_DEVICE_KEYS, *AXOLOTL_TRAINING_KEYS, *AXOLOTL_FIXED_KEYS, *SHARDING_KEYS,
+    from flows.nemo_gym import KNOWN
+
+    return sorted({*KNOWN, *AXOLOTL_KEYS, *AXOLOTL_DEVICE_KEYS, *AXOLOTL_TRAINING_KEYS, *AXOLOTL_FIXED_KEYS, *SHARDING_KEYS,
                    *(k for k in AXOLOTL_NOT_BUILT if "." not in k), "trl", "vllm", "output_dir", "logging_steps",
                    "process_reward_model", "model_type", "num_labels"})
 

@@ -34,7 +34,7 @@ from stages.training.export import ExportConfig
 from stages.training.grpo import GRPOConfig
 from stages.training.reward_model import RewardModelConfig
 from stages.training.sft import SFTConfig
-from flows import axolotl
+from flows import axolotl, nemo_gym
 from tasks.publish import TrackingConfig
 
 
@@ -278,6 +278,14 @@ class PipelineConfig(BaseModel):
     def _axolotl_device_keys(cls, data):
         """axolotl's `bf16`, `fp16`, `gradient_checkpointing`, attention keys into train (flows/axolotl.py)."""
         return axolotl.move_device_keys(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_nemo_gym_plugin(cls, data):
+        """axolotl's NeMo Gym plugin and its `nemo_gym_*` keys into datasets, trl.reward_funcs and score
+        (flows/nemo_gym.py). Defined here, so it runs before the validators above read `datasets` and `trl`, and after
+        the one below sets `rl`."""
+        return nemo_gym.move_nemo_gym_keys(data)
 
     @model_validator(mode="before")
     @classmethod

@@ -97,6 +97,7 @@ def inspect_config(cfg: PipelineConfig, config_path: str | Path) -> Report:
     if cfg.uses_rounds and cfg.rl != "ebft" and cfg.rollout.source != "atropos":
         for i, name in enumerate(cfg.score.reward_funcs):
             _reward(name, f"score.reward_funcs.{i}", report, where)
+        _nemo_gym_heads(cfg, report)
     for i, name in enumerate(cfg.eval.reward_funcs or ()):  # the eval's own verifier, when named
         _reward(name, f"eval.reward_funcs.{i}", report, where)
     if cfg.uses_rounds and cfg.rollout.rollout_func:
@@ -480,6 +481,30 @@ def _reward_model_name(name: str, key: str, report: Report) -> None:
     else:
         report.problem(key, f"{name!r}: no reward model folder there ({local.absolute()}) and not a hub id; fix the "
                             "path, or name the model by hub id (org/name)")
+
+
+def _nemo_gym_heads(cfg: PipelineConfig, report: Report) -> None:
+    """Each remote verifier with head_url that score.reward_funcs uses: its NeMo Gym head answers, and lists the
+    resources server of every row tried (its `server`, or the rows' server_column)."""
+    from stages.scoring.rewards.remote import REMOTE_PREFIX, HeadError, listed_servers
+
+    for name, verifier in cfg.score.remote_verifiers.items():
+        if verifier.head_url is None or REMOTE_PREFIX + name not in cfg.score.reward_funcs:
+            continue
+        key = f"score.remote_verifiers.{name}.head_url"
+        try:
+            listed = listed_servers(verifier.head_url)
+        except HeadError as e:
+            report.problem(key, str(e))
+            continue
+        rows = (report.splits or {}).get("train") or []
+        wanted = [verifier.server] if verifier.server else [r.get(verifier.server_column) for r in rows]
+        if missing := [s for s in dict.fromkeys(wanted) if s not in listed]:
+            report.problem(key, f"the NeMo Gym head {verifier.head_url} lists no resources server {missing[0]!r} "
+                                f"(it lists: {', '.join(sorted(listed)) or 'none'}); start it with ng_run, or fix the "
+                                "server name")
+        else:
+            report.notes.append(f"{key}: NeMo Gym head {verifier.head_url} lists {', '.join(sorted(listed))}")
 
 
 def _reward(name: str, key: str, report: Report, where: str) -> None:

@@ -522,7 +522,8 @@ NEMO_GYM = {
                   "    message_field_content: content\n    message_field_role: role\n\nvllm:\n"
                   "  gpu_memory_utilization: 0.85\n  max_model_len: 2048\n",
 }
-"""docs/rlhf.qmd's NeMo Gym configs: axolotl's NeMo Gym plugin, not loaded here."""
+"""docs/rlhf.qmd's NeMo Gym configs: the single-turn one loads (flows/nemo_gym.py; tests/test_nemo_gym.py runs it
+beside NeMo Gym's own servers), the multi-turn one drives NeMo Gym's agent servers, which posttrain does not."""
 
 
 def test_the_minimal_server_config_generates_on_the_server_it_names(user):
@@ -696,7 +697,17 @@ def test_the_ebft_strided_structured_config_loads_as_written(user):
     assert any("./ebft_strided_structured.py is not imported" in n for n in report.notes), report.notes
 
 
-@pytest.mark.parametrize("name", list(NEMO_GYM))
-def test_nemo_gym_is_one_line_naming_plugins(user, name, capsys):
-    assert main(["validate", str(user(NEMO_GYM[name]))]) == 2
-    assert [line for line in capsys.readouterr().err.splitlines() if "plugins: axolotl's plugins" in line]
+def test_the_nemo_gym_single_turn_config_loads_with_its_rows_and_verifier(user, tmp_path):
+    rows = tmp_path / "Gym" / "resources_servers" / "reasoning_gym" / "data" / "train_basic_arithmetic.jsonl"
+    rows.parent.mkdir(parents=True)
+    rows.write_text('{"responses_create_params": {"input": [{"role": "user", "content": "2+3?"}]}, "answer": "5"}\n')
+    cfg = load_config(user(NEMO_GYM["single-turn"].replace("nemo_gym_dir: ~/Gym", f"nemo_gym_dir: {tmp_path / 'Gym'}")))
+    assert [(s.path, s.type, s.server_name) for s in cfg.transform.datasets] == [(str(rows), "nemo_gym", "reasoning_gym")]
+    assert cfg.score.reward_funcs == ["remote:nemo_gym"]
+    assert cfg.score.remote_verifiers["nemo_gym"].head_url == "http://127.0.0.1:11000"
+
+
+def test_the_nemo_gym_multi_turn_config_is_one_line_naming_its_key(user, capsys):
+    assert main(["validate", str(user(NEMO_GYM["multi-turn"]))]) == 2
+    assert [line for line in capsys.readouterr().err.splitlines()
+            if "nemo_gym_multi_turn: true: multi-turn rollouts through NeMo Gym's agent servers" in line]

@@ -43,7 +43,7 @@ from stages.data import reasoning_gym_source as gym
 from stages.runtime.keys import key_when_set
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-ROW_TYPES = ("question_answer", "messages", "text")
+ROW_TYPES = ("question_answer", "messages", "text", "nemo_gym")
 """The built-in transforms for rows of any source (errors offer these)."""
 BUILTIN_TYPES = (*ROW_TYPES, "reasoning_gym", "human_eval", "ebft_strided_structured.transform",
                  "ebft_pretrain.transform")
@@ -138,11 +138,17 @@ class DatasetSource(SourceLocation):
     """text: this source's document column; unset: transform.text_field."""
     system_prompt: str | None = None
     """A system message for this source's prompts; unset: transform.system_prompt."""
+    server_name: str | None = key_when_set(None)
+    """type: nemo_gym: the NeMo Gym resources server that verifies this source's rows; unset:
+    transform.server_name."""
 
     @model_validator(mode="after")
     def _supported_type(self):
         if self.type is None and self.path in (gym.PATH, humaneval.PATH):
             self.type = self.path  # its rows' columns, whatever transform.type says for the others
+        if self.server_name and self.type not in (None, "nemo_gym"):
+            raise ValueError(f"source {self.path!r}: server_name names the NeMo Gym server of type: nemo_gym rows, "
+                             f"not of type {self.type!r}")
         if self.type is None or self.type in BUILTIN_TYPES:
             return self
         module = self.type.split(".")[0]

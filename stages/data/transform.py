@@ -16,6 +16,7 @@ either, the prompts have a train split only and the run evaluates nothing held o
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -27,8 +28,10 @@ from stages.data import sources
 from stages.data.schemas import PROMPTS, write_table
 from stages.data.sources import BadRowError, DatasetSource, UnreadableRow, read_rows
 from stages.runtime.imports import example_caller, load_function
+from stages.runtime.keys import key_when_set
 
-SOURCE_FIELDS = ("type", "question_field", "answer_field", "messages_field", "text_field", "system_prompt")
+SOURCE_FIELDS = ("type", "question_field", "answer_field", "messages_field", "text_field", "system_prompt",
+                 "server_name")
 """What a `transform.datasets` entry may set for its own rows; unset, the transform section's applies."""
 
 
@@ -54,6 +57,9 @@ class TransformConfig(BaseModel):
     """text: the column holding a raw document; it becomes the prompts table's `text` (no prompt, no answer)."""
     system_prompt: str | None = None
     """Prepended as a system message when set."""
+    server_name: str | None = key_when_set(None)
+    """nemo_gym: the NeMo Gym resources server that verifies the rows (axolotl's `nemo_gym_datasets` server_name);
+    a row's `agent_ref.name` takes precedence where it names a resources server, not an agent."""
     datasets: list[DatasetSource] | None = None
     """Sources of the train split (axolotl's `datasets:`; instead of `paths`): hub datasets, local files or
     folders, each with its own name, split slice, data_files, revision, type and field names. Their rows, in
@@ -94,6 +100,10 @@ class TransformConfig(BaseModel):
             raise ValueError(f"transform.val_set_size {self.val_set_size:g}: a fraction below 1 or a whole row count")
         self._held_out_tasks_apart()
         self._held_out_problems_apart()
+        sources_types = {s.type or self.type for s in (self.datasets or []) + (self.test_datasets or [])}
+        if self.server_name and "nemo_gym" not in sources_types | {self.type}:
+            raise ValueError("transform.server_name names the NeMo Gym server of type: nemo_gym rows; no source "
+                             "has that type")
         return self
 
     def _held_out_problems_apart(self):
@@ -203,6 +213,48 @@ def _human_eval(cfg: TransformConfig):
     return transform_fn, {"remove_columns": []}
 
 
+def _nemo_gym(cfg: TransformConfig):
+    """A NeMo Gym dataset's rows (JSON Lines: `responses_create_params.input` and the task's own fields, such as
+    reasoning_gym's question, answer and metadata): the input messages as the prompt, `answer` as gold where it is
+    text or a number, the row's fields as JSON text in column `nemo_gym` (what `/verify` receives back, whatever
+    their shape per task: Parquet would need one shape) and the resources server that verifies the row in column
+    `nemo_gym_server` (its agent_ref.name where that names a resources server, as axolotl's plugin reads it, else
+    the source's server_name)."""
+    def transform_fn(example: dict, tokenizer=None) -> dict:
+        params = example.get("responses_create_params")
+        given = params.get("input") if isinstance(params, dict) else None
+        if not given:
+            raise KeyError("responses_create_params.input")
+        ref = example.get("agent_ref") if isinstance(example.get("agent_ref"), dict) else {}
+        server = ref.get("name") if ref.get("name") and ref.get("type") != "responses_api_agents" else cfg.server_name
+        if not server:
+            raise KeyError("server_name (set it on the source, or give the row an agent_ref.name)")
+        answer = example.get("answer")
+        return {"prompt": _input_messages(given), "nemo_gym_server": server,
+                "answer": answer if isinstance(answer, (str, int, float)) and not isinstance(answer, bool) else None,
+                "nemo_gym": json.dumps(example, ensure_ascii=False)}
+
+    return transform_fn, {"remove_columns": ALL_COLUMNS}
+
+
+def _input_messages(given) -> list[dict]:
+    """A Responses API `input` (text, or messages whose content is text or input_text parts) as chat messages."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages = []
+    for item in given:
+        if not isinstance(item, dict) or "role" not in item or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise ValueError(f"responses_create_params.input holds a {kind!r} item, not a message: a prompt here is "
+                             "messages (single-turn; a multi-turn environment is rollout.rollout_func)")
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text") or "" for part in content
+                              if isinstance(part, dict) and part.get("type") in ("input_text", "text", "output_text"))
+        messages.append({"role": "system" if item["role"] == "developer" else item["role"], "content": content or ""})
+    return messages
+
+
 def _first(example: dict, fields: tuple[str, ...]):
     """The value of the first of `fields` the row has (axolotl's nested `example.get(a, example.get(b, ...))`)."""
     return next((example[f] for f in fields if f in example), None)
@@ -237,7 +289,7 @@ def _ebft_pretrain(cfg: TransformConfig):
 
 
 BUILTINS: dict[str, Callable] = {"question_answer": _question_answer, "messages": _messages, "text": _text,
-                                 "reasoning_gym": _reasoning_gym, "human_eval": _human_eval,
+                                 "nemo_gym": _nemo_gym, "reasoning_gym": _reasoning_gym, "human_eval": _human_eval,
                                  "ebft_strided_structured.transform": _ebft_strided_structured,
                                  "ebft_pretrain.transform": _ebft_pretrain}
 """Built-in transform types; the last two are axolotl's strided EBFT transforms by their names (axolotl ships the
