@@ -285,7 +285,9 @@ class PipelineConfig(BaseModel):
         """axolotl's NeMo Gym plugin and its `nemo_gym_*` keys into datasets, trl.reward_funcs and score
         (flows/nemo_gym.py). Defined here, so it runs before the validators above read `datasets` and `trl`, and after
         the one below sets `rl`."""
-        return nemo_gym.move_nemo_gym_keys(data)
+        data, notes = nemo_gym.move_nemo_gym_keys(data)
+        axolotl.keep_notes(notes)
+        return data
 
     @model_validator(mode="before")
     @classmethod

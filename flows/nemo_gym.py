@@ -22,8 +22,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from flows.axolotl import keep_notes
-
 PLUGIN_NAMES = ("axolotl.integrations.nemo_gym.NemoGymPlugin", "axolotl.integrations.nemo_gym.plugin.NemoGymPlugin")
 """How axolotl's configs name the plugin."""
 VERIFY_REWARDS = ("axolotl.integrations.nemo_gym.rewards.reward_nemo_gym_verify",
@@ -50,16 +48,16 @@ KNOWN = ("nemo_gym_enabled", "nemo_gym_dir", "nemo_gym_auto_clone", "nemo_gym_au
 """Every key of the plugin (axolotl's integrations/nemo_gym/args.py)."""
 
 
-def move_nemo_gym_keys(data):
-    """The plugin's keys as posttrain sections (module docstring); the notes on what each became kept for
-    `posttrain validate`. A config without the plugin or its keys is returned as it is."""
+def move_nemo_gym_keys(data) -> tuple[object, list[str]]:
+    """(the config with the plugin's keys as posttrain sections (module docstring), the notes on what each became,
+    for `posttrain validate`). A config without the plugin or its keys is returned as it is."""
     if not isinstance(data, dict):
-        return data
+        return data, []
     plugins = data.get("plugins")
     listed = isinstance(plugins, list) and any(p in PLUGIN_NAMES for p in plugins)
     given = {k: data[k] for k in data if isinstance(k, str) and k.startswith("nemo_gym_")}
     if not listed and not given:
-        return data
+        return data, []
     if not listed:
         raise ValueError(f"{next(iter(given))}: a key of axolotl's NeMo Gym plugin, which plugins does not list; add "
                          f"{PLUGIN_NAMES[0]} to plugins, or remove it")
@@ -78,14 +76,12 @@ def move_nemo_gym_keys(data):
         if rest := [k for k in given if k != "nemo_gym_enabled"]:
             raise ValueError(f"{rest[0]}: nemo_gym_enabled is not true, so axolotl's NeMo Gym plugin reads none of "
                              "its keys; set nemo_gym_enabled: true, or remove them")
-        keep_notes(["plugins: axolotl's NeMo Gym plugin, with nemo_gym_enabled unset, does nothing; nor does it here"])
-        return data
+        return data, ["plugins: axolotl's NeMo Gym plugin, with nemo_gym_enabled unset, does nothing; nor does it here"]
     _refuse(given, data)
     notes = []
     data = _with_datasets(data, given, notes)
     data = _with_reward(data, given, notes)
-    keep_notes(notes)
-    return data
+    return data, notes
 
 
 def _refuse(given: dict, data: dict) -> None:
