@@ -117,7 +117,8 @@ def _with_datasets(data: dict, given: dict, notes: list[str]) -> dict:
     for i, entry in enumerate(entries):
         key = f"nemo_gym_datasets.{i}"
         if extra := [k for k in entry if k not in DATASET_FIELDS]:
-            raise ValueError(f"{key}.{extra[0]}: not a field of a NeMo Gym dataset (it has {', '.join(DATASET_FIELDS)})")
+            raise ValueError(f"{key}.{extra[0]}: not a field of a NeMo Gym dataset (it has "
+                             f"{', '.join(DATASET_FIELDS)})")
         if not entry.get("path"):
             raise ValueError(f"{key}.path: the JSON Lines file, absolute or relative to nemo_gym_dir")
         path = Path(str(entry["path"])).expanduser()
@@ -155,8 +156,8 @@ def _with_reward(data: dict, given: dict, notes: list[str]) -> dict:
         if trl.get("reward_weights") is not None:
             trl["reward_weights"] = [w for i, w in enumerate(trl["reward_weights"]) if i not in verify[1:]]
         notes.append(f"trl.reward_funcs: {original} -> {name} (axolotl's plugin also adds its own "
-                     "nemo_gym reward, the same /verify call: posttrain scores it once, which gives the same advantages "
-                     "when they are scaled by the group's std, TRL's default)")
+                     "nemo_gym reward, the same /verify call: posttrain scores it once, which gives the same "
+                     "advantages when they are scaled by the group's std, TRL's default)")
     else:
         funcs.append(name)
         if trl.get("reward_weights") is not None:

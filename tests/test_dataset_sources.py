@@ -244,7 +244,7 @@ def test_axolotl_top_level_keys_move_into_their_sections():
     ({"test_datasets": [{"path": "b.jsonl"}]}, r"transform.test_datasets needs transform.datasets"),
     ({"datasets": [{"path": "tatsu-lab/alpaca", "type": "alpaca"}], "val_set_size": 0.1},
      r"transform.datasets.0: source 'tatsu-lab/alpaca': type 'alpaca' is not supported; use one of "
-     r"question_answer, messages, text, or your own transform as module.fn"),
+     r"question_answer, messages, text, nemo_gym, or your own transform as module.fn"),
     ({"datasets": [{"path": "a.jsonl", "type": "chat_template.default"}], "val_set_size": 0.1},
      r"type 'chat_template.default' is not supported"),
     ({"datasets": [{"path": "a.jsonl", "type": "completion"}], "val_set_size": 0.1},

@@ -67,8 +67,8 @@ sequence_len: 256
 output_dir: {out}
 """
 """axolotl's NeMo Gym guide's single-turn config (its README's and docs/rlhf.qmd's), with the model, paths, port and
-sizes changed (max_completion_length 128 -> 16, max_steps 50 -> 1, the tiny model's 256 tokens as sequence_len, vllm: off
-on this CPU machine)."""
+sizes changed (max_completion_length 128 -> 16, max_steps 50 -> 1, the tiny model's 256 tokens as sequence_len,
+vllm: off on this CPU machine)."""
 
 
 def rows_folder(tmp_path: Path) -> Path:
@@ -149,7 +149,8 @@ REFUSED = {
                   "nemo_gym_enabled: a key of axolotl's NeMo Gym plugin, which plugins does not list"),
     "a dpo run": ("rl: grpo", "rl: dpo", "plugins: axolotl's NeMo Gym plugin scores GRPO's completions"),
     "a misspelt key": ("nemo_gym_auto_start: false", "nemo_gym_auto_strat: false",
-                       "nemo_gym_auto_strat: not a key of axolotl's NeMo Gym plugin; did you mean nemo_gym_auto_start?"),
+                       "nemo_gym_auto_strat: not a key of axolotl's NeMo Gym plugin; did you mean "
+                       "nemo_gym_auto_start?"),
 }
 """What posttrain does not do (start or clone NeMo Gym, multi-turn agents, other plugins) and keys that do nothing:
 (text replaced, its replacement, the start of the one line)."""
@@ -178,7 +179,8 @@ def test_nemo_gym_rows_become_prompts_with_their_server_and_fields(tmp_path):
             {**ROW, "agent_ref": {"type": "responses_api_agents", "name": "simple_agent"}},  # an agent: the source's
             {"responses_create_params": {"input": [
                 {"role": "developer", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "input_text", "text": "2+"}, {"type": "input_text", "text": "3?"}]}]}},
+                {"role": "user", "content": [{"type": "input_text", "text": "2+"},
+                                             {"type": "input_text", "text": "3?"}]}]}},
             {"responses_create_params": {"input": "2+3?"}}]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     cfg = transform.TransformConfig(datasets=[{"path": str(tmp_path / "rows.jsonl"), "type": "nemo_gym",

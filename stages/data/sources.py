@@ -127,7 +127,8 @@ class DatasetSource(SourceLocation):
     """One entry of `transform.datasets` / `test_datasets`, as axolotl writes it (stages/data/sources.py reads it)."""
 
     type: str | None = None
-    """question_answer, messages, text, or your `module.fn`; unset: transform.type."""
+    """question_answer, messages, text, nemo_gym (NeMo Gym's JSON Lines datasets), or your `module.fn`; unset:
+    transform.type."""
     question_field: str | None = None
     """question_answer: this source's question column; unset: transform.question_field."""
     answer_field: str | None = None

@@ -42,7 +42,7 @@ class TransformConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: str = "question_answer"
-    """A built-in (`question_answer`, `messages`, `text`, `reasoning_gym`; under ebft.mode strided axolotl's
+    """A built-in (`question_answer`, `messages`, `text`, `nemo_gym`, `reasoning_gym`; under ebft.mode strided axolotl's
     `ebft_strided_structured.transform` and `ebft_pretrain.transform`) or `module.fn` (axolotl convention)."""
     paths: dict[str, str] | None = None
     """Local files per split, e.g. {train: data/train.jsonl, eval: data/eval.jsonl}
