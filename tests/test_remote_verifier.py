@@ -27,6 +27,7 @@ from flows.config import ConfigError, load_config
 from stages.data.schemas import ROLLOUTS
 from stages.runtime.http import client
 from stages.scoring import reward_pools, score
+from stages.scoring.rewards.common import SampleError
 from stages.scoring.rewards.remote import RemoteVerifier, RemoteVerifierConfig, verify_request
 from stages.scoring.score import ScoreConfig
 
@@ -291,6 +292,30 @@ def test_unreachable_service_fails_each_sample_not_the_call():
     values = verifier(prompts=["a", "b"], completions=["1", "2"], answer=["1", "2"])
     assert [type(v).__name__ for v in values] == ["SampleError", "SampleError"]
     assert "ConnectError" in str(values[0])
+
+
+def test_a_row_whose_fields_are_not_json_fails_alone_in_a_batch(served):
+    """fields_column: each row's JSON object goes top level; a row whose column is not one is that sample's error,
+    and the others of the batch are scored."""
+    verifier = RemoteVerifier(RemoteVerifierConfig(url=f"{served}/accuracy", batch=True, fields_column="f"))
+    values = verifier(prompts=["2+3?"] * 3, completions=["<answer>5</answer>", "<answer>6</answer>", "x"],
+                      f=['{"answer": "5"}', '{"answer": "5"}', "not json"])
+    assert values[:2] == [1.0, 0.0]
+    assert isinstance(values[2], SampleError) and "column 'f' is not JSON text" in str(values[2])
+
+
+def test_a_head_that_does_not_answer_fails_each_sample_once_asked(monkeypatch):
+    """A NeMo Gym head that is down fails every sample naming it; asked once, not once per sample (a head that hangs
+    would otherwise cost each sample its timeout in turn)."""
+    from stages.scoring.rewards import remote
+
+    asked, ask = [], remote.listed_servers
+    monkeypatch.setattr(remote, "listed_servers", lambda *args, **kwargs: asked.append(args) or ask(*args, **kwargs))
+    verifier = RemoteVerifier(RemoteVerifierConfig(head_url=f"http://127.0.0.1:{free_port()}", server="env",
+                                                   retries=0))
+    values = verifier(prompts=["a"] * 4, completions=["1"] * 4)
+    assert all(isinstance(v, SampleError) and "no NeMo Gym head server answers at" in str(v) for v in values)
+    assert len(asked) == 1
 
 
 def test_config_typos_get_suggestions(tmp_path):

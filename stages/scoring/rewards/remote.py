@@ -50,6 +50,8 @@ REMOTE_PREFIX = "remote:"
 """`remote:<name>` in score.reward_funcs names the verifier `<name>` of score.remote_verifiers."""
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]+$")
+HEAD_RETRY_S = 10.0
+"""Seconds a NeMo Gym head that did not answer is taken as down before it is asked again."""
 
 
 class RemoteVerifierConfig(BaseModel):
@@ -274,6 +276,7 @@ class RemoteVerifier:
         self.executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="remote-verifier")
         self.servers: dict[str, str] | None = None  # head_url: the resources servers the head listed
         self.servers_lock = threading.Lock()
+        self.head_failed: tuple[float, _Failed] | None = None  # when the head last failed to answer, and how
 
     def __call__(self, prompts, completions, **columns) -> list:
         jobs = []
@@ -286,7 +289,9 @@ class RemoteVerifier:
             except SampleError as e:
                 jobs.append((None, e))
         if self.cfg.batch:
-            return self._post_batch([body for _, body in jobs])
+            good = [i for i, (_, body) in enumerate(jobs) if not isinstance(body, SampleError)]
+            replies = dict(zip(good, self._post_batch([jobs[i][1] for i in good]) if good else []))
+            return [replies.get(i, body) for i, (_, body) in enumerate(jobs)]
         return list(self.executor.map(lambda job: self._post_one(*job), jobs))
 
     def _server_of(self, row: dict) -> str | None:
@@ -332,10 +337,15 @@ class RemoteVerifier:
             return self.servers[server]
 
     def _ask_head(self) -> dict[str, str]:
+        """The head's servers; a head that failed to answer in the last HEAD_RETRY_S fails again without being
+        asked (a call's samples would otherwise each wait for it in turn)."""
+        if self.head_failed is not None and time.monotonic() - self.head_failed[0] < HEAD_RETRY_S:
+            raise self.head_failed[1]
         try:
             return listed_servers(self.cfg.head_url, self.client)
         except HeadError as e:
-            raise _Failed(str(e), retry=False) from None
+            self.head_failed = (time.monotonic(), _Failed(str(e), retry=False))
+            raise self.head_failed[1] from None
 
     def _post(self, path: str, body: dict, server: str | None = None):
         """POST with retries and backoff; the decoded JSON reply, or _Failed saying why."""
