@@ -803,10 +803,13 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
     tiny_config.write_text(yaml.safe_dump(config))
     log = tmp_path / "vllm-serve.log"
     repo = Path(__file__).resolve().parent.parent
+    # as a user's shell starts it: without the VLLM_ENABLE_V1_MULTIPROCESSING=0 an in-process engine of this pytest
+    # process set (vllm_local.py), so vLLM runs its engine core in a process of its own, as it does for users
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     with open(log, "wb") as fh:  # its own process group: vLLM's engine-core process is stopped with it
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "vllm-serve", str(tiny_config), "--quiet"],
                                 cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PREFECT_API_URL": prefect_harness,  # the session's server
+                                env={**env, "PREFECT_API_URL": prefect_harness,  # the session's server
                                      "PREFECT_HOME": str(tmp_path / "prefect")})
     try:
         deadline = time.monotonic() + 300
@@ -830,5 +833,7 @@ def test_two_terminals_posttrain_vllm_serve_then_run(prefect_harness, tiny_confi
         assert Path(base["root"]).resolve() == Path(policy).resolve()  # the config's starting policy
         adapters = [root for name, root in served.items() if name.startswith("policy-v1-")]
         assert len(adapters) == 1 and "/optimize/" in adapters[0]  # round 1's adapter, pushed by the run
+        group = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _process_group(int(pid)) == proc.pid]
+        assert len([pid for pid in group if "libtorch" in _memory_map(pid)]) == 3, group  # server, engine core, worker
     finally:
         _stop_server(proc)
