@@ -295,10 +295,12 @@ def test_unreachable_service_fails_each_sample_not_the_call():
 
 
 def test_a_row_whose_fields_are_not_json_fails_alone_in_a_batch(served):
-    """fields_column: each row's JSON object goes top level; a row whose column is not one is that sample's error,
-    and the others of the batch are scored."""
-    verifier = RemoteVerifier(RemoteVerifierConfig(url=f"{served}/accuracy", batch=True, fields_column="f"))
-    values = verifier(prompts=["2+3?"] * 3, completions=["<answer>5</answer>", "<answer>6</answer>", "x"],
+    """fields_column: each row's JSON object goes in the request in place of its columns; a row whose column is not
+    one is that sample's error, and the others of the batch are scored (`format`: the served config's accuracy
+    imports math-verify on its first call, which a loaded machine can take past the served workers' 3 s timeout;
+    tests/test_nemo_gym.py checks the fields reach a real server's /verify)."""
+    verifier = RemoteVerifier(RemoteVerifierConfig(url=f"{served}/format", batch=True, fields_column="f"))
+    values = verifier(prompts=["2+3?"] * 3, completions=["<answer>5</answer>", "5", "x"],
                       f=['{"answer": "5"}', '{"answer": "5"}', "not json"])
     assert values[:2] == [1.0, 0.0]
     assert isinstance(values[2], SampleError) and "column 'f' is not JSON text" in str(values[2])
