@@ -276,13 +276,15 @@ def ng_run(tmp_path_factory, ray_home):
 def _wait_for_the_resources_server(head: str, proc: subprocess.Popen, log: Path) -> None:
     import httpx
 
+    from stages.runtime import http
+
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"ng_run exited ({proc.returncode}): {log.read_text()[-2000:]}")
         try:
             url = listed_servers(head).get("reasoning_gym")
-            if url and httpx.get(url + "/", timeout=2).status_code < 500:
+            if url and http.client().get(url + "/", timeout=2).status_code < 500:
                 return
         except (ValueError, httpx.HTTPError):
             pass

@@ -190,13 +190,16 @@ class HeadError(ValueError):
 
 
 def listed_servers(head_url: str, client=None) -> dict[str, str]:
-    """{server name: base URL} of the resources servers the NeMo Gym head at head_url lists (`head_servers`);
-    HeadError saying what to do when it does not answer."""
+    """{server name: base URL} of the resources servers the NeMo Gym head at head_url lists (`head_servers`), asked
+    with `client` (default: the process's shared one, stages/runtime/http.py); HeadError saying what to do when it
+    does not answer."""
     import httpx
+
+    from stages.runtime import http
 
     url = f"{head_url}/global_config_dict_yaml"
     try:
-        r = (client or httpx).get(url, timeout=5.0)
+        r = (client or http.client()).get(url, timeout=5.0)
         r.raise_for_status()
     except httpx.HTTPError as e:
         raise HeadError(f"no NeMo Gym head server answers at {url} ({type(e).__name__}: {e}); start NeMo Gym's "
